@@ -1,0 +1,68 @@
+"""ckpt_lesson: crash-safe checkpoint save and resume for PyTorch training.
+
+Public names live here; the modules behind them are small and private in
+spirit (import from ``ckpt_lesson``, not from its modules).
+"""
+
+from __future__ import annotations
+
+from ._version_check import check_torch_version
+
+check_torch_version()
+
+from .atomic import atomic_save, atomic_write_json, fsync_dir  # noqa: E402
+from .checkpoint import BUCKETS, TrainState, load_checkpoint, read_checkpoint, save_checkpoint  # noqa: E402
+from .errors import (  # noqa: E402
+    CheckpointError,
+    ContractMismatchError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    SchemaError,
+    StateMismatchError,
+    UnsafeCheckpointError,
+)
+from .integrity import FileDigest, file_digest  # noqa: E402
+from .rng import capture_rng_state, restore_rng_state  # noqa: E402
+from .schema import CURRENT_SCHEMA, SCHEMA_V1, SCHEMA_V2, migrate_v1_to_v2  # noqa: E402
+from .training import (  # noqa: E402
+    SyntheticRegression,
+    make_model,
+    make_optimizer_and_scheduler,
+    seed_everything,
+    train,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BUCKETS",
+    "CURRENT_SCHEMA",
+    "CheckpointError",
+    "ContractMismatchError",
+    "CorruptCheckpointError",
+    "FileDigest",
+    "IncompleteCheckpointError",
+    "SCHEMA_V1",
+    "SCHEMA_V2",
+    "SchemaError",
+    "StateMismatchError",
+    "SyntheticRegression",
+    "TrainState",
+    "UnsafeCheckpointError",
+    "__version__",
+    "atomic_save",
+    "atomic_write_json",
+    "capture_rng_state",
+    "check_torch_version",
+    "file_digest",
+    "fsync_dir",
+    "load_checkpoint",
+    "make_model",
+    "make_optimizer_and_scheduler",
+    "migrate_v1_to_v2",
+    "read_checkpoint",
+    "restore_rng_state",
+    "save_checkpoint",
+    "seed_everything",
+    "train",
+]

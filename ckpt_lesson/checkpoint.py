@@ -1,0 +1,374 @@
+"""Single-file checkpoints: save every piece of training state, load it back safely.
+
+A resumable checkpoint holds five buckets, and missing any one of them changes
+the run after resume:
+
+=============  ==========================================================
+``model``      the weights (``model.state_dict()``)
+``optimizer``  AdamW's moments and step counts; without them the first
+               steps after resume take wrong-sized updates
+``scheduler``  where the learning-rate schedule is
+``state``      counters (step, epoch, batch_in_epoch) and the loss history
+``rng``        every random generator (see :mod:`ckpt_lesson.rng`)
+=============  ==========================================================
+
+Loading always uses ``torch.load(weights_only=True)``: a checkpoint is data,
+and the full unpickler would run any code a crafted file asks it to.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .atomic import atomic_save
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    StateMismatchError,
+    UnsafeCheckpointError,
+)
+from .integrity import FileDigest, verify_footer
+from .rng import capture_rng_state, restore_rng_state
+from .schema import CURRENT_SCHEMA, SCHEMA_V1, current_env, migrate_payload
+
+__all__ = [
+    "BUCKETS",
+    "TrainState",
+    "apply_payload",
+    "build_payload",
+    "load_verified_file",
+    "check_model_state",
+    "load_checkpoint",
+    "read_checkpoint",
+    "save_checkpoint",
+]
+
+log = logging.getLogger(__name__)
+
+#: The buckets a resume needs; a payload missing any of them is refused.
+BUCKETS = ("model", "optimizer", "scheduler", "state", "rng")
+
+
+@dataclass
+class TrainState:
+    """Where training is: the counters a resume continues from.
+
+    Attributes:
+        step: Optimizer steps completed.
+        epoch: Current epoch (0-based).
+        batch_in_epoch: Batches of ``epoch`` already consumed; the next batch
+            to train on has this index.
+        losses: One training loss per completed step.
+    """
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    losses: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-Python form, safe for a weights-only load."""
+        out = asdict(self)
+        out["losses"] = [float(x) for x in self.losses]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "<state>") -> TrainState:
+        """Validate and build; raises :class:`StateMismatchError` on bad input."""
+        if not isinstance(data, dict):
+            raise StateMismatchError(f"{source}: 'state' must be a dict, got {type(data).__name__}.")
+        missing = [k for k in ("step", "epoch", "batch_in_epoch", "losses") if k not in data]
+        if missing:
+            raise StateMismatchError(f"{source}: 'state' lacks {missing}; re-save with save_checkpoint().")
+        for key in ("step", "epoch", "batch_in_epoch"):
+            value = data[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise StateMismatchError(f"{source}: state[{key!r}] must be an int >= 0, got {value!r}.")
+        if not isinstance(data["losses"], (list, tuple)):
+            raise StateMismatchError(f"{source}: state['losses'] must be a list of floats.")
+        return cls(
+            step=data["step"],
+            epoch=data["epoch"],
+            batch_in_epoch=data["batch_in_epoch"],
+            losses=[float(x) for x in data["losses"]],
+        )
+
+
+def build_payload(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    state: TrainState,
+    *,
+    extras: dict[str, Any] | None = None,
+    data: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Gather the five buckets plus metadata into one current-schema payload.
+
+    ``scheduler`` may be ``None`` for a run without one; loading then requires
+    ``None`` too, so the two can never be silently mixed.
+    """
+    if not isinstance(state, TrainState):
+        raise CheckpointError(f"state must be a TrainState, got {type(state).__name__}.")
+    return {
+        "schema": CURRENT_SCHEMA,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": None if scheduler is None else scheduler.state_dict(),
+        "state": state.to_dict(),
+        "rng": capture_rng_state(),
+        "wall_saved_at": time.time(),
+        "extras": extras,
+        "env": current_env(),
+        "data": {"recorded": data is not None, **(data or {"fingerprint": None, "order_seed": None})},
+    }
+
+
+def save_checkpoint(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    state: TrainState,
+    path: str | os.PathLike[str],
+    *,
+    extras: dict[str, Any] | None = None,
+    data: dict[str, Any] | None = None,
+) -> FileDigest:
+    """Save a complete, resumable checkpoint to one file, atomically.
+
+    Args:
+        model, optimizer, scheduler: The live training objects.
+        state: Counters and loss history.
+        path: Target file; its directory must exist.
+        extras: Extra plain-Python values to carry along.
+        data: Dataset description for the v2 ``data`` block, e.g.
+            ``{"fingerprint": "...", "order_seed": 11}``.
+
+    Returns:
+        Size and sha256 of the file written.
+
+    Example:
+        >>> save_checkpoint(model, opt, sched, TrainState(step=12), "ckpt/last.pt")  # doctest: +SKIP
+    """
+    payload = build_payload(model, optimizer, scheduler, state, extras=extras, data=data)
+    return atomic_save(payload, path)
+
+
+def read_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    map_location: str | torch.device = "cpu",
+    expected_sha256: str | None = None,
+) -> dict[str, Any]:
+    """Verify, load (weights-only) and migrate a checkpoint file, applying nothing.
+
+    Args:
+        path: A file written by :func:`save_checkpoint` (or a legacy v1 file).
+        map_location: Passed to ``torch.load``.
+        expected_sha256: The whole file's sha256 from an index or manifest;
+            checked in the same pass as the footer.
+
+    Returns:
+        The payload, migrated to the current schema, with every bucket present.
+
+    Raises:
+        CheckpointError: Missing file; ``CorruptCheckpointError`` for a hash
+            mismatch, truncation or unreadable archive; ``UnsafeCheckpointError``
+            when the weights-only loader refuses it; ``SchemaError`` for a
+            missing or unknown schema; ``StateMismatchError`` for a missing bucket.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a directory; use load_sharded_checkpoint() for sharded checkpoints.")
+    payload, digest = load_verified_file(path, map_location=map_location, expected_sha256=expected_sha256)
+    original = payload.get("schema") if isinstance(payload, dict) else None
+    payload = migrate_payload(payload, source=str(path))
+    if digest.content_sha256 is None:
+        if original != SCHEMA_V1:
+            raise CorruptCheckpointError(
+                f"{path}: a {original} checkpoint without its integrity footer; the file's end was "
+                "damaged or it was re-written by other code. Restore an older checkpoint."
+            )
+        log.warning(
+            "%s: legacy v1 checkpoint with no integrity record; "
+            "run 'python -m ckpt_lesson migrate %s' to add one.",
+            path,
+            path,
+        )
+    missing = [b for b in BUCKETS if b not in payload]
+    if missing:
+        raise StateMismatchError(
+            f"{path}: checkpoint lacks {missing}. A resume needs every bucket; a fresh optimizer or "
+            "RNG would silently change the run. Re-save with save_checkpoint(), or use "
+            "warm_start_from() to start a new experiment from the weights."
+        )
+    return payload
+
+
+def apply_payload(
+    payload: dict[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    *,
+    source: str = "<payload>",
+    allow_device_change: bool = False,
+) -> TrainState:
+    """Check that ``payload`` fits the live objects, then restore all five buckets.
+
+    Everything that can be checked cheaply is checked before anything is
+    changed, so a refused checkpoint leaves the model as it was.
+
+    Raises:
+        StateMismatchError: Model keys or shapes differ, the optimizer's
+            parameter groups differ, or scheduler presence differs.
+    """
+    state = TrainState.from_dict(payload["state"], source=source)
+    check_model_state(payload["model"], model, source=source)
+    opt_sd = payload["optimizer"]
+    if not isinstance(opt_sd, dict) or "param_groups" not in opt_sd or "state" not in opt_sd:
+        raise StateMismatchError(
+            f"{source}: 'optimizer' is not an optimizer state_dict; a resume needs the saved "
+            "moments. Use warm_start_from() to start a new experiment from the weights instead."
+        )
+    saved_sizes = [len(g["params"]) for g in opt_sd["param_groups"]]
+    live_sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if saved_sizes != live_sizes:
+        raise StateMismatchError(
+            f"{source}: optimizer has parameter groups of sizes {saved_sizes}, the live one "
+            f"{live_sizes}; build the optimizer the same way as the saved run."
+        )
+    if (payload["scheduler"] is None) != (scheduler is None):
+        have = "no scheduler" if scheduler is None else "a scheduler"
+        saved = "none" if payload["scheduler"] is None else "one"
+        raise StateMismatchError(f"{source}: the checkpoint saved {saved} but {have} was passed; pass the same kind.")
+    model.load_state_dict(payload["model"], strict=True)
+    optimizer.load_state_dict(opt_sd)
+    if scheduler is not None:
+        scheduler.load_state_dict(payload["scheduler"])
+    restore_rng_state(payload["rng"], allow_device_change=allow_device_change)
+    return state
+
+
+def check_model_state(saved: Any, model: torch.nn.Module, *, source: str = "<payload>") -> None:
+    """Raise :class:`StateMismatchError` unless ``saved`` has exactly the model's keys and shapes."""
+    if not isinstance(saved, dict):
+        raise StateMismatchError(f"{source}: 'model' must be a state_dict, got {type(saved).__name__}.")
+    live = model.state_dict()
+    missing = sorted(set(live) - set(saved))
+    unexpected = sorted(set(saved) - set(live))
+    if missing or unexpected:
+        raise StateMismatchError(
+            f"{source}: model keys differ: missing {missing[:5]}, unexpected {unexpected[:5]}; "
+            "build the same architecture as the saved run."
+        )
+    for key, tensor in live.items():
+        got = saved[key]
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(tensor.shape):
+            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            raise StateMismatchError(
+                f"{source}: model key {key!r} has shape {shape} in the checkpoint but "
+                f"{tuple(tensor.shape)} in the model; build the same architecture as the saved run."
+            )
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    *,
+    map_location: str | torch.device = "cpu",
+    expected_sha256: str | None = None,
+) -> TrainState:
+    """Load a checkpoint written by :func:`save_checkpoint` and restore everything.
+
+    Args:
+        path: The checkpoint file.
+        model, optimizer, scheduler: Built exactly as in the saved run; their
+            state is replaced.
+        map_location: Passed to ``torch.load``.
+        expected_sha256: Optional whole-file sha256 to check against.
+
+    Returns:
+        The saved :class:`TrainState`; training continues at ``state.step + 1``.
+
+    Raises:
+        CheckpointError: See :func:`read_checkpoint` and :func:`apply_payload`.
+
+    Example:
+        >>> state = load_checkpoint("ckpt/last.pt", model, opt, sched)  # doctest: +SKIP
+    """
+    payload = read_checkpoint(path, map_location=map_location, expected_sha256=expected_sha256)
+    return apply_payload(payload, model, optimizer, scheduler, source=str(path))
+
+
+def load_verified_file(
+    path: str | os.PathLike[str],
+    *,
+    map_location: str | torch.device = "cpu",
+    expected_sha256: str | None = None,
+    expected_size: int | None = None,
+) -> tuple[Any, FileDigest]:
+    """Hash a ``.pt`` file once, check it, then ``torch.load(weights_only=True)`` it.
+
+    The building block of every load in this package: the footer (when the
+    file has one), the expected size and the expected whole-file sha256 are
+    all checked in a single read before the unpickler sees a byte.
+
+    Returns:
+        The loaded object and the file's digest (``content_sha256`` is ``None``
+        for a file without footer; callers decide whether that is allowed).
+
+    Raises:
+        CheckpointError: Missing file. CorruptCheckpointError: size or hash
+            mismatch, unreadable archive. UnsafeCheckpointError: refused by the
+            weights-only loader.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path}: no such checkpoint file; check the path, or list saves with "
+            "'python -m ckpt_lesson scan DIR'."
+        )
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if expected_size is not None and size != expected_size:
+            raise CorruptCheckpointError(
+                f"{path}: {size} bytes on disk but {expected_size} recorded; the file was truncated "
+                "or replaced after it was saved. Restore an older checkpoint."
+            )
+        digest = verify_footer(f, name=path)
+        if expected_sha256 is not None and digest.sha256 != expected_sha256:
+            raise CorruptCheckpointError(
+                f"{path}: sha256 {digest.sha256[:12]}... does not match the recorded "
+                f"{expected_sha256[:12]}...; the file changed after it was saved. Restore an older checkpoint."
+            )
+        return _weights_only_load(f, path, map_location), digest
+
+
+def _weights_only_load(f: Any, path: Path, map_location: Any) -> Any:
+    try:
+        return torch.load(f, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)|Unsupported operand \S+", str(exc))
+        first = found.group(0) if found else "forbidden content"
+        raise UnsafeCheckpointError(
+            f"{path}: refused by the weights-only loader ({first[:200]}). It holds Python objects "
+            "beyond tensors and plain values, which no ckpt_lesson checkpoint does. Treat it as "
+            "untrusted; do not load it with weights_only=False."
+        ) from exc
+    except (RuntimeError, EOFError, OSError, KeyError, ValueError, IndexError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpointError(
+            f"{path}: not a readable checkpoint archive ({type(exc).__name__}: {str(exc)[:200]}); "
+            "it is truncated, damaged or not a torch.save file. Restore an older checkpoint."
+        ) from exc
