@@ -24,6 +24,7 @@ from .errors import (  # noqa: E402
 from .integrity import FileDigest, file_digest  # noqa: E402
 from .rng import capture_rng_state, restore_rng_state  # noqa: E402
 from .schema import CURRENT_SCHEMA, SCHEMA_V1, SCHEMA_V2, migrate_v1_to_v2  # noqa: E402
+# Feature modules: one import line per module, kept in alphabetical order of module.
 from .training import (  # noqa: E402
     SyntheticRegression,
     make_model,

@@ -70,7 +70,7 @@ def make_model(in_dim: int = 8, hidden: int = 32, out_dim: int = 1, dropout: flo
 
 
 def make_optimizer_and_scheduler(
-    model: nn.Module, lr: float = 3e-3, total_steps: int = 100
+    model: nn.Module, lr: float = 1e-2, total_steps: int = 100
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.CosineAnnealingLR]:
     """AdamW with weight decay and a cosine schedule over ``total_steps``."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
