@@ -25,6 +25,7 @@ from .integrity import FileDigest, file_digest  # noqa: E402
 from .rng import capture_rng_state, restore_rng_state  # noqa: E402
 from .schema import CURRENT_SCHEMA, SCHEMA_V1, SCHEMA_V2, migrate_v1_to_v2  # noqa: E402
 # Feature modules: one import line per module, kept in alphabetical order of module.
+from .migrate import MigrationResult, migrate_file, write_legacy_v1_checkpoint  # noqa: E402
 from .training import (  # noqa: E402
     SyntheticRegression,
     make_model,
@@ -43,6 +44,7 @@ __all__ = [
     "CorruptCheckpointError",
     "FileDigest",
     "IncompleteCheckpointError",
+    "MigrationResult",
     "SCHEMA_V1",
     "SCHEMA_V2",
     "SchemaError",
@@ -60,10 +62,12 @@ __all__ = [
     "load_checkpoint",
     "make_model",
     "make_optimizer_and_scheduler",
+    "migrate_file",
     "migrate_v1_to_v2",
     "read_checkpoint",
     "restore_rng_state",
     "save_checkpoint",
     "seed_everything",
     "train",
+    "write_legacy_v1_checkpoint",
 ]
