@@ -25,7 +25,10 @@ from .integrity import FileDigest, file_digest  # noqa: E402
 from .rng import capture_rng_state, restore_rng_state  # noqa: E402
 from .schema import CURRENT_SCHEMA, SCHEMA_V1, SCHEMA_V2, migrate_v1_to_v2  # noqa: E402
 # Feature modules: one import line per module, kept in alphabetical order of module.
+from .cadence import SaveCadence, should_save  # noqa: E402
 from .migrate import MigrationResult, migrate_file, write_legacy_v1_checkpoint  # noqa: E402
+from .retention import KeepBest, KeepLastK, keep_last_k  # noqa: E402
+from .scan import ScanResult, read_manifest, scan_checkpoints, verify_part  # noqa: E402
 from .training import (  # noqa: E402
     SyntheticRegression,
     make_model,
@@ -44,9 +47,13 @@ __all__ = [
     "CorruptCheckpointError",
     "FileDigest",
     "IncompleteCheckpointError",
+    "KeepBest",
+    "KeepLastK",
     "MigrationResult",
     "SCHEMA_V1",
     "SCHEMA_V2",
+    "SaveCadence",
+    "ScanResult",
     "SchemaError",
     "StateMismatchError",
     "SyntheticRegression",
@@ -59,15 +66,20 @@ __all__ = [
     "check_torch_version",
     "file_digest",
     "fsync_dir",
+    "keep_last_k",
     "load_checkpoint",
     "make_model",
     "make_optimizer_and_scheduler",
     "migrate_file",
     "migrate_v1_to_v2",
     "read_checkpoint",
+    "read_manifest",
     "restore_rng_state",
     "save_checkpoint",
+    "scan_checkpoints",
     "seed_everything",
+    "should_save",
     "train",
+    "verify_part",
     "write_legacy_v1_checkpoint",
 ]
