@@ -29,6 +29,15 @@ from .cadence import SaveCadence, should_save  # noqa: E402
 from .migrate import MigrationResult, migrate_file, write_legacy_v1_checkpoint  # noqa: E402
 from .retention import KeepBest, KeepLastK, keep_last_k  # noqa: E402
 from .scan import ScanResult, read_manifest, scan_checkpoints, verify_part  # noqa: E402
+from .sharded import (  # noqa: E402
+    ShardedSaveResult,
+    load_sharded_checkpoint,
+    plan_shards,
+    read_shard_index,
+    save_sharded_checkpoint,
+    shard_keys_by_prefix,
+    verify_sharded_checkpoint,
+)
 from .training import (  # noqa: E402
     SyntheticRegression,
     make_model,
@@ -55,6 +64,7 @@ __all__ = [
     "SaveCadence",
     "ScanResult",
     "SchemaError",
+    "ShardedSaveResult",
     "StateMismatchError",
     "SyntheticRegression",
     "TrainState",
@@ -68,18 +78,24 @@ __all__ = [
     "fsync_dir",
     "keep_last_k",
     "load_checkpoint",
+    "load_sharded_checkpoint",
     "make_model",
     "make_optimizer_and_scheduler",
     "migrate_file",
     "migrate_v1_to_v2",
+    "plan_shards",
     "read_checkpoint",
     "read_manifest",
+    "read_shard_index",
     "restore_rng_state",
     "save_checkpoint",
+    "save_sharded_checkpoint",
     "scan_checkpoints",
     "seed_everything",
+    "shard_keys_by_prefix",
     "should_save",
     "train",
     "verify_part",
+    "verify_sharded_checkpoint",
     "write_legacy_v1_checkpoint",
 ]
