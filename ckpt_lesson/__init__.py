@@ -26,6 +26,13 @@ from .rng import capture_rng_state, restore_rng_state  # noqa: E402
 from .schema import CURRENT_SCHEMA, SCHEMA_V1, SCHEMA_V2, migrate_v1_to_v2  # noqa: E402
 # Feature modules: one import line per module, kept in alphabetical order of module.
 from .cadence import SaveCadence, should_save  # noqa: E402
+from .exercises import (  # noqa: E402
+    GradeResult,
+    check_cadence,
+    check_keep_k,
+    check_migration,
+    check_verify_part,
+)
 from .migrate import MigrationResult, migrate_file, write_legacy_v1_checkpoint  # noqa: E402
 from .retention import KeepBest, KeepLastK, keep_last_k  # noqa: E402
 from .scan import ScanResult, read_manifest, scan_checkpoints, verify_part  # noqa: E402
@@ -55,6 +62,7 @@ __all__ = [
     "ContractMismatchError",
     "CorruptCheckpointError",
     "FileDigest",
+    "GradeResult",
     "IncompleteCheckpointError",
     "KeepBest",
     "KeepLastK",
@@ -73,7 +81,11 @@ __all__ = [
     "atomic_save",
     "atomic_write_json",
     "capture_rng_state",
+    "check_cadence",
+    "check_keep_k",
+    "check_migration",
     "check_torch_version",
+    "check_verify_part",
     "file_digest",
     "fsync_dir",
     "keep_last_k",
