@@ -1,0 +1,79 @@
+"""Shared fixtures: a tiny, fully seeded training run that any test can build.
+
+``tiny_run(seed)`` returns a :class:`TinyRun` holding seeded data, model,
+optimizer, scheduler and a fresh :class:`TrainState`. Everything is small
+(64 samples, a 32-unit MLP), so a dozen steps take milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt_lesson.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from ckpt_lesson.integrity import FileDigest
+from ckpt_lesson.training import (
+    StepRecord,
+    SyntheticRegression,
+    make_model,
+    make_optimizer_and_scheduler,
+    seed_everything,
+    train,
+)
+
+TINY_N = 64
+TINY_BATCH = 8
+
+
+@dataclass
+class TinyRun:
+    """One small training run: seeded objects plus helpers to train, save and load."""
+
+    seed: int
+    data: SyntheticRegression
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    state: TrainState = field(default_factory=TrainState)
+
+    def train(self, until_step: int, **kwargs: Any) -> list[StepRecord]:
+        """Train up to ``until_step`` (the run's seed is the order seed)."""
+        return train(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.state,
+            self.data,
+            until_step=until_step,
+            seed=self.seed,
+            batch_size=TINY_BATCH,
+            **kwargs,
+        )
+
+    def save(self, path: str | os.PathLike[str]) -> FileDigest:
+        return save_checkpoint(self.model, self.optimizer, self.scheduler, self.state, path)
+
+    def load(self, path: str | os.PathLike[str]) -> TrainState:
+        """Restore from ``path`` and continue from the saved state."""
+        self.state = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        return self.state
+
+
+def build_tiny_run(seed: int = 0, *, with_scheduler: bool = True, hidden: int = 32) -> TinyRun:
+    """Seed every generator, then build data, model, optimizer and scheduler."""
+    seed_everything(seed)
+    data = SyntheticRegression(n=TINY_N, in_dim=8, seed=seed)
+    model = make_model(in_dim=8, hidden=hidden)
+    optimizer, scheduler = make_optimizer_and_scheduler(model, total_steps=50)
+    return TinyRun(seed, data, model, optimizer, scheduler if with_scheduler else None)
+
+
+@pytest.fixture
+def tiny_run() -> Callable[..., TinyRun]:
+    """Factory fixture: ``tiny_run(seed=0, with_scheduler=True, hidden=32) -> TinyRun``."""
+    return build_tiny_run

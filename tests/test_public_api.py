@@ -1,0 +1,39 @@
+"""``ckpt_lesson.__all__`` stays sorted, duplicate-free and importable (for every helper's names)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+import ckpt_lesson
+
+
+def test_all_is_sorted_the_way_python_sorts_strings():
+    assert ckpt_lesson.__all__ == sorted(ckpt_lesson.__all__)
+
+
+def test_all_has_no_duplicates():
+    dupes = sorted({n for n in ckpt_lesson.__all__ if ckpt_lesson.__all__.count(n) > 1})
+    assert dupes == []
+
+
+@pytest.mark.parametrize("name", ckpt_lesson.__all__)
+def test_every_exported_name_resolves(name):
+    assert getattr(ckpt_lesson, name, None) is not None
+
+
+def test_star_import_gives_exactly_the_exported_names():
+    namespace: dict[str, object] = {}
+    exec("from ckpt_lesson import *", namespace)
+    assert set(namespace) - {"__builtins__"} == set(ckpt_lesson.__all__)
+
+
+CORE_MODULES = ["errors", "rng", "integrity", "atomic", "schema", "checkpoint", "training"]
+
+
+@pytest.mark.parametrize("module", CORE_MODULES)
+def test_every_name_in_a_core_modules_all_exists(module):
+    mod = importlib.import_module(f"ckpt_lesson.{module}")
+    missing = [n for n in mod.__all__ if not hasattr(mod, n)]
+    assert missing == []
