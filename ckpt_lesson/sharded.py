@@ -50,7 +50,7 @@ from .errors import (
     UnsafeCheckpointError,
 )
 from .integrity import FileDigest, verify_footer
-from .schema import migrate_payload
+from .schema import KNOWN_SCHEMAS, migrate_payload
 
 __all__ = [
     "INDEX_NAME",
@@ -371,8 +371,14 @@ def read_shard_index(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
             f"{index_path}: schema {index.get('schema')!r} is not {SHARDED_SCHEMA!r}; "
             "this is not a sharded checkpoint this code can read."
         )
-    if not isinstance(index.get("payload_schema"), str) or index.get("layout") not in LAYOUTS:
-        raise _bad(root, "'payload_schema' or 'layout' is missing or unknown")
+    if index.get("payload_schema") not in KNOWN_SCHEMAS:
+        # Refused before reading a single shard: the payload inside is a layout this code cannot restore.
+        raise SchemaError(
+            f"{index_path}: payload schema {index.get('payload_schema')!r} is not one of {KNOWN_SCHEMAS}; "
+            "a newer ckpt_lesson wrote it, or it is not a ckpt_lesson checkpoint. Upgrade to read it."
+        )
+    if index.get("layout") not in LAYOUTS:
+        raise _bad(root, f"unknown layout {index.get('layout')!r}")
     n, shards = index.get("num_shards"), index.get("shards")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1 or not isinstance(shards, list):
         raise _bad(root, "'num_shards' or 'shards' is missing or invalid")

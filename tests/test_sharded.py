@@ -264,6 +264,14 @@ def test_load_refuses_a_shard_with_one_flipped_byte(ckpt: Path) -> None:
         verify_sharded_checkpoint(ckpt)
 
 
+def test_load_refuses_a_shard_swapped_for_the_same_shard_of_another_save(ckpt: Path, tmp_path: Path) -> None:
+    # The swapped-in file is intact (its own footer checks out); only the index's sha256 catches it.
+    other = save_after_steps(tmp_path / "step-4", steps=4).out_dir
+    shutil.copyfile(other / "model.shard-001.pt", ckpt / "model.shard-001.pt")
+    err = assert_refused(ckpt, CorruptCheckpointError)
+    assert "model.shard-001.pt" in str(err)
+
+
 def test_load_refuses_a_truncated_shard(ckpt: Path) -> None:
     shard = ckpt / "model.shard-002.pt"
     shard.write_bytes(shard.read_bytes()[:-100])
@@ -372,6 +380,20 @@ def test_load_refuses_an_index_that_is_not_json(ckpt: Path) -> None:
 def test_load_refuses_an_index_of_an_unknown_schema(ckpt: Path) -> None:
     edit_index(ckpt, lambda index: index.update(schema="ckpt.sharded.v9"))
     assert_refused(ckpt, SchemaError)
+
+
+def test_load_refuses_a_payload_schema_newer_than_this_code_before_reading_shards(ckpt: Path) -> None:
+    edit_index(ckpt, lambda index: index.update(payload_schema="ckpt.v99"))
+    (ckpt / "meta.pt").unlink()  # never reached: the index alone is enough to refuse
+    assert_refused(ckpt, SchemaError)
+
+
+def test_load_refuses_an_index_that_is_a_symlink_leaving_the_directory(ckpt: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "index-elsewhere.json"
+    shutil.copyfile(ckpt / "index.json", outside)
+    (ckpt / "index.json").unlink()
+    (ckpt / "index.json").symlink_to(outside)
+    assert_refused(ckpt, UnsafeCheckpointError)
 
 
 def test_load_refuses_an_index_recording_a_malformed_hash(ckpt: Path) -> None:
