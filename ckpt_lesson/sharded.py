@@ -303,7 +303,12 @@ def _safe_path(root: Path, name: str) -> Path:
             f"{root / INDEX_NAME}: file name {name!r} is not a plain relative path inside the "
             "checkpoint directory. Do not load it; an index from an untrusted source can point anywhere."
         )
-    path = (root / name).resolve()
+    try:
+        path = (root / name).resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop: nothing trustworthy at the end of it
+        raise UnsafeCheckpointError(
+            f"{root / name}: cannot be resolved ({exc}); refusing to read it."
+        ) from exc
     try:
         path.relative_to(root)
     except ValueError:

@@ -324,6 +324,14 @@ def test_load_refuses_a_shard_replaced_by_a_symlink_leaving_the_directory(ckpt: 
     assert "outside the checkpoint directory" in str(err)
 
 
+def test_load_refuses_a_shard_that_is_a_symlink_loop(ckpt: Path) -> None:
+    shard = ckpt / "model.shard-000.pt"
+    shard.unlink()
+    shard.symlink_to("loop.pt")
+    (ckpt / "loop.pt").symlink_to("model.shard-000.pt")
+    assert_refused(ckpt, UnsafeCheckpointError)
+
+
 def test_load_follows_a_symlink_that_stays_inside_the_directory(ckpt: Path) -> None:
     shard = ckpt / "model.shard-000.pt"
     shard.rename(ckpt / "real-000.bin")
