@@ -232,6 +232,8 @@ def save_sharded_checkpoint(
     """
     _check_plan_args(num_shards, layout)
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"{out_dir}: is a file; a sharded checkpoint needs a directory of its own.")
     if (out_dir / INDEX_NAME).exists():
         raise CheckpointError(
             f"{out_dir}: already holds a finished checkpoint ({INDEX_NAME}); checkpoints are never "

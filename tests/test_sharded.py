@@ -229,6 +229,12 @@ def test_save_rejects_bad_shard_arguments_before_creating_anything(
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_save_refuses_an_out_dir_that_is_a_file(tmp_path: Path) -> None:
+    (tmp_path / "ckpt").write_bytes(b"not a directory")
+    with pytest.raises(CheckpointError, match="is a file"):
+        save_after_steps(tmp_path / "ckpt", num_shards=2)
+
+
 def test_save_clears_leftover_shards_of_an_unfinished_save(tmp_path: Path) -> None:
     out = tmp_path / "ckpt"
     out.mkdir()
