@@ -1,0 +1,174 @@
+"""The resume contract: data, model, config and environment are checked before any tensor loads."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+
+from ckpt_lesson.contract import (
+    check_contract,
+    config_fingerprint,
+    contract_metadata,
+    current_contract,
+    model_fingerprint,
+    resume_report,
+)
+from ckpt_lesson.errors import CheckpointError, ContractMismatchError
+from ckpt_lesson.schema import current_env
+from ckpt_lesson.training import SyntheticRegression, make_model
+
+CONFIG = {"lr": 0.01, "batch_size": 16, "total_steps": 60}
+
+
+def saved_manifest(**overrides):
+    """A manifest shaped like the manager's, for a run on seed-0 data with CONFIG."""
+    data = SyntheticRegression(seed=0)
+    manifest = {
+        "schema": "ckpt.manifest.v1",
+        "save_id": "a" * 32,
+        "step": 40,
+        "env": current_env(),
+        "data": {"fingerprint": data.fingerprint(), "order_seed": 11},
+        "metadata": contract_metadata(model=make_model(), config=CONFIG),
+    }
+    manifest.update(overrides)
+    return manifest
+
+
+def current(**kw):
+    args = {
+        "data": {"fingerprint": SyntheticRegression(seed=0).fingerprint(), "order_seed": 11},
+        "model": make_model(),
+        "config": CONFIG,
+    }
+    args.update(kw)
+    return current_contract(**args)
+
+
+def test_an_unchanged_run_passes_and_every_field_matches():
+    report = resume_report(saved_manifest(), current=current())
+    assert check_contract(report) == []
+    assert {r.status for r in report.rows} == {"match"}
+    assert report.save_id == "a" * 32 and report.step == 40
+
+
+def test_different_data_is_refused_naming_field_saved_current_and_fix():
+    other = SyntheticRegression(seed=1).fingerprint()
+    report = resume_report(saved_manifest(), current=current(data={"fingerprint": other, "order_seed": 11}))
+    with pytest.raises(ContractMismatchError) as info:
+        check_contract(report, env_policy="allow")
+    msg = str(info.value)
+    assert "data.fingerprint" in msg and other in msg and SyntheticRegression(seed=0).fingerprint() in msg
+    assert "warm_start_from" in msg and "step 40" in msg
+
+
+def test_a_different_order_seed_is_refused():
+    fp = SyntheticRegression(seed=0).fingerprint()
+    report = resume_report(saved_manifest(), current=current(data={"fingerprint": fp, "order_seed": 12}))
+    with pytest.raises(ContractMismatchError, match="data.order_seed"):
+        check_contract(report)
+
+
+def test_a_different_model_is_refused():
+    report = resume_report(saved_manifest(), current=current(model=make_model(hidden=16)))
+    with pytest.raises(ContractMismatchError, match="model_fingerprint.*architecture"):
+        check_contract(report)
+
+
+def test_a_different_config_is_refused_even_when_environment_changes_are_allowed():
+    report = resume_report(saved_manifest(), current=current(config={**CONFIG, "lr": 0.02}))
+    with pytest.raises(ContractMismatchError, match="config_fingerprint"):
+        check_contract(report, env_policy="allow")
+
+
+def incompatible_env_manifest():
+    env = dict(current_env(), torch="1.13.1", device_type="cuda")
+    return saved_manifest(env=env)
+
+
+def test_an_environment_change_is_refused_by_default():
+    report = resume_report(incompatible_env_manifest(), current=current())
+    with pytest.raises(ContractMismatchError) as info:
+        check_contract(report)
+    msg = str(info.value)
+    assert "env.torch: saved '1.13.1'" in msg and "env.device_type" in msg and "env_policy='warn'" in msg
+
+
+def test_an_environment_change_under_warn_is_logged_and_returned(caplog):
+    report = resume_report(incompatible_env_manifest(), current=current())
+    with caplog.at_level(logging.WARNING, logger="ckpt_lesson.contract"):
+        warnings = check_contract(report, env_policy="warn")
+    assert len(warnings) == 2 and all("environment changed" in w for w in warnings)
+    assert "env.torch" in caplog.text
+
+
+def test_an_environment_change_under_allow_passes_silently():
+    report = resume_report(incompatible_env_manifest(), current=current())
+    assert check_contract(report, env_policy="allow") == []
+
+
+def test_an_unknown_env_policy_is_refused():
+    with pytest.raises(CheckpointError, match="env_policy"):
+        check_contract(resume_report(saved_manifest(), current=current()), env_policy="ignore")
+
+
+def test_fields_the_save_never_recorded_are_reported_not_silently_passed():
+    manifest = saved_manifest(metadata={}, data={"recorded": False, "fingerprint": None, "order_seed": None})
+    report = resume_report(manifest, current=current())
+    warnings = check_contract(report)
+    assert {r.field for r in report.rows if r.status == "not recorded"} == {
+        "data.fingerprint",
+        "data.order_seed",
+        "model_fingerprint",
+        "config_fingerprint",
+    }
+    assert len(warnings) == 4
+
+
+def test_fields_the_current_run_does_not_give_are_not_checked():
+    report = resume_report(saved_manifest(), current=current_contract())
+    assert [r.status for r in report.rows if r.kind != "env"] == ["not checked"] * 4
+    assert check_contract(report) == []
+
+
+def test_the_report_table_names_save_step_and_fields_without_paths():
+    text = resume_report(saved_manifest(), current=current()).format()
+    assert text.splitlines()[0] == f"resume contract for save {'a' * 32} at step 40"
+    fields = ("data.fingerprint", "model_fingerprint", "config_fingerprint", "env.torch", "env.world_size")
+    for field in fields:
+        assert field in text
+    assert "/" not in text.replace("saved -> current", "")
+
+
+def test_a_single_file_payload_reports_its_step_and_extras_contract():
+    payload = {
+        "state": {"step": 7},
+        "env": current_env(),
+        "data": {"fingerprint": "f", "order_seed": 1},
+        "extras": contract_metadata(config=CONFIG),
+    }
+    report = resume_report(payload, current=current_contract(config=CONFIG, data={"fingerprint": "f"}))
+    assert report.step == 7 and report.save_id is None
+    assert {r.field: r.status for r in report.rows}["config_fingerprint"] == "match"
+
+
+def test_fingerprints_ignore_values_and_key_order_but_not_shapes():
+    trained = make_model()
+    for p in trained.parameters():
+        p.data.add_(1.0)
+    assert model_fingerprint(trained) == model_fingerprint(make_model())
+    assert model_fingerprint(make_model()) == model_fingerprint(make_model().state_dict())
+    assert model_fingerprint(make_model(in_dim=9)) != model_fingerprint(make_model())
+    assert config_fingerprint({"a": 1, "b": 2}) == config_fingerprint({"b": 2, "a": 1})
+    assert config_fingerprint({"a": 1}) != config_fingerprint({"a": 1.5})
+    with pytest.raises(CheckpointError, match="JSON"):
+        config_fingerprint({"fn": print})
+
+
+def test_resume_report_does_not_modify_the_manifest():
+    manifest = saved_manifest()
+    before = copy.deepcopy(manifest)
+    resume_report(manifest, current=current())
+    assert manifest == before
