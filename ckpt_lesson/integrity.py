@@ -136,17 +136,44 @@ class FooterWriter:
 
 
 def read_footer_digest(f: BinaryIO, size: int) -> str | None:
-    """Return the sha256 recorded in the footer of an open file, or ``None``."""
-    if size < _EOCD_LEN + _FOOTER_LEN:
-        return None
-    f.seek(size - _EOCD_LEN - _FOOTER_LEN)
-    end = f.read(_EOCD_LEN + _FOOTER_LEN)
-    eocd, comment = end[:_EOCD_LEN], end[_EOCD_LEN:]
-    if eocd[:4] != _EOCD_SIG or struct.unpack("<H", eocd[-2:])[0] != _FOOTER_LEN:
-        return None
-    if not comment.startswith(FOOTER_MAGIC):
-        return None
-    return comment[len(FOOTER_MAGIC) :].decode("ascii", errors="replace")
+    """Return the sha256 recorded in the footer of an open file, or ``None``.
+
+    ``None`` means "no intact footer"; :func:`verify_footer` tells a file that
+    never had one apart from a file whose footer was damaged.
+    """
+    return _inspect_footer(f, size)[1]
+
+
+def _inspect_footer(f: BinaryIO, size: int) -> tuple[str, str | None]:
+    """Classify the end of a file: ``("ok", digest)``, ``("absent", None)`` or ``("damaged", None)``.
+
+    A footer has three recognisable parts: the end record's signature, its
+    comment length (always ``_FOOTER_LEN`` for ours) and the magic prefix. One
+    flipped byte can spoil at most one of them, so two out of three mean "this
+    file had a footer and it was damaged", not "this file never had one". A
+    plain ``torch.save`` file has comment length 0 and matches none of them.
+    """
+    window = min(size, _EOCD_LEN + _FOOTER_LEN + 64)
+    f.seek(size - window)
+    tail = f.read(window)
+    end = tail[-(_EOCD_LEN + _FOOTER_LEN) :]
+    if len(end) == _EOCD_LEN + _FOOTER_LEN:
+        marks = (
+            end[:4] == _EOCD_SIG,
+            struct.unpack("<H", end[_EOCD_LEN - 2 : _EOCD_LEN])[0] == _FOOTER_LEN,
+            end[_EOCD_LEN:].startswith(FOOTER_MAGIC),
+        )
+        if all(marks):
+            return "ok", end[_EOCD_LEN + len(FOOTER_MAGIC) :].decode("ascii", errors="replace")
+        if sum(marks) == 2:
+            return "damaged", None
+    # An end record that announces our comment, but not where a complete footer
+    # would put it: the footer was cut off (truncation) or bytes were appended.
+    at = tail.rfind(_EOCD_SIG)
+    if at >= 0 and at + _EOCD_LEN <= len(tail):
+        if struct.unpack("<H", tail[at + _EOCD_LEN - 2 : at + _EOCD_LEN])[0] == _FOOTER_LEN:
+            return "damaged", None
+    return "absent", None
 
 
 def verify_footer(f: BinaryIO, *, name: str | os.PathLike[str] = "<file>") -> FileDigest:
@@ -161,10 +188,17 @@ def verify_footer(f: BinaryIO, *, name: str | os.PathLike[str] = "<file>") -> Fi
         footer (a file from elsewhere, or the lesson's legacy v1 format).
 
     Raises:
-        CorruptCheckpointError: The footer's digest does not match the bytes.
+        CorruptCheckpointError: The footer's digest does not match the bytes,
+            or the footer itself is damaged or cut off.
     """
     size = os.fstat(f.fileno()).st_size
-    recorded = read_footer_digest(f, size)
+    status, recorded = _inspect_footer(f, size)
+    if status == "damaged":
+        f.seek(0)
+        raise CorruptCheckpointError(
+            f"{name}: its integrity footer is damaged or cut off, so the file was truncated or "
+            "changed after it was written. Restore an older checkpoint."
+        )
     content_len = size - len(FOOTER_MAGIC) - 64 if recorded is not None else size
     f.seek(0)
     h = hashlib.sha256()
