@@ -1,0 +1,302 @@
+"""The kill-and-resume demo: real SIGKILL, fresh-process resume, exact comparison.
+
+Child processes cost a torch import each, so the expensive runs happen once
+per module (two fixtures, six children in all) and the tests read from them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import random
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ckpt_lesson import atomic, checkpoint, errors, integrity, rng, schema
+from ckpt_lesson.cli import COMMANDS, main
+from ckpt_lesson.demo import CONTROL_KINDS, demo_failures, run_negative_control, run_resume_demo
+from ckpt_lesson.demo_artifacts import DEMO_SCHEMA, write_demo_artifacts
+from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.skill import render_skill_markdown, write_skill_markdown
+
+STEPS, KILL_AT, SEED = 20, 7, 5
+ARTIFACTS = ("resume-demo.json", "loss-curves.png", "skill-checkpoint-save-resume.md")
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    ckpt_dir = tmp_path_factory.mktemp("single")
+    return run_resume_demo(total_steps=STEPS, interrupt_at=KILL_AT, ckpt_dir=ckpt_dir, seed=SEED)
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("out")
+    ckpt_dir = tmp_path_factory.mktemp("cli-ckpt")
+    argv = ["demo", "--total-steps", str(STEPS), "--interrupt-at", str(KILL_AT), "--seed", str(SEED)]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        rc = main([*argv, "--out", str(out), "--ckpt-dir", str(ckpt_dir)])
+    doc = json.loads((out / "resume-demo.json").read_text(encoding="utf-8"))
+    return {"rc": rc, "out": out, "ckpt_dir": ckpt_dir, "doc": doc, "stdout": stdout.getvalue()}
+
+
+# --- the real resume, single file -------------------------------------------
+
+
+def test_single_file_resume_in_a_fresh_process_matches_the_baseline_exactly(single: dict) -> None:
+    assert single["max_loss_diff_after_resume"] == 0.0
+    assert single["resumed_losses"] == single["full_losses"][KILL_AT:]
+    assert len(single["resumed_losses"]) == STEPS - KILL_AT
+
+
+def test_single_file_resume_trains_on_the_same_sample_ids_as_the_baseline(single: dict) -> None:
+    assert single["sample_ids_match"] is True
+    assert single["resumed_sample_ids"] == single["baseline_sample_ids"]
+    assert len(single["resumed_sample_ids"]) == STEPS - KILL_AT
+
+
+def test_the_interrupted_child_really_was_sigkilled(single: dict) -> None:
+    assert single["interrupted_returncode"] == -signal.SIGKILL
+    assert single["killed_by_sigkill"] is True
+
+
+def test_the_checkpoint_holds_the_losses_the_killed_child_recorded(single: dict) -> None:
+    assert single["losses_before_interrupt"] == single["full_losses"][:KILL_AT]
+    assert single["max_loss_diff_before_interrupt"] == 0.0
+    payload = checkpoint.read_checkpoint(single["checkpoint"])
+    assert payload["state"]["step"] == KILL_AT
+
+
+def test_demo_leaves_no_signal_files_behind(single: dict) -> None:
+    ckpt_dir = Path(single["checkpoint"]).parent
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["resume-demo.pt"]
+
+
+# --- the sharded variant and the CLI (one real run) ---------------------------
+
+
+def test_cli_demo_returns_zero_and_writes_the_three_artifacts(cli_run: dict) -> None:
+    assert cli_run["rc"] == 0
+    assert sorted(p.name for p in cli_run["out"].iterdir()) == sorted(ARTIFACTS)
+
+
+def test_sharded_resume_in_a_fresh_process_matches_the_baseline_exactly(cli_run: dict) -> None:
+    sharded = cli_run["doc"]["variants"]["sharded"]
+    assert sharded["max_loss_diff_after_resume"] == 0.0
+    assert sharded["resumed_losses"] == cli_run["doc"]["baseline_losses"][KILL_AT:]
+    assert sharded["sample_ids_match"] is True
+    assert sharded["interrupted_returncode"] == -signal.SIGKILL
+    assert sharded["num_shards"] == 3
+
+
+def test_sharded_demo_checkpoint_is_a_real_sharded_directory(cli_run: dict) -> None:
+    shard_dir = cli_run["ckpt_dir"] / "resume-demo-sharded-3"
+    names = sorted(p.name for p in shard_dir.iterdir())
+    assert names == [
+        "index.json",
+        "meta.pt",
+        "model.shard-000.pt",
+        "model.shard-001.pt",
+        "model.shard-002.pt",
+    ]
+
+
+def test_demo_json_has_its_schema_config_and_every_variant(cli_run: dict) -> None:
+    doc = cli_run["doc"]
+    assert doc["schema"] == DEMO_SCHEMA
+    assert (doc["total_steps"], doc["interrupt_at"], doc["seed"]) == (STEPS, KILL_AT, SEED)
+    assert doc["torch"] == str(torch.__version__)
+    for key in ("python", "machine", "num_shards", "baseline_losses", "resume_tolerance"):
+        assert key in doc
+    assert set(doc["variants"]) == {"single_file", "sharded", *CONTROL_KINDS}
+    assert doc["max_loss_diff_after_resume"]["single_file"] == 0.0
+    assert doc["sample_ids_match"] == {
+        "single_file": True,
+        "sharded": True,
+        "no_rng": True,
+        "fresh_optimizer": True,
+    }
+    assert len(doc["baseline_losses"]) == STEPS
+
+
+def test_demo_json_holds_no_paths_or_times(cli_run: dict) -> None:
+    text = (cli_run["out"] / "resume-demo.json").read_text(encoding="utf-8")
+    assert str(cli_run["ckpt_dir"]) not in text and "/tmp" not in text
+    assert "saved_at" not in text and "time" not in text
+
+
+def test_cli_prints_a_table_with_every_variant_and_no_failures(cli_run: dict) -> None:
+    lines = cli_run["stdout"].splitlines()
+    assert "max |loss diff| after resume" in lines[0] and "sample ids match" in lines[0]
+    rows = {line.split()[0]: line.split()[1:] for line in lines[1:5]}
+    assert rows["single_file"] == ["0", "True"] and rows["sharded"] == ["0", "True"]
+    assert float(rows["no_rng"][0]) > 0 and float(rows["fresh_optimizer"][0]) > 0
+
+
+def test_rewriting_the_artifacts_gives_identical_bytes(cli_run: dict, tmp_path) -> None:
+    doc = cli_run["doc"]
+    results = {
+        "config": {
+            k: doc[k] for k in ("total_steps", "interrupt_at", "num_shards", "seed", "resume_tolerance")
+        },
+        "baseline": {"losses": doc["baseline_losses"]},
+        "variants": doc["variants"],
+    }
+    write_demo_artifacts(results, tmp_path)
+    for name in ARTIFACTS:
+        assert (tmp_path / name).read_bytes() == (cli_run["out"] / name).read_bytes(), name
+
+
+def test_write_demo_artifacts_refuses_a_dict_it_does_not_know(tmp_path) -> None:
+    with pytest.raises(CheckpointError, match="run_full_demo"):
+        write_demo_artifacts({"variants": {}}, tmp_path)
+
+
+# --- negative controls ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", CONTROL_KINDS)
+def test_negative_control_diverges_from_the_baseline(single: dict, kind: str) -> None:
+    losses = run_negative_control(kind, ckpt_path=single["checkpoint"], total_steps=STEPS, seed=SEED)
+    baseline = single["full_losses"][KILL_AT:]
+    assert len(losses) == len(baseline)
+    assert max(abs(a - b) for a, b in zip(losses, baseline, strict=True)) > 0.0
+
+
+def test_negative_control_is_repeatable(single: dict) -> None:
+    first = run_negative_control("no_rng", ckpt_path=single["checkpoint"], total_steps=STEPS, seed=SEED)
+    second = run_negative_control("no_rng", ckpt_path=single["checkpoint"], total_steps=STEPS, seed=SEED)
+    assert first == second
+
+
+def test_negative_control_leaves_the_callers_random_state_alone(single: dict) -> None:
+    random.seed(123)
+    np.random.seed(123)
+    torch.manual_seed(123)
+    threads = torch.get_num_threads()
+    expected = (random.random(), float(np.random.random()), torch.rand(3))
+    random.seed(123)
+    np.random.seed(123)
+    torch.manual_seed(123)
+    run_negative_control("fresh_optimizer", ckpt_path=single["checkpoint"], total_steps=STEPS, seed=SEED)
+    got = (random.random(), float(np.random.random()), torch.rand(3))
+    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
+    assert torch.get_num_threads() == threads
+
+
+def test_negative_control_refuses_an_unknown_kind(single: dict) -> None:
+    with pytest.raises(CheckpointError, match="no_rng"):
+        run_negative_control("no_scheduler", ckpt_path=single["checkpoint"], total_steps=STEPS, seed=SEED)
+
+
+def test_demo_failures_flags_a_diverged_resume_and_a_control_that_did_not_diverge() -> None:
+    results = {
+        "variants": {
+            "single_file": {"real_resume": True, "max_loss_diff_after_resume": 0.5, "sample_ids_match": True},
+            "no_rng": {"real_resume": False, "max_loss_diff_after_resume": 0.0, "sample_ids_match": True},
+            "sharded": {"real_resume": True, "max_loss_diff_after_resume": 0.0, "sample_ids_match": True},
+        }
+    }
+    problems = demo_failures(results)
+    assert len(problems) == 2
+    assert problems[0].startswith("single_file") and problems[1].startswith("no_rng")
+
+
+# --- argument validation and help ----------------------------------------------
+
+
+@pytest.mark.parametrize(("total", "kill"), [(20, 20), (20, 25), (20, 0), (5, -1)])
+def test_run_resume_demo_refuses_an_interrupt_outside_the_run(tmp_path, total: int, kill: int) -> None:
+    with pytest.raises(CheckpointError, match="interrupt_at"):
+        run_resume_demo(total_steps=total, interrupt_at=kill, ckpt_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_run_resume_demo_refuses_zero_shards(tmp_path) -> None:
+    with pytest.raises(CheckpointError, match="num_shards"):
+        run_resume_demo(total_steps=10, interrupt_at=3, ckpt_dir=tmp_path, sharded=True, num_shards=0)
+
+
+def test_cli_demo_with_interrupt_at_the_end_fails_with_a_clear_message(tmp_path, capsys) -> None:
+    rc = main(["demo", "--total-steps", "20", "--interrupt-at", "20", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "error:" in err and "interrupt_at=20" in err and "--interrupt-at" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_demo_help_lists_its_options(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--total-steps", "--interrupt-at", "--num-shards", "--seed", "--out", "--ckpt-dir"):
+        assert option in out
+
+
+# --- the skill recipe --------------------------------------------------------------
+
+
+def _rendered_constants() -> list[str]:
+    from ckpt_lesson import sharded
+
+    payload_keys = list(
+        checkpoint.build_payload(torch.nn.Module(), _tiny_opt(), None, checkpoint.TrainState())
+    )
+    return [
+        *checkpoint.BUCKETS,
+        *payload_keys,
+        schema.CURRENT_SCHEMA,
+        *schema.KNOWN_SCHEMAS,
+        *schema.MIGRATIONS,
+        *(fn.__name__ for fn in schema.MIGRATIONS.values()),
+        *rng.RNG_SOURCES,
+        atomic.TEMP_MARKER,
+        integrity.FOOTER_MAGIC.decode(),
+        sharded.SHARDED_SCHEMA,
+        sharded.INDEX_NAME,
+        sharded.META_NAME,
+        *sharded.LAYOUTS,
+        *errors.__all__,
+        *COMMANDS,
+        "weights_only=True",
+    ]
+
+
+def _tiny_opt() -> torch.optim.Optimizer:
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+
+def test_skill_markdown_contains_every_constant_it_documents() -> None:
+    text = render_skill_markdown()
+    missing = [c for c in _rendered_constants() if f"`{c}" not in text and c not in text]
+    assert missing == []
+    assert text.startswith("---\nname: checkpoint-save-resume\n")
+    assert "# Checkpoint save and resume" in text
+
+
+def test_skill_markdown_follows_a_changed_constant(monkeypatch) -> None:
+    from ckpt_lesson import skill
+
+    monkeypatch.setattr(skill, "RNG_SOURCES", (*rng.RNG_SOURCES, "jax_key"))
+    monkeypatch.setattr(skill, "TEMP_MARKER", ".partial-")
+    text = render_skill_markdown()
+    assert "`jax_key`" in text and ".partial-" in text and ".tmp-" not in text
+
+
+def test_skill_markdown_is_deterministic_and_leaves_global_rng_alone(tmp_path) -> None:
+    torch.manual_seed(0)
+    expected = torch.rand(2)
+    torch.manual_seed(0)
+    first = render_skill_markdown()
+    assert torch.equal(torch.rand(2), expected)
+    assert render_skill_markdown() == first
+    path = write_skill_markdown(tmp_path / "skill.md")
+    assert path.read_text(encoding="utf-8") == first
+    assert "/tmp" not in first and 'sha256": "<sha256>' in first
