@@ -26,6 +26,8 @@ from .rng import capture_rng_state, restore_rng_state  # noqa: E402
 from .schema import CURRENT_SCHEMA, SCHEMA_V1, SCHEMA_V2, migrate_v1_to_v2  # noqa: E402
 # Feature modules: one import line per module, kept in alphabetical order of module.
 from .cadence import SaveCadence, should_save  # noqa: E402
+from .demo import run_full_demo, run_negative_control, run_resume_demo  # noqa: E402
+from .demo_artifacts import write_demo_artifacts  # noqa: E402
 from .exercises import (  # noqa: E402
     GradeResult,
     check_cadence,
@@ -33,6 +35,7 @@ from .exercises import (  # noqa: E402
     check_migration,
     check_verify_part,
 )
+from .manager import CheckpointManager, ManagerConfig  # noqa: E402
 from .migrate import MigrationResult, migrate_file, write_legacy_v1_checkpoint  # noqa: E402
 from .retention import KeepBest, KeepLastK, keep_last_k  # noqa: E402
 from .scan import ScanResult, read_manifest, scan_checkpoints, verify_part  # noqa: E402
@@ -45,6 +48,7 @@ from .sharded import (  # noqa: E402
     shard_keys_by_prefix,
     verify_sharded_checkpoint,
 )
+from .skill import render_skill_markdown, write_skill_markdown  # noqa: E402
 from .training import (  # noqa: E402
     SyntheticRegression,
     make_model,
@@ -59,6 +63,7 @@ __all__ = [
     "BUCKETS",
     "CURRENT_SCHEMA",
     "CheckpointError",
+    "CheckpointManager",
     "ContractMismatchError",
     "CorruptCheckpointError",
     "FileDigest",
@@ -66,6 +71,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "KeepBest",
     "KeepLastK",
+    "ManagerConfig",
     "MigrationResult",
     "SCHEMA_V1",
     "SCHEMA_V2",
@@ -99,7 +105,11 @@ __all__ = [
     "read_checkpoint",
     "read_manifest",
     "read_shard_index",
+    "render_skill_markdown",
     "restore_rng_state",
+    "run_full_demo",
+    "run_negative_control",
+    "run_resume_demo",
     "save_checkpoint",
     "save_sharded_checkpoint",
     "scan_checkpoints",
@@ -109,5 +119,7 @@ __all__ = [
     "train",
     "verify_part",
     "verify_sharded_checkpoint",
+    "write_demo_artifacts",
     "write_legacy_v1_checkpoint",
+    "write_skill_markdown",
 ]
