@@ -35,6 +35,7 @@ from .exercises import (  # noqa: E402
     check_migration,
     check_verify_part,
 )
+from .manager import CheckpointManager, ManagerConfig  # noqa: E402
 from .migrate import MigrationResult, migrate_file, write_legacy_v1_checkpoint  # noqa: E402
 from .retention import KeepBest, KeepLastK, keep_last_k  # noqa: E402
 from .scan import ScanResult, read_manifest, scan_checkpoints, verify_part  # noqa: E402
@@ -62,6 +63,7 @@ __all__ = [
     "BUCKETS",
     "CURRENT_SCHEMA",
     "CheckpointError",
+    "CheckpointManager",
     "ContractMismatchError",
     "CorruptCheckpointError",
     "FileDigest",
@@ -69,6 +71,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "KeepBest",
     "KeepLastK",
+    "ManagerConfig",
     "MigrationResult",
     "SCHEMA_V1",
     "SCHEMA_V2",
