@@ -75,7 +75,8 @@ def atomic_save(payload: Any, path: str | os.PathLike[str]) -> FileDigest:
         Size and sha256 of the file as written.
 
     Raises:
-        CheckpointError: The target directory does not exist.
+        CheckpointError: The target directory does not exist, or the target
+            is itself a directory.
 
     Example:
         >>> digest = atomic_save({"w": torch.zeros(3)}, tmp_dir / "w.pt")  # doctest: +SKIP
@@ -108,7 +109,9 @@ def atomic_write_json(obj: Any, path: str | os.PathLike[str]) -> FileDigest:
     try:
         text = json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n"
     except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"{path}: cannot write as JSON ({exc}); pass plain dicts, lists, str, int, float.") from exc
+        raise CheckpointError(
+            f"{path}: cannot write as JSON ({exc}); pass plain dicts, lists, str, int, float."
+        ) from exc
     return atomic_write_bytes(text.encode("utf-8"), path)
 
 
@@ -116,6 +119,9 @@ def _atomic_write(path: Path, write: Callable[[BinaryIO], FileDigest]) -> FileDi
     directory = path.parent
     if not directory.is_dir():
         raise CheckpointError(f"{path}: directory {directory} does not exist; create it before saving.")
+    if path.is_dir():
+        # Checked before writing: otherwise a whole payload is written, then refused by os.replace.
+        raise CheckpointError(f"{path}: is a directory; choose a file name inside it instead.")
     tmp = directory / f".{path.name}{TEMP_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
