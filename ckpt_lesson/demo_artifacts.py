@@ -114,7 +114,8 @@ def _plot_png(results: dict[str, Any]) -> bytes:
             }
             top.plot(after, v["resumed_losses"], **style)
             diffs = [abs(a - b) for a, b in zip(v["resumed_losses"], base[k:], strict=True)]
-            style["label"] = f"{name}: max {v['max_loss_diff_after_resume']:.3g}"
+            diff = v["max_loss_diff_after_resume"]
+            style["label"] = f"{name}: " + ("0.0, bit-identical" if diff == 0.0 else f"{diff:.3g}")
             bottom.plot(after, diffs, **{**style, "linestyle": style.get("linestyle") or "-"})
         for ax in (top, bottom):
             ax.axvline(k + 0.5, color="gray", linestyle=":", linewidth=1.5)
