@@ -37,7 +37,7 @@ from .errors import (
     UnsafeCheckpointError,
 )
 from .integrity import FileDigest, verify_footer
-from .rng import capture_rng_state, restore_rng_state
+from .rng import capture_rng_state, restore_rng_state, validate_rng_state
 from .schema import CURRENT_SCHEMA, SCHEMA_V1, current_env, migrate_payload
 
 __all__ = [
@@ -93,7 +93,9 @@ class TrainState:
             value = data[key]
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise StateMismatchError(f"{source}: state[{key!r}] must be an int >= 0, got {value!r}.")
-        if not isinstance(data["losses"], (list, tuple)):
+        if not isinstance(data["losses"], (list, tuple)) or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) for x in data["losses"]
+        ):
             raise StateMismatchError(f"{source}: state['losses'] must be a list of floats.")
         return cls(
             step=data["step"],
@@ -188,7 +190,9 @@ def read_checkpoint(
     """
     path = Path(path)
     if path.is_dir():
-        raise CheckpointError(f"{path}: is a directory; use load_sharded_checkpoint() for sharded checkpoints.")
+        raise CheckpointError(
+            f"{path}: is a directory; use load_sharded_checkpoint() for sharded checkpoints."
+        )
     payload, digest = load_verified_file(path, map_location=map_location, expected_sha256=expected_sha256)
     original = payload.get("schema") if isinstance(payload, dict) else None
     payload = migrate_payload(payload, source=str(path))
@@ -230,12 +234,18 @@ def apply_payload(
 
     Raises:
         StateMismatchError: Model keys or shapes differ, the optimizer's
-            parameter groups differ, or scheduler presence differs.
+            parameter groups differ, scheduler presence differs, or the RNG
+            block is malformed or was saved on a different number of CUDA devices.
     """
     state = TrainState.from_dict(payload["state"], source=source)
     check_model_state(payload["model"], model, source=source)
     opt_sd = payload["optimizer"]
-    if not isinstance(opt_sd, dict) or "param_groups" not in opt_sd or "state" not in opt_sd:
+    if (
+        not isinstance(opt_sd, dict)
+        or not isinstance(opt_sd.get("state"), dict)
+        or not isinstance(opt_sd.get("param_groups"), (list, tuple))
+        or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in opt_sd["param_groups"])
+    ):
         raise StateMismatchError(
             f"{source}: 'optimizer' is not an optimizer state_dict; a resume needs the saved "
             "moments. Use warm_start_from() to start a new experiment from the weights instead."
@@ -250,7 +260,20 @@ def apply_payload(
     if (payload["scheduler"] is None) != (scheduler is None):
         have = "no scheduler" if scheduler is None else "a scheduler"
         saved = "none" if payload["scheduler"] is None else "one"
-        raise StateMismatchError(f"{source}: the checkpoint saved {saved} but {have} was passed; pass the same kind.")
+        raise StateMismatchError(
+            f"{source}: the checkpoint saved {saved} but {have} was passed; pass the same kind."
+        )
+    if scheduler is not None and not isinstance(payload["scheduler"], dict):
+        raise StateMismatchError(
+            f"{source}: 'scheduler' must be a scheduler state_dict, "
+            f"got {type(payload['scheduler']).__name__}."
+        )
+    # The RNG block is checked here too, before the first assignment below: a
+    # refused checkpoint must leave the live objects exactly as they were.
+    try:
+        validate_rng_state(payload["rng"], allow_device_change=allow_device_change)
+    except CheckpointError as exc:
+        raise StateMismatchError(f"{source}: {exc}") from exc
     model.load_state_dict(payload["model"], strict=True)
     optimizer.load_state_dict(opt_sd)
     if scheduler is not None:
@@ -340,7 +363,11 @@ def load_verified_file(
             f"{path}: no such checkpoint file; check the path, or list saves with "
             "'python -m ckpt_lesson scan DIR'."
         )
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot open ({exc.strerror}); check its permissions.") from exc
+    with f:
         size = os.fstat(f.fileno()).st_size
         if expected_size is not None and size != expected_size:
             raise CorruptCheckpointError(
@@ -348,10 +375,12 @@ def load_verified_file(
                 "or replaced after it was saved. Restore an older checkpoint."
             )
         digest = verify_footer(f, name=path)
-        if expected_sha256 is not None and digest.sha256 != expected_sha256:
+        # Compare case-insensitively: hex digests copied from other tools are sometimes upper case.
+        if expected_sha256 is not None and digest.sha256 != expected_sha256.lower():
             raise CorruptCheckpointError(
                 f"{path}: sha256 {digest.sha256[:12]}... does not match the recorded "
-                f"{expected_sha256[:12]}...; the file changed after it was saved. Restore an older checkpoint."
+                f"{expected_sha256[:12]}...; the file changed after it was saved. "
+                "Restore an older checkpoint."
             )
         return _weights_only_load(f, path, map_location), digest
 
