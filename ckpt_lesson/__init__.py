@@ -49,6 +49,7 @@ from .sharded import (  # noqa: E402
     verify_sharded_checkpoint,
 )
 from .skill import render_skill_markdown, write_skill_markdown  # noqa: E402
+from .train_cmd import run_managed_training  # noqa: E402
 from .training import (  # noqa: E402
     SyntheticRegression,
     make_model,
@@ -108,6 +109,7 @@ __all__ = [
     "render_skill_markdown",
     "restore_rng_state",
     "run_full_demo",
+    "run_managed_training",
     "run_negative_control",
     "run_resume_demo",
     "save_checkpoint",

@@ -19,7 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("ckpt_lesson.demo", "kill a training run, resume it in a fresh process, compare losses"),
     "migrate": ("ckpt_lesson.migrate", "rewrite an old checkpoint in the current schema, adding its footer"),
     "report": ("ckpt_lesson.report", "summarise a run's restores: fallbacks, steps redone, recovery times"),
-    "scan": ("ckpt_lesson.scan", "verify every save in a run directory (exit 1 if any is corrupt or incomplete)"),
+    "scan": ("ckpt_lesson.scan", "verify every save in a run directory (exit 1 if any is bad)"),
+    "train": ("ckpt_lesson.train_cmd", "train the teaching model with managed saves and auto-resume"),
 }
 
 

@@ -1,0 +1,280 @@
+"""``python -m ckpt_lesson train``: the teaching run, saved and resumed by a manager.
+
+This is the whole recipe of the course in one function:
+
+1. seed everything, then build data, model, optimizer and scheduler, always
+   in the same order (a resume must build the same objects as the first run);
+2. open a :class:`~ckpt_lesson.manager.CheckpointManager` on the run folder;
+3. restore the newest good save, if there is one (``resume="auto"``);
+4. train, asking the manager after every step whether a save is due;
+5. save the final state, so a finished run can be evaluated or extended.
+
+Because the batch order depends only on ``(seed, epoch)`` and every RNG is in
+the checkpoint, a run interrupted at any point and resumed this way produces
+bit-for-bit the same losses as a run that was never interrupted (on CPU).
+
+The function is importable and deterministic on purpose: fault-injection
+tests run it in child processes and kill them at chosen moments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import TrainState
+from .errors import CheckpointError
+from .manager import CheckpointManager, EventHook
+from .scan import step_of
+from .training import (
+    StepRecord,
+    SyntheticRegression,
+    make_model,
+    make_optimizer_and_scheduler,
+    seed_everything,
+    train,
+)
+
+__all__ = ["RESUME_MODES", "configure", "run", "run_managed_training"]
+
+RESUME_MODES = ("auto", "never", "must")
+DEFAULT_EVERY_STEPS = 10
+
+
+def _has_saves(run_dir: Path) -> bool:
+    return run_dir.is_dir() and any(step_of(p.name) is not None for p in run_dir.iterdir())
+
+
+def config_fingerprint(config: dict[str, Any]) -> str:
+    """sha256 of the run's settings as sorted JSON: equal settings, equal fingerprint."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def run_managed_training(
+    run_dir: str | os.PathLike[str],
+    *,
+    total_steps: int,
+    seed: int = 11,
+    every_steps: int | None = None,
+    every_seconds: float | None = None,
+    keep_last: int = 3,
+    num_shards: int | None = None,
+    resume: str = "auto",
+    batch_size: int = 16,
+    progress: bool = False,
+    stop_after_step: int | None = None,
+    on_event: EventHook | None = None,
+) -> dict[str, Any]:
+    """Train the teaching model to ``total_steps``, saving and resuming via a manager.
+
+    Args:
+        run_dir: The run folder (created if missing).
+        total_steps: Steps of the whole run (also the cosine schedule's length).
+        seed: Seeds data, model, RNGs and the batch order.
+        every_steps, every_seconds: Save cadence (at least one).
+        keep_last: Verified saves to keep.
+        num_shards: ``None`` for single-file saves, else shards per save.
+        resume: ``"auto"`` restore the newest good save if any; ``"never"``
+            refuse a folder that already has saves (two runs must not mix);
+            ``"must"`` refuse to start without a save.
+        batch_size: Samples per step.
+        progress: Show a tqdm bar on stderr (hidden when stderr is not a terminal).
+        stop_after_step: Stop (without a final save) once this step is done:
+            a stand-in for an interruption, for lessons and tests.
+        on_event: Passed to the manager (see :class:`CheckpointManager`).
+
+    Returns:
+        ``{"losses": every loss from step 1 (restored history included),
+        "sample_ids": {step: ids} for the steps run in this call,
+        "resumed_from": restored step or None, "final_step": int,
+        "saved_steps": steps saved in this call, "stopped_early": bool,
+        "last_restore": the manager's last_restore}``.
+
+    Raises:
+        CheckpointError: Bad arguments, ``resume`` rules violated, or saves
+            exist but none is usable.
+
+    Example:
+        >>> out = run_managed_training("runs/a", total_steps=40, every_steps=10)  # doctest: +SKIP
+        >>> out["final_step"], out["saved_steps"]  # doctest: +SKIP
+        (40, [10, 20, 30, 40])
+    """
+    if resume not in RESUME_MODES:
+        raise CheckpointError(f"resume must be one of {RESUME_MODES}, got {resume!r}.")
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+        raise CheckpointError(f"total_steps must be an int >= 1, got {total_steps!r}.")
+    run_dir = Path(run_dir)
+    if resume == "never" and _has_saves(run_dir):
+        raise CheckpointError(
+            f"{run_dir}: already holds saves and resume='never'; use resume='auto' to continue that run, "
+            "or a new folder for a new run (mixing two runs in one folder loses track of both)."
+        )
+    seed_everything(seed)
+    data = SyntheticRegression(seed=seed)
+    model = make_model()
+    optimizer, scheduler = make_optimizer_and_scheduler(model, total_steps=total_steps)
+    settings = {"seed": seed, "total_steps": total_steps, "batch_size": batch_size, "model": "make_model()"}
+    saved_steps: list[int] = []
+
+    def record_saves(name: str, info: dict[str, Any]) -> None:
+        if name == "published":
+            saved_steps.append(info["step"])
+        if on_event is not None:
+            on_event(name, info)
+
+    with CheckpointManager(
+        run_dir,
+        keep_last=keep_last,
+        every_steps=every_steps,
+        every_seconds=every_seconds,
+        num_shards=num_shards,
+        data={"fingerprint": data.fingerprint(), "order_seed": seed},
+        metadata={**settings, "config_fingerprint": config_fingerprint(settings)},
+        on_event=record_saves,
+    ) as mgr:
+        restored = mgr.restore_latest(model, optimizer, scheduler) if resume != "never" else None
+        if resume == "must" and restored is None:
+            raise CheckpointError(f"{run_dir}: no save to resume from and resume='must'; check the folder.")
+        state = restored or TrainState()
+        resumed_from = restored.step if restored is not None else None
+        records = _train_with_saves(
+            mgr,
+            model,
+            optimizer,
+            scheduler,
+            state,
+            data,
+            total_steps,
+            seed,
+            batch_size,
+            progress,
+            stop_after_step,
+        )
+        stopped_early = state.step < total_steps
+        if not stopped_early and mgr.last_saved_step != state.step:
+            mgr.save(model, optimizer, scheduler, state)  # the finished run, ready to evaluate or extend
+        last_restore = mgr.last_restore
+    return {
+        "losses": list(state.losses),
+        "sample_ids": {r.step: list(r.sample_ids) for r in records},
+        "resumed_from": resumed_from,
+        "final_step": state.step,
+        "saved_steps": saved_steps,
+        "stopped_early": stopped_early,
+        "last_restore": last_restore,
+    }
+
+
+def _train_with_saves(
+    mgr: CheckpointManager,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    state: TrainState,
+    data: SyntheticRegression,
+    total_steps: int,
+    seed: int,
+    batch_size: int,
+    progress: bool,
+    stop_after_step: int | None,
+) -> list[StepRecord]:
+    from tqdm import tqdm  # plain bar on stderr: tqdm.auto would store a widget in notebooks
+
+    # disable=None hides the bar when stderr is not a terminal (CI logs, notebooks' captured output).
+    disable = None if progress else True
+    bar = tqdm(total=total_steps, initial=state.step, unit="step", file=sys.stderr, disable=disable)
+
+    def after_step(st: TrainState, record: StepRecord) -> bool:
+        bar.update(1)
+        bar.set_postfix(loss=f"{record.loss:.4f}", refresh=False)
+        if mgr.should_save(st.step):
+            mgr.save(model, optimizer, scheduler, st)
+        return stop_after_step is not None and st.step >= stop_after_step
+
+    try:
+        return train(
+            model,
+            optimizer,
+            scheduler,
+            state,
+            data,
+            until_step=total_steps,
+            seed=seed,
+            batch_size=batch_size,
+            after_step=after_step,
+        )
+    finally:
+        bar.close()
+
+
+# ---------------------------------------------------------------- CLI: python -m ckpt_lesson train
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``python -m ckpt_lesson train``."""
+    parser.add_argument("--ckpt-dir", required=True, help="run folder for step-XXXXXXXX saves")
+    parser.add_argument("--total-steps", type=int, required=True, help="steps of the whole run")
+    parser.add_argument(
+        "--ckpt-every-steps",
+        type=int,
+        default=None,
+        help=f"save every N steps (default {DEFAULT_EVERY_STEPS} when --ckpt-every-seconds is not given)",
+    )
+    parser.add_argument(
+        "--ckpt-every-seconds", type=float, default=None, help="save every T seconds of wall time"
+    )
+    parser.add_argument("--keep-last", type=int, default=3, help="verified saves to keep (default 3)")
+    parser.add_argument(
+        "--resume",
+        choices=RESUME_MODES,
+        default="auto",
+        help="auto: continue from the newest good save if any; never: refuse a folder with saves; "
+        "must: refuse to start without one",
+    )
+    parser.add_argument("--seed", type=int, default=11, help="seed of data, model, RNGs and batch order")
+    parser.add_argument(
+        "--num-shards", type=int, default=0, help="0: one checkpoint.pt per save; N: N model shards"
+    )
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument(
+        "--stop-after-step",
+        type=int,
+        default=None,
+        help="stop after this step without a final save (simulates a crash)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="never show the progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the managed training and print a one-line summary."""
+    every_steps = args.ckpt_every_steps
+    if every_steps is None and args.ckpt_every_seconds is None:
+        every_steps = DEFAULT_EVERY_STEPS
+    if args.num_shards < 0:
+        raise CheckpointError(f"--num-shards must be >= 0 (0 = single file), got {args.num_shards}.")
+    out = run_managed_training(
+        args.ckpt_dir,
+        total_steps=args.total_steps,
+        seed=args.seed,
+        every_steps=every_steps,
+        every_seconds=args.ckpt_every_seconds,
+        keep_last=args.keep_last,
+        num_shards=args.num_shards or None,
+        resume=args.resume,
+        batch_size=args.batch_size,
+        progress=not args.no_progress,
+        stop_after_step=args.stop_after_step,
+    )
+    start = "scratch" if out["resumed_from"] is None else f"step {out['resumed_from']}"
+    loss = f"{out['losses'][-1]:.6f}" if out["losses"] else "n/a"
+    status = "stopped early" if out["stopped_early"] else "done"
+    print(
+        f"{status}: step {out['final_step']}/{args.total_steps} (from {start}); "
+        f"saved steps {out['saved_steps']}; final loss {loss}"
+    )
+    return 0
