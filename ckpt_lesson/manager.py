@@ -314,7 +314,7 @@ class CheckpointManager:
 
         Example:
             >>> path = mgr.save(model, opt, sched, state)  # doctest: +SKIP
-            >>> path.name
+            >>> path.name  # doctest: +SKIP
             'step-00000240'
         """
         self._check_open()
