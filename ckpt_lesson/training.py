@@ -176,8 +176,22 @@ def train(
 
     Returns:
         The records of the steps taken in this call.
+
+    Raises:
+        ValueError: ``batch_size`` is below 1 or larger than the dataset.
+
+    Example:
+        >>> seed_everything(0)
+        >>> data, model = SyntheticRegression(n=64), make_model()
+        >>> opt, sched = make_optimizer_and_scheduler(model)
+        >>> len(train(model, opt, sched, TrainState(), data, until_step=3, seed=0))
+        3
     """
-    per_epoch = len(data) // batch_size
+    per_epoch = len(data) // batch_size if batch_size > 0 else 0
+    if per_epoch == 0:
+        # Without this check an epoch would hold no batch and every step would
+        # train on an empty slice (a NaN loss) while the epoch counter raced ahead.
+        raise ValueError(f"batch_size must be between 1 and len(data)={len(data)}, got {batch_size}.")
     records: list[StepRecord] = []
     while state.step < until_step:
         if state.batch_in_epoch >= per_epoch:

@@ -1,0 +1,106 @@
+"""Schema versions: migrations are pure, current payloads pass through unchanged, unknown ones are refused."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from ckpt_lesson.errors import SchemaError
+from ckpt_lesson.schema import (
+    CURRENT_SCHEMA,
+    KNOWN_SCHEMAS,
+    MIGRATIONS,
+    SCHEMA_V1,
+    SCHEMA_V2,
+    current_env,
+    migrate_payload,
+    migrate_v1_to_v2,
+)
+
+
+def v1_payload() -> dict:
+    return {
+        "schema": SCHEMA_V1,
+        "model": {"w": [1.0, 2.0]},
+        "optimizer": {"state": {}, "param_groups": []},
+        "scheduler": None,
+        "state": {"step": 3, "epoch": 0, "batch_in_epoch": 3, "losses": [1.0, 0.5, 0.25]},
+        "rng": {"python": {"state": [1, 2, 3]}},
+        "wall_saved_at": 1700000000.0,
+    }
+
+
+def test_migrate_v1_to_v2_does_not_modify_its_input():
+    original = v1_payload()
+    pristine = copy.deepcopy(original)
+    migrated = migrate_v1_to_v2(original)
+    assert original == pristine
+    assert migrated is not original
+
+
+def test_migrate_v1_to_v2_adds_explicitly_unrecorded_blocks_and_keeps_everything_else():
+    migrated = migrate_v1_to_v2(v1_payload())
+    assert migrated["schema"] == SCHEMA_V2
+    assert migrated["env"] == {"recorded": False}
+    assert migrated["data"] == {"recorded": False, "fingerprint": None, "order_seed": None}
+    assert migrated["extras"] is None
+    for key, value in v1_payload().items():
+        if key != "schema":
+            assert migrated[key] == value
+
+
+def test_migrate_v1_to_v2_keeps_existing_extras():
+    assert migrate_v1_to_v2({**v1_payload(), "extras": {"a": 1}})["extras"] == {"a": 1}
+
+
+@pytest.mark.parametrize("payload", [{"schema": SCHEMA_V2}, {}, [1, 2], None], ids=repr)
+def test_migrate_v1_to_v2_refuses_anything_but_v1(payload):
+    with pytest.raises(SchemaError, match="expects schema"):
+        migrate_v1_to_v2(payload)
+
+
+def test_migrate_payload_returns_a_current_payload_unchanged_and_is_idempotent():
+    current = migrate_payload(v1_payload())
+    snapshot = copy.deepcopy(current)
+    again = migrate_payload(current)
+    assert again == snapshot and current == snapshot
+    assert migrate_payload(again) == snapshot
+
+
+def test_migrate_payload_lifts_v1_to_the_current_schema_without_touching_the_input():
+    original = v1_payload()
+    lifted = migrate_payload(original, source="old.pt")
+    assert lifted["schema"] == CURRENT_SCHEMA
+    assert original["schema"] == SCHEMA_V1
+
+
+@pytest.mark.parametrize(
+    "payload, words",
+    [
+        ([1, 2], "not a dict"),
+        ({"model": {}}, "no 'schema' field"),
+        ({"schema": "ckpt.v3"}, "upgrade ckpt_lesson"),
+        ({"schema": "something.else"}, "not a ckpt_lesson checkpoint"),
+        ({"schema": 2}, "unknown schema"),
+    ],
+)
+def test_migrate_payload_refuses_and_names_the_source(payload, words):
+    with pytest.raises(SchemaError, match=words) as info:
+        migrate_payload(payload, source="runs/ckpt.pt")
+    assert "runs/ckpt.pt" in str(info.value)
+
+
+def test_every_known_schema_but_the_current_one_has_a_migration_and_the_chain_ends():
+    assert KNOWN_SCHEMAS[-1] == CURRENT_SCHEMA
+    assert set(MIGRATIONS) == set(KNOWN_SCHEMAS[:-1])
+    for schema in MIGRATIONS:
+        lifted = MIGRATIONS[schema]({**v1_payload(), "schema": schema})
+        assert KNOWN_SCHEMAS.index(lifted["schema"]) == KNOWN_SCHEMAS.index(schema) + 1
+
+
+def test_current_env_records_versions_and_world_size():
+    env = current_env(world_size=4)
+    assert set(env) == {"torch", "numpy", "python", "device_type", "world_size"}
+    assert env["world_size"] == 4 and env["device_type"] in {"cpu", "cuda"}
+    assert all(isinstance(env[k], str) for k in ("torch", "numpy", "python"))
