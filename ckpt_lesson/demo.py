@@ -23,14 +23,11 @@ Run it with ``python -m ckpt_lesson demo``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,12 +35,12 @@ from typing import Any
 
 import torch
 
-from .atomic import atomic_write_json
-from .checkpoint import TrainState, load_checkpoint, read_checkpoint, save_checkpoint
+from .checkpoint import TrainState, read_checkpoint
 from .demo_artifacts import write_demo_artifacts
+from .demo_worker import build_run, kill_after_save, release_resumer, spawn_child
 from .errors import CheckpointError
 from .rng import capture_rng_state, restore_rng_state
-from .training import SyntheticRegression, make_model, make_optimizer_and_scheduler, seed_everything, train
+from .training import train
 
 __all__ = [
     "CONTROL_KINDS",
@@ -61,17 +58,6 @@ CONTROL_KINDS = ("no_rng", "fresh_optimizer")
 #: tolerance only exists so a GPU run with non-deterministic kernels can pass.
 RESUME_TOLERANCE = 1e-4
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "outputs"
-_CHILD_CODE = "from ckpt_lesson.demo import _child_main; _child_main()"
-_CHILD_TIMEOUT_S = 180.0
-
-
-def _build(seed: int, total_steps: int) -> tuple[SyntheticRegression, Any, Any, Any]:
-    """The one construction used by the baseline, both children and the controls."""
-    seed_everything(seed)
-    data = SyntheticRegression(seed=seed)
-    model = make_model()
-    optimizer, scheduler = make_optimizer_and_scheduler(model, total_steps=total_steps)
-    return data, model, optimizer, scheduler
 
 
 @contextmanager
@@ -106,7 +92,7 @@ def _validate(total_steps: int, interrupt_at: int, num_shards: int) -> None:
 
 def _baseline(total_steps: int, seed: int) -> tuple[list[float], list[list[int]]]:
     with _caller_rng_preserved():
-        data, model, optimizer, scheduler = _build(seed, total_steps)
+        data, model, optimizer, scheduler = build_run(seed, total_steps)
         records = train(model, optimizer, scheduler, TrainState(), data, until_step=total_steps, seed=seed)
     return [r.loss for r in records], [list(r.sample_ids) for r in records]
 
@@ -147,8 +133,6 @@ def run_resume_demo(
         (0.0, True)
     """
     _validate(total_steps, interrupt_at, num_shards)
-    if sharded and importlib.util.find_spec("ckpt_lesson.sharded") is None:
-        raise CheckpointError("sharded=True needs ckpt_lesson.sharded, which is not installed here.")
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     target = ckpt_dir / (f"resume-demo-sharded-{num_shards}" if sharded else "resume-demo.pt")
@@ -161,10 +145,12 @@ def run_resume_demo(
         # is a separate, fresh process: it builds its objects, then blocks on
         # stdin and does not open the checkpoint until the parent says "go",
         # which happens only after the first child is dead.
-        resumer = _spawn({**config, "role": "resume", "out": str(out)}, err_resumed, stdin=subprocess.PIPE)
+        resumer = spawn_child(
+            {**config, "role": "resume", "out": str(out)}, err_resumed, stdin=subprocess.PIPE
+        )
         killed = None
         try:
-            killed = _spawn(
+            killed = spawn_child(
                 {
                     **config,
                     "role": "interrupted",
@@ -176,8 +162,8 @@ def run_resume_demo(
                 err_killed,
             )
             full_losses, full_ids = _baseline(total_steps, seed)
-            returncode = _kill_after_save(killed, ready, err_killed, interrupt_at)
-            resumed = _release_resumer(resumer, out, err_resumed, target)
+            returncode = kill_after_save(killed, ready, err_killed, interrupt_at)
+            resumed = release_resumer(resumer, out, err_resumed, target)
         finally:
             for proc in (resumer, killed):
                 if proc is not None and proc.poll() is None:
@@ -226,107 +212,6 @@ def _remove_stale(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _spawn(config: dict[str, Any], err: Any, *, stdin: int | None = None) -> subprocess.Popen[bytes]:
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-c", _CHILD_CODE, json.dumps(config)]
-    return subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.DEVNULL, stderr=err, env=env)
-
-
-def _stderr_tail(f: Any, limit: int = 2000) -> str:
-    f.seek(0)
-    return f.read().decode("utf-8", "replace")[-limit:].strip() or "(no stderr)"
-
-
-def _kill_after_save(proc: subprocess.Popen[bytes], ready: Path, err: Any, step: int) -> int:
-    """Wait for the child's "saved" signal, then SIGKILL it; returns its exit status."""
-    deadline = time.monotonic() + _CHILD_TIMEOUT_S
-    while not ready.exists():
-        if proc.poll() is not None:
-            raise CheckpointError(
-                f"the interrupted child exited ({proc.returncode}) before saving step {step}; "
-                f"its stderr ends with:\n{_stderr_tail(err)}"
-            )
-        if time.monotonic() > deadline:
-            raise CheckpointError(f"the interrupted child did not save within {_CHILD_TIMEOUT_S:.0f} s.")
-        time.sleep(0.01)
-    # The checkpoint is durable now and the child is busy training past it.
-    # Kill it the way a pre-emption would: no cleanup, no warning.
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)
-    returncode = proc.wait()
-    ready.unlink()
-    if returncode != -signal.SIGKILL:
-        raise CheckpointError(
-            f"the interrupted child ended with status {returncode}, not -SIGKILL: it was not killed "
-            f"mid-run, so the demo proves nothing. Its stderr ends with:\n{_stderr_tail(err)}"
-        )
-    return returncode
-
-
-def _release_resumer(proc: subprocess.Popen[bytes], out: Path, err: Any, target: Path) -> dict[str, Any]:
-    """Tell the waiting resumer to go, wait for it, read its losses."""
-    try:
-        proc.communicate(b"go\n", timeout=_CHILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:
-        raise CheckpointError(f"the resumed child did not finish within {_CHILD_TIMEOUT_S:.0f} s.") from exc
-    if proc.returncode != 0:
-        raise CheckpointError(
-            f"the resumed child failed (exit {proc.returncode}) resuming from {target}; "
-            f"its stderr ends with:\n{_stderr_tail(err)}"
-        )
-    result = json.loads(out.read_text(encoding="utf-8"))
-    out.unlink()
-    return result
-
-
-def _child_main() -> None:
-    """Entry point of both children; the config arrives as JSON in ``sys.argv[1]``."""
-    config = json.loads(sys.argv[1])
-    seed, total_steps, ckpt = int(config["seed"]), int(config["total_steps"]), config["ckpt"]
-    data, model, optimizer, scheduler = _build(seed, total_steps)
-    if config["role"] == "interrupted":
-        state = TrainState()
-        train(model, optimizer, scheduler, state, data, until_step=int(config["interrupt_at"]), seed=seed)
-        contract = {"fingerprint": data.fingerprint(), "order_seed": seed}
-        if config["sharded"]:
-            from .sharded import save_sharded_checkpoint
-
-            save_sharded_checkpoint(
-                model, optimizer, scheduler, state, ckpt, num_shards=int(config["num_shards"]), data=contract
-            )
-        else:
-            save_checkpoint(model, optimizer, scheduler, state, ckpt, data=contract)
-        atomic_write_json({"step": state.step}, config["ready"])
-        # Carry on as a real job would, then idle until the parent's SIGKILL.
-        # Should the parent itself die first, we are re-parented: leave then,
-        # rather than idle forever as an orphan.
-        train(model, optimizer, scheduler, state, data, until_step=total_steps, seed=seed)
-        while os.getppid() == int(config["parent"]):
-            time.sleep(0.05)
-    elif config["role"] == "resume":
-        if sys.stdin.readline().strip() != "go":
-            raise SystemExit("demo resumer: the parent did not say go; exiting without loading.")
-        if config["sharded"]:
-            from .sharded import load_sharded_checkpoint
-
-            state = load_sharded_checkpoint(ckpt, model, optimizer, scheduler)
-        else:
-            state = load_checkpoint(ckpt, model, optimizer, scheduler)
-        start, before = state.step, list(state.losses)
-        records = train(model, optimizer, scheduler, state, data, until_step=total_steps, seed=seed)
-        result = {
-            "start_step": start,
-            "losses_before": before,
-            "losses": [r.loss for r in records],
-            "sample_ids": [list(r.sample_ids) for r in records],
-        }
-        atomic_write_json(result, config["out"])
-    else:
-        raise SystemExit(f"unknown demo child role {config['role']!r}")
-
-
 def run_negative_control(
     kind: str, *, ckpt_path: str | os.PathLike[str], total_steps: int, seed: int
 ) -> list[float]:
@@ -366,7 +251,7 @@ def _control_records(
             f"{ckpt_path}: saved at step {state.step}, which is not before total_steps={total_steps}."
         )
     with _caller_rng_preserved():
-        data, model, optimizer, scheduler = _build(seed, total_steps)
+        data, model, optimizer, scheduler = build_run(seed, total_steps)
         model.load_state_dict(payload["model"])
         if kind == "no_rng":  # naive, do not use: the generators stay wherever seeding left them
             optimizer.load_state_dict(payload["optimizer"])
@@ -386,8 +271,7 @@ def run_full_demo(
 ) -> dict[str, Any]:
     """Everything ``python -m ckpt_lesson demo`` runs, as one dict for :func:`write_demo_artifacts`.
 
-    The single-file and sharded resumes (sharded only when
-    :mod:`ckpt_lesson.sharded` is installed) and both negative controls, all
+    The single-file and sharded resumes and both negative controls, all
     against the same baseline. Notebook 05 calls this too, so with the same
     arguments both write byte-identical artifacts.
 
@@ -402,9 +286,10 @@ def run_full_demo(
     """
     _validate(total_steps, interrupt_at, num_shards)
     kwargs = {"total_steps": total_steps, "interrupt_at": interrupt_at, "seed": seed, "ckpt_dir": ckpt_dir}
-    runs = {"single_file": run_resume_demo(**kwargs)}
-    if importlib.util.find_spec("ckpt_lesson.sharded") is not None:
-        runs["sharded"] = run_resume_demo(**kwargs, sharded=True, num_shards=num_shards)
+    runs = {
+        "single_file": run_resume_demo(**kwargs),
+        "sharded": run_resume_demo(**kwargs, sharded=True, num_shards=num_shards),
+    }
     single = runs["single_file"]
     variants: dict[str, dict[str, Any]] = {}
     for name, r in runs.items():
@@ -481,8 +366,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'variant':<18} {'max |loss diff| after resume':>30} {'sample ids match':>17}")
     for name, v in results["variants"].items():
         print(f"{name:<18} {v['max_loss_diff_after_resume']:>30.6g} {str(v['sample_ids_match']):>17}")
-    if "sharded" not in results["variants"]:
-        print("note: ckpt_lesson.sharded is not installed; the sharded variant was skipped.")
     paths = write_demo_artifacts(results, args.out)
     print("wrote " + ", ".join(p.name for p in paths.values()) + f" to {args.out}")
     problems = demo_failures(results)

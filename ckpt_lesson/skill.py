@@ -13,7 +13,6 @@ package does.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import tempfile
@@ -22,7 +21,7 @@ from typing import Any
 
 import torch
 
-from . import errors
+from . import errors, sharded
 from .atomic import TEMP_MARKER, atomic_write_bytes
 from .checkpoint import BUCKETS, TrainState, build_payload
 from .integrity import FOOTER_MAGIC
@@ -64,11 +63,7 @@ def _tiny_payload_keys() -> list[str]:
 
 
 def _sharded_section() -> list[str]:
-    if importlib.util.find_spec("ckpt_lesson.sharded") is None:
-        return ["Sharded checkpoints are not part of this installation."]
-    from . import sharded
-
-    example = _example_index(sharded)
+    example = _example_index()
     return [
         "A sharded checkpoint is a directory: model weights spread over shard files, every other bucket "
         f"in `{sharded.META_NAME}`, and `{sharded.INDEX_NAME}` (schema `{sharded.SHARDED_SCHEMA}`) "
@@ -90,7 +85,7 @@ def _sharded_section() -> list[str]:
     ]
 
 
-def _example_index(sharded: Any) -> str:
+def _example_index() -> str:
     # Rendered from a real save, so the example cannot drift from the writer.
     with torch.random.fork_rng(devices=[]):
         model = torch.nn.Linear(2, 1)

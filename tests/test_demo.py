@@ -1,7 +1,7 @@
 """The kill-and-resume demo: real SIGKILL, fresh-process resume, exact comparison.
 
 Child processes cost a torch import each, so the expensive runs happen once
-per module (two fixtures, six children in all) and the tests read from them.
+per module: one real CLI run (four children) that every test reads from.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt_lesson import atomic, checkpoint, errors, integrity, rng, schema
+from ckpt_lesson import atomic, checkpoint, demo, errors, integrity, rng, schema
 from ckpt_lesson.cli import COMMANDS, main
 from ckpt_lesson.demo import CONTROL_KINDS, demo_failures, run_negative_control, run_resume_demo
 from ckpt_lesson.demo_artifacts import DEMO_SCHEMA, write_demo_artifacts
@@ -29,21 +29,39 @@ ARTIFACTS = ("resume-demo.json", "loss-curves.png", "skill-checkpoint-save-resum
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    ckpt_dir = tmp_path_factory.mktemp("single")
-    return run_resume_demo(total_steps=STEPS, interrupt_at=KILL_AT, ckpt_dir=ckpt_dir, seed=SEED)
-
-
-@pytest.fixture(scope="module")
 def cli_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One real ``python -m ckpt_lesson demo`` (in-process ``main``), with its resumes recorded.
+
+    A spy wraps ``run_resume_demo`` (calling the real one) so the tests can
+    also read the full per-variant dicts the CLI condenses into its JSON.
+    """
     out = tmp_path_factory.mktemp("out")
     ckpt_dir = tmp_path_factory.mktemp("cli-ckpt")
     argv = ["demo", "--total-steps", str(STEPS), "--interrupt-at", str(KILL_AT), "--seed", str(SEED)]
+    runs: list[dict] = []
+    real = demo.run_resume_demo
+
+    def spy(**kwargs: object) -> dict:
+        runs.append(real(**kwargs))
+        return runs[-1]
+
     stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(stdout):
+        mp.setattr(demo, "run_resume_demo", spy)
         rc = main([*argv, "--out", str(out), "--ckpt-dir", str(ckpt_dir)])
     doc = json.loads((out / "resume-demo.json").read_text(encoding="utf-8"))
-    return {"rc": rc, "out": out, "ckpt_dir": ckpt_dir, "doc": doc, "stdout": stdout.getvalue()}
+    by_kind = {("sharded" if r["sharded"] else "single_file"): r for r in runs}
+    return {"rc": rc, "out": out, "ckpt_dir": ckpt_dir, "doc": doc, "stdout": stdout.getvalue(), **by_kind}
+
+
+@pytest.fixture(scope="module")
+def single(cli_run: dict) -> dict:
+    return cli_run["single_file"]
+
+
+@pytest.fixture(scope="module")
+def sharded(cli_run: dict) -> dict:
+    return cli_run["sharded"]
 
 
 # --- the real resume, single file -------------------------------------------
@@ -75,7 +93,7 @@ def test_the_checkpoint_holds_the_losses_the_killed_child_recorded(single: dict)
 
 def test_demo_leaves_no_signal_files_behind(single: dict) -> None:
     ckpt_dir = Path(single["checkpoint"]).parent
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["resume-demo.pt"]
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["resume-demo-sharded-3", "resume-demo.pt"]
 
 
 # --- the sharded variant and the CLI (one real run) ---------------------------
@@ -86,17 +104,23 @@ def test_cli_demo_returns_zero_and_writes_the_three_artifacts(cli_run: dict) -> 
     assert sorted(p.name for p in cli_run["out"].iterdir()) == sorted(ARTIFACTS)
 
 
-def test_sharded_resume_in_a_fresh_process_matches_the_baseline_exactly(cli_run: dict) -> None:
-    sharded = cli_run["doc"]["variants"]["sharded"]
+def test_sharded_resume_in_a_fresh_process_matches_the_baseline_exactly(sharded: dict) -> None:
+    assert sharded["sharded"] is True and sharded["num_shards"] == 3
     assert sharded["max_loss_diff_after_resume"] == 0.0
-    assert sharded["resumed_losses"] == cli_run["doc"]["baseline_losses"][KILL_AT:]
+    assert sharded["resumed_losses"] == sharded["full_losses"][KILL_AT:]
+    assert sharded["resumed_sample_ids"] == sharded["baseline_sample_ids"]
     assert sharded["sample_ids_match"] is True
     assert sharded["interrupted_returncode"] == -signal.SIGKILL
-    assert sharded["num_shards"] == 3
 
 
-def test_sharded_demo_checkpoint_is_a_real_sharded_directory(cli_run: dict) -> None:
-    shard_dir = cli_run["ckpt_dir"] / "resume-demo-sharded-3"
+def test_the_json_records_the_sharded_resume_as_it_happened(cli_run: dict, sharded: dict) -> None:
+    recorded = cli_run["doc"]["variants"]["sharded"]
+    assert recorded["resumed_losses"] == sharded["resumed_losses"]
+    assert recorded["max_loss_diff_after_resume"] == 0.0 and recorded["killed_by_sigkill"] is True
+
+
+def test_sharded_demo_checkpoint_is_a_real_sharded_directory(sharded: dict) -> None:
+    shard_dir = Path(sharded["checkpoint"])
     names = sorted(p.name for p in shard_dir.iterdir())
     assert names == [
         "index.json",
