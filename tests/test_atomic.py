@@ -1,6 +1,6 @@
 """Atomic, durable writes: after any crash the target is the old file or the new one, whole.
 
-The crash tests start a child process that writes a 64 MB checkpoint over an
+The crash tests run a writer process that saves a 64 MB checkpoint over an
 existing one with :func:`atomic_save` and SIGKILL it at chosen moments: a fixed
 delay after it starts writing, while the temp file is visibly growing, just
 before the rename and just after it. Whatever the moment, the target must load
@@ -36,32 +36,69 @@ def big_payload(tag: str, value: float) -> dict:
     return {"tag": tag, "parts": [torch.full((PART,), value) for _ in range(PARTS)]}
 
 
-CHILD = r"""
+# The writer. Importing torch costs seconds, so one child process imports it
+# once and then forks a fresh writer per scenario; the parent SIGKILLs that
+# writer, and the child reports how it died. A fork shares nothing with its
+# siblings afterwards, so every scenario still starts from a clean process.
+WRITER = r"""
 import os, sys, time
 import torch
+
+torch.set_num_threads(1)  # no OpenMP pool to inherit across fork()
 from ckpt_lesson import atomic
 
-target, moment, part, parts = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+part, parts = int(sys.argv[1]), int(sys.argv[2])
 payload = {"tag": "new", "parts": [torch.full((part,), 2.0) for _ in range(parts)]}
 real_replace = os.replace
+moment = ""
 
 def replace(src, dst):
     # Markers on stdout let the parent kill at an exact point around the rename.
     if moment == "before_rename":
         print("AT_RENAME", flush=True)
-        time.sleep(120)
+        time.sleep(60)
     real_replace(src, dst)
     if moment == "after_rename":
         print("RENAMED", flush=True)
-        time.sleep(120)
+        time.sleep(60)
 
 os.replace = replace  # atomic.py calls os.replace through the os module
 print("READY", flush=True)
-sys.stdin.readline()
-atomic.atomic_save(payload, target)
-print("DONE", flush=True)
-time.sleep(120)
+for line in sys.stdin:
+    target, moment = line.split()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            print(f"WRITING {os.getpid()}", flush=True)
+            atomic.atomic_save(payload, target)
+            print("DONE", flush=True)
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print(f"REAPED {status}", flush=True)
 """
+
+
+@pytest.fixture(scope="module")
+def writer():
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(PART), str(PARTS)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    watchdog = threading.Timer(300, proc.kill)  # never hang the suite
+    watchdog.start()
+    try:
+        assert proc.stdout.readline().strip() == "READY"
+        yield proc
+    finally:
+        watchdog.cancel()
+        proc.kill()  # nothing left to flush: a clean exit would only spend time unloading torch
+        proc.wait()
+        proc.stdin.close()
+        proc.stdout.close()
 
 
 def temp_sizes(directory: Path) -> list[int]:
@@ -75,21 +112,15 @@ def temp_sizes(directory: Path) -> list[int]:
     return sizes
 
 
-def write_and_kill(directory: Path, moment: str, final_size: int) -> str:
-    """Run the child writer, SIGKILL it at ``moment``, return what the parent saw."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(directory / "ckpt.pt"), moment, str(PART), str(PARTS)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    watchdog = threading.Timer(120, proc.kill)  # never hang the suite
-    watchdog.start()
+def write_and_kill(writer: subprocess.Popen, directory: Path, moment: str, final_size: int) -> str:
+    """Start a writer over ``directory/ckpt.pt``, SIGKILL it at ``moment``, return what was seen."""
+    writer.stdin.write(f"{directory / 'ckpt.pt'} {moment}\n")
+    writer.stdin.flush()
+    line = writer.stdout.readline().split()
+    assert line[:1] == ["WRITING"], line
+    pid = int(line[1])
+    seen = ""
     try:
-        assert proc.stdout.readline().strip() == "READY"
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        seen = ""
         if moment.startswith("delay_"):
             time.sleep(float(moment.removeprefix("delay_").removesuffix("s")))
         elif moment == "while_growing":
@@ -101,14 +132,13 @@ def write_and_kill(directory: Path, moment: str, final_size: int) -> str:
                     break
                 time.sleep(0.0005)
         else:
-            seen = proc.stdout.readline().strip()
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
+            seen = writer.stdout.readline().strip()
     finally:
-        watchdog.cancel()
-        proc.stdout.close()
-        proc.stdin.close()
-    assert proc.returncode == -signal.SIGKILL
+        os.kill(pid, signal.SIGKILL)  # the writer is always killed, even when an assert above failed
+        while not (line := writer.stdout.readline()).startswith("REAPED") and line:
+            pass  # skip a DONE printed before the kill landed
+    status = int(line.split()[1])
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     return seen
 
 
@@ -124,9 +154,9 @@ def which_payload(path: Path) -> str:
 @pytest.mark.parametrize(
     "moment", ["delay_0.05s", "delay_0.2s", "while_growing", "before_rename", "after_rename"]
 )
-def test_sigkill_during_a_save_leaves_the_old_or_the_new_file_never_a_partial_one(tmp_path, moment):
+def test_sigkill_during_a_save_leaves_the_old_or_the_new_file_never_a_partial_one(writer, tmp_path, moment):
     final_size = atomic_save(big_payload("old", 1.0), tmp_path / "ckpt.pt").size
-    seen = write_and_kill(tmp_path, moment, final_size)
+    seen = write_and_kill(writer, tmp_path, moment, final_size)
 
     names = sorted(p.name for p in tmp_path.iterdir())
     finished = [n for n in names if not is_temp_file(n)]
