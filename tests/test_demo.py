@@ -177,6 +177,18 @@ def test_rewriting_the_artifacts_gives_identical_bytes(cli_run: dict, tmp_path) 
         assert (tmp_path / name).read_bytes() == (cli_run["out"] / name).read_bytes(), name
 
 
+def test_cli_demo_exits_1_when_a_real_resume_diverges(cli_run: dict, tmp_path, monkeypatch, capsys) -> None:
+    doc = cli_run["doc"]
+    variants = {k: dict(v) for k, v in doc["variants"].items()}
+    variants["sharded"]["max_loss_diff_after_resume"] = 1e-3  # above RESUME_TOLERANCE
+    config = {k: doc[k] for k in ("total_steps", "interrupt_at", "num_shards", "seed", "resume_tolerance")}
+    fake = {"config": config, "baseline": {"losses": doc["baseline_losses"]}, "variants": variants}
+    monkeypatch.setattr(demo, "run_full_demo", lambda **kwargs: fake)
+    rc = main(["demo", "--total-steps", str(STEPS), "--interrupt-at", str(KILL_AT), "--out", str(tmp_path)])
+    assert rc == 1
+    assert "FAILED sharded" in capsys.readouterr().err
+
+
 def test_write_demo_artifacts_refuses_a_dict_it_does_not_know(tmp_path) -> None:
     with pytest.raises(CheckpointError, match="run_full_demo"):
         write_demo_artifacts({"variants": {}}, tmp_path)
