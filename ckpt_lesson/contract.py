@@ -20,8 +20,9 @@ default too, because bit-for-bit resume is only claimed in the same
 environment; ``env_policy="warn"`` or ``"allow"`` accepts it once someone has
 decided the change is harmless.
 
-Fingerprints travel in the manifest's ``metadata["contract"]`` block (see
-:func:`contract_metadata`), the data block in the manifest's ``data``.
+Fingerprints travel in the manifest's ``metadata``, as top-level
+``model_fingerprint``/``config_fingerprint`` keys or in a ``contract`` block
+(see :func:`contract_metadata`); the data block is the manifest's ``data``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from .schema import current_env
 __all__ = [
     "CONTRACT_KEY",
     "ENV_FIELDS",
+    "ENV_POLICIES",
     "ContractRow",
     "ResumeReport",
     "check_contract",
@@ -227,11 +229,18 @@ def resume_report(manifest: Mapping[str, Any], *, current: Mapping[str, Any]) ->
 
 
 def _saved_contract(manifest: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Fingerprints from ``metadata`` (or a payload's ``extras``): top-level keys or a ``contract`` block."""
+    found: dict[str, Any] = {}
     for holder in ("metadata", "extras"):
         block = manifest.get(holder)
-        if isinstance(block, Mapping) and isinstance(block.get(CONTRACT_KEY), Mapping):
-            return block[CONTRACT_KEY]
-    return {}
+        if not isinstance(block, Mapping):
+            continue
+        for key in ("model_fingerprint", "config_fingerprint"):
+            if block.get(key) is not None:
+                found.setdefault(key, block[key])
+        if isinstance(block.get(CONTRACT_KEY), Mapping):
+            found.update({k: v for k, v in block[CONTRACT_KEY].items() if v is not None})
+    return found
 
 
 def _row(name: str, kind: str, saved: Any, current: Any) -> ContractRow:

@@ -49,7 +49,8 @@ from typing import Any
 from .atomic import atomic_write_json, fsync_dir
 from .cadence import SaveCadence, validate_cadence
 from .checkpoint import BUCKETS, TrainState, apply_payload, read_checkpoint, save_checkpoint
-from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from .contract import ENV_POLICIES, check_contract, resume_report
+from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
 from .retention import KeepLastK, RetentionPolicy
 from .scan import (
     MANIFEST_NAME,
@@ -164,6 +165,12 @@ class CheckpointManager:
             the writer makes every file in one call, so there is one
             ``part_begin`` (``file="*"``) and then one ``part_written`` per file.
         retention: A policy object overriding ``keep_last`` (e.g. ``KeepBest``).
+        expect: What a resume must match, checked from each candidate's
+            manifest *before* any tensor is read: ``{"data": {...},
+            "config_fingerprint": ..., "model_fingerprint": ...}`` (see
+            :mod:`ckpt_lesson.contract`). The environment is always compared.
+        env_policy: ``"refuse"`` (default), ``"warn"`` or ``"allow"`` an
+            environment change on resume; data/model/config changes are always refused.
 
     Raises:
         CheckpointError: Invalid settings, or ``run_dir`` is a file.
@@ -191,7 +198,14 @@ class CheckpointManager:
         metadata: dict[str, Any] | None = None,
         on_event: EventHook | None = None,
         retention: RetentionPolicy | None = None,
+        expect: Mapping[str, Any] | None = None,
+        env_policy: str = "refuse",
     ) -> None:
+        if env_policy not in ENV_POLICIES:
+            raise CheckpointError(f"env_policy must be one of {ENV_POLICIES}, got {env_policy!r}.")
+        self.expect = dict(expect or {})
+        self.env_policy = env_policy
+        self._contract: tuple[Any, list[str]] | None = None
         self.config = ManagerConfig(
             keep_last=keep_last,
             every_steps=every_steps,
@@ -583,6 +597,8 @@ class CheckpointManager:
                 layout=manifest["layout"],
                 manifest=manifest,
                 seconds=time.perf_counter() - started,
+                contract=self._contract[0].to_dict() if self._contract else None,
+                contract_warnings=self._contract[1] if self._contract else [],
             )
             if skipped:
                 log.warning("restored step %d after skipping %d newer save(s)", step, len(skipped))
@@ -602,6 +618,7 @@ class CheckpointManager:
         manifest = read_manifest(target)
         if manifest["step"] != step:
             raise CorruptCheckpointError(f"{target.name}: manifest records step {manifest['step']}")
+        self._check_contract(target, manifest)
         for part in manifest["parts"]:  # presence and size first: free, and names a missing part exactly
             path = target / part["file"]
             if not path.is_file() or path.is_symlink():
@@ -629,6 +646,26 @@ class CheckpointManager:
             # Everything was applied already; the next (older) candidate replaces all five buckets.
             raise CorruptCheckpointError(f"{target.name}: payload holds step {state.step}")
         return manifest, state
+
+    def _check_contract(self, target: Path, manifest: dict[str, Any]) -> None:
+        """The resume contract, from the manifest alone: nothing is loaded before it passes.
+
+        Not damage, so never skipped in favour of an older save: a save that
+        covers fewer buckets, or belongs to other data, another model, config
+        or environment, is refused (``StateMismatchError`` /
+        ``ContractMismatchError``), and older saves of the same run would be refused alike.
+        """
+        covers = manifest.get("covers") if isinstance(manifest.get("covers"), list) else []
+        missing = [b for b in BUCKETS if b not in covers]
+        if missing:
+            raise StateMismatchError(
+                f"{target.name}: this save does not cover {missing}; a resume needs every bucket. "
+                "Use warm_start_from() to start a new experiment from its weights."
+            )
+        report = resume_report(manifest, current={**self.expect, "env": current_env()})
+        log.info("%s", report.format())
+        self._emit("resume_contract", step=manifest["step"], save_id=manifest.get("save_id"), report=report)
+        self._contract = (report, check_contract(report, env_policy=self.env_policy))
 
     def _verify_others(self, target: Path, manifest: dict[str, Any], *, skip: set[str]) -> None:
         if manifest["layout"] == "sharded":

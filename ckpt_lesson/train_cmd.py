@@ -24,12 +24,15 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .checkpoint import TrainState
+from .contract import model_fingerprint
 from .errors import CheckpointError
 from .manager import CheckpointManager, EventHook
+from .report import RecoveryRecorder
 from .scan import step_of
 from .training import (
     StepRecord,
@@ -69,6 +72,10 @@ def run_managed_training(
     progress: bool = False,
     stop_after_step: int | None = None,
     on_event: EventHook | None = None,
+    env_policy: str = "refuse",
+    show_contract: bool = False,
+    after_step: Callable[[TrainState, StepRecord], None] | None = None,
+    on_restore: Callable[[Any, dict[str, Any] | None], None] | None = None,
 ) -> dict[str, Any]:
     """Train the teaching model to ``total_steps``, saving and resuming via a manager.
 
@@ -87,6 +94,19 @@ def run_managed_training(
         stop_after_step: Stop (without a final save) once this step is done:
             a stand-in for an interruption, for lessons and tests.
         on_event: Passed to the manager (see :class:`CheckpointManager`).
+        env_policy: What a resume does about a changed environment (see
+            :func:`ckpt_lesson.contract.check_contract`); data, model and
+            config changes are always refused, before any tensor is loaded.
+        show_contract: Print the resume contract table (save id, step, data
+            fingerprint, environment) before training continues.
+        after_step: Called after every step (after the progress heartbeat,
+            before a due save), e.g. to stream step records.
+        on_restore: Called as ``on_restore(model, last_restore)`` after a
+            restore and before the first step.
+
+    Every restore appends a line to ``run_dir/recovery.jsonl`` after the first
+    resumed step (see :mod:`ckpt_lesson.report`), and ``progress.json`` is
+    rewritten after every step.
 
     Returns:
         ``{"losses": every loss from step 1 (restored history included),
@@ -120,10 +140,18 @@ def run_managed_training(
     optimizer, scheduler = make_optimizer_and_scheduler(model, total_steps=total_steps)
     settings = {"seed": seed, "total_steps": total_steps, "batch_size": batch_size, "model": "make_model()"}
     saved_steps: list[int] = []
+    data_block = {"fingerprint": data.fingerprint(), "order_seed": seed}
+    fingerprints = {
+        "config_fingerprint": config_fingerprint(settings),
+        "model_fingerprint": model_fingerprint(model),
+    }
+    recorder = RecoveryRecorder(run_dir)  # reads the crashed process's last heartbeat first
 
     def record_saves(name: str, info: dict[str, Any]) -> None:
         if name == "published":
             saved_steps.append(info["step"])
+        if name == "resume_contract" and show_contract:
+            print(info["report"].format(), flush=True)
         if on_event is not None:
             on_event(name, info)
 
@@ -133,13 +161,18 @@ def run_managed_training(
         every_steps=every_steps,
         every_seconds=every_seconds,
         num_shards=num_shards,
-        data={"fingerprint": data.fingerprint(), "order_seed": seed},
-        metadata={**settings, "config_fingerprint": config_fingerprint(settings)},
+        data=data_block,
+        metadata={**settings, **fingerprints},
         on_event=record_saves,
+        expect={"data": data_block, **fingerprints},
+        env_policy=env_policy,
     ) as mgr:
         restored = mgr.restore_latest(model, optimizer, scheduler) if resume != "never" else None
         if resume == "must" and restored is None:
             raise CheckpointError(f"{run_dir}: no save to resume from and resume='must'; check the folder.")
+        recorder.restored(mgr.last_restore)
+        if on_restore is not None:
+            on_restore(model, mgr.last_restore)
         state = restored or TrainState()
         resumed_from = restored.step if restored is not None else None
         records = _train_with_saves(
@@ -154,6 +187,8 @@ def run_managed_training(
             batch_size,
             progress,
             stop_after_step,
+            recorder,
+            after_step,
         )
         stopped_early = state.step < total_steps
         if not stopped_early and mgr.last_saved_step != state.step:
@@ -182,6 +217,8 @@ def _train_with_saves(
     batch_size: int,
     progress: bool,
     stop_after_step: int | None,
+    recorder: RecoveryRecorder | None = None,
+    user_after_step: Callable[[TrainState, StepRecord], None] | None = None,
 ) -> list[StepRecord]:
     from tqdm import tqdm  # plain bar on stderr: tqdm.auto would store a widget in notebooks
 
@@ -192,6 +229,10 @@ def _train_with_saves(
     def after_step(st: TrainState, record: StepRecord) -> bool:
         bar.update(1)
         bar.set_postfix(loss=f"{record.loss:.4f}", refresh=False)
+        if recorder is not None:
+            recorder.step_done(st.step)
+        if user_after_step is not None:
+            user_after_step(st, record)
         if mgr.should_save(st.step):
             mgr.save(model, optimizer, scheduler, st)
         return stop_after_step is not None and st.step >= stop_after_step

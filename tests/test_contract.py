@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 
 import pytest
+import torch
 
 from ckpt_lesson.contract import (
     check_contract,
@@ -15,7 +17,7 @@ from ckpt_lesson.contract import (
     model_fingerprint,
     resume_report,
 )
-from ckpt_lesson.errors import CheckpointError, ContractMismatchError
+from ckpt_lesson.errors import CheckpointError, ContractMismatchError, StateMismatchError
 from ckpt_lesson.schema import current_env
 from ckpt_lesson.training import SyntheticRegression, make_model
 
@@ -172,3 +174,114 @@ def test_resume_report_does_not_modify_the_manifest():
     before = copy.deepcopy(manifest)
     resume_report(manifest, current=current())
     assert manifest == before
+
+
+# ---------------------------------------------------------------- the contract inside CheckpointManager
+
+
+def managed_save(run_dir, *, step=4, num_shards=None):
+    from ckpt_lesson.checkpoint import TrainState
+    from ckpt_lesson.manager import CheckpointManager
+    from ckpt_lesson.training import make_optimizer_and_scheduler, seed_everything
+
+    seed_everything(0)
+    model = make_model()
+    opt, sched = make_optimizer_and_scheduler(model)
+    data = {"fingerprint": SyntheticRegression(seed=0).fingerprint(), "order_seed": 11}
+    meta = contract_metadata(model=model, config=CONFIG)
+    with CheckpointManager(run_dir, every_steps=step, num_shards=num_shards, data=data, metadata=meta) as mgr:
+        for s in (step, 2 * step):
+            mgr.save(model, opt, sched, TrainState(step=s, losses=[0.5] * s))
+    return data
+
+
+def restore(run_dir, *, env_policy="refuse", **expect_overrides):
+    from ckpt_lesson.manager import CheckpointManager
+    from ckpt_lesson.training import make_optimizer_and_scheduler
+
+    model = make_model()
+    opt, sched = make_optimizer_and_scheduler(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    data = {"fingerprint": SyntheticRegression(seed=0).fingerprint(), "order_seed": 11}
+    expect = {
+        "data": data,
+        "model_fingerprint": model_fingerprint(model),
+        "config_fingerprint": config_fingerprint(CONFIG),
+        **expect_overrides,
+    }
+    mgr = CheckpointManager(run_dir, every_steps=4, expect=expect, env_policy=env_policy)
+    try:
+        return mgr, mgr.restore_latest(model, opt, sched), model, before
+    except Exception as exc:
+        exc.model_unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        raise
+    finally:
+        mgr.close()
+
+
+def edit_manifest(step_dir, **changes):
+    path = step_dir / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest.update(changes)
+    path.write_text(json.dumps(manifest))
+
+
+def test_manager_restore_checks_the_contract_and_records_the_report(tmp_path, caplog):
+    managed_save(tmp_path)
+    with caplog.at_level(logging.INFO, logger="ckpt_lesson.manager"):
+        mgr, state, _, _ = restore(tmp_path)
+    assert state.step == 8
+    report = mgr.last_restore["contract"]
+    assert report["step"] == 8 and report["save_id"] == mgr.last_restore["save_id"]
+    assert {r["status"] for r in report["rows"]} == {"match"}
+    assert f"resume contract for save {report['save_id']} at step 8" in caplog.text
+
+
+def test_manager_refuses_a_save_from_an_incompatible_environment_before_loading_tensors(tmp_path):
+    managed_save(tmp_path)
+    # The manifest is the commit record, not a part: editing it leaves every part verifying,
+    # so the refusal below comes from the contract, not from a hash.
+    edit_manifest(tmp_path / "step-00000008", env={**current_env(), "torch": "1.13.1"})
+    with pytest.raises(ContractMismatchError, match="env.torch: saved '1.13.1'") as info:
+        restore(tmp_path)
+    assert info.value.model_unchanged
+
+
+def test_manager_restores_across_an_environment_change_under_warn(tmp_path):
+    managed_save(tmp_path)
+    edit_manifest(tmp_path / "step-00000008", env={**current_env(), "numpy": "0.0.1"})
+    mgr, state, _, _ = restore(tmp_path, env_policy="warn")
+    assert state.step == 8
+    now = repr(current_env()["numpy"])
+    expected = f"environment changed: env.numpy saved '0.0.1', current {now}"
+    assert mgr.last_restore["contract_warnings"] == [expected]
+
+
+def test_manager_refuses_other_data_and_does_not_fall_back_to_an_older_save(tmp_path):
+    managed_save(tmp_path)
+    with pytest.raises(ContractMismatchError, match="data.fingerprint") as info:
+        restore(tmp_path, data={"fingerprint": "0" * 64, "order_seed": 11})
+    assert info.value.model_unchanged
+
+
+def test_manager_refuses_a_save_whose_manifest_does_not_cover_the_optimizer(tmp_path):
+    managed_save(tmp_path)
+    edit_manifest(tmp_path / "step-00000008", covers=["model", "scheduler", "state", "rng"])
+    with pytest.raises(StateMismatchError, match="warm_start_from"):
+        restore(tmp_path)
+
+
+def test_manager_skips_a_save_with_a_required_part_deleted_and_restores_the_older_one(tmp_path):
+    managed_save(tmp_path, num_shards=2)
+    (tmp_path / "step-00000008" / "model.shard-001.pt").unlink()
+    mgr, state, _, _ = restore(tmp_path)
+    assert state.step == 4
+    [skip] = mgr.last_restore["skipped"]
+    assert skip["step"] == 8 and skip["status"] == "incomplete" and "model.shard-001.pt" in skip["reason"]
+
+
+def test_manager_refuses_an_unknown_env_policy(tmp_path):
+    from ckpt_lesson.manager import CheckpointManager
+
+    with pytest.raises(CheckpointError, match="env_policy"):
+        CheckpointManager(tmp_path, every_steps=1, env_policy="maybe")
