@@ -73,17 +73,18 @@ def read_progress(run_dir: str | os.PathLike[str]) -> int | None:
 
 
 def process_start_time() -> float:
-    """Wall-clock time this process started (Linux ``/proc``), else when this module was imported."""
+    """Wall-clock time this process started (Linux ``/proc``), else when this module was imported.
+
+    The age comes from ``/proc/uptime`` minus the process's start tick, both
+    counted from boot at 10 ms resolution (``btime`` is rounded to whole
+    seconds, so it is not used).
+    """
     try:
         fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        ticks = int(fields[19])  # field 22 of stat(5): starttime, clock ticks after boot
-        btime = next(
-            int(line.split()[1])
-            for line in Path("/proc/stat").read_text().splitlines()
-            if line.startswith("btime")
-        )
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # stat(5) field 22: starttime in ticks
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - max(0.0, uptime - started)
+    except (OSError, ValueError, IndexError):
         return _IMPORTED_AT
 
 
