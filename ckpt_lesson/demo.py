@@ -134,6 +134,8 @@ def run_resume_demo(
     """
     _validate(total_steps, interrupt_at, num_shards)
     ckpt_dir = Path(ckpt_dir)
+    if ckpt_dir.exists() and not ckpt_dir.is_dir():
+        raise CheckpointError(f"{ckpt_dir}: is a file, not a directory; pass a directory as ckpt_dir.")
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     target = ckpt_dir / (f"resume-demo-sharded-{num_shards}" if sharded else "resume-demo.pt")
     ready, out = ckpt_dir / f".{target.name}.ready.json", ckpt_dir / f".{target.name}.resumed.json"

@@ -259,6 +259,13 @@ def test_run_resume_demo_refuses_zero_shards(tmp_path) -> None:
         run_resume_demo(total_steps=10, interrupt_at=3, ckpt_dir=tmp_path, sharded=True, num_shards=0)
 
 
+def test_run_resume_demo_refuses_a_file_as_its_checkpoint_directory(tmp_path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        run_resume_demo(total_steps=10, interrupt_at=3, ckpt_dir=not_a_dir)
+
+
 def test_cli_demo_with_interrupt_at_the_end_fails_with_a_clear_message(tmp_path, capsys) -> None:
     rc = main(["demo", "--total-steps", "20", "--interrupt-at", "20", "--out", str(tmp_path)])
     err = capsys.readouterr().err
