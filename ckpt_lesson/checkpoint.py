@@ -396,7 +396,11 @@ def _weights_only_load(f: Any, path: Path, map_location: Any) -> Any:
             "beyond tensors and plain values, which no ckpt_lesson checkpoint does. Treat it as "
             "untrusted; do not load it with weights_only=False."
         ) from exc
-    except (RuntimeError, EOFError, OSError, KeyError, ValueError, IndexError, UnicodeDecodeError) as exc:
+    except Exception as exc:
+        # Deliberately broad: fed damaged bytes, torch.load raises almost anything
+        # (RuntimeError from the zip reader, EOFError, KeyError, and TypeError or
+        # AttributeError when a flipped opcode hands a rebuild function the wrong
+        # object). Every one of them means "not a readable checkpoint".
         raise CorruptCheckpointError(
             f"{path}: not a readable checkpoint archive ({type(exc).__name__}: {str(exc)[:200]}); "
             "it is truncated, damaged or not a torch.save file. Restore an older checkpoint."

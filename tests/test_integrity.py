@@ -9,6 +9,7 @@ that damaged or hostile files raise :class:`CheckpointError` instead of loading
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import io
@@ -243,6 +244,31 @@ def test_expected_sha256_is_checked_and_may_be_upper_case(saved):
 
 
 # Hostile and damaged files ------------------------------------------------------------------
+
+
+class CallsRebuildWithoutArguments:
+    """An allowed function called with the wrong arguments, as a flipped opcode can do."""
+
+    def __reduce__(self):
+        return (torch._utils._rebuild_tensor_v2, ())
+
+
+class BuildsADictWithADictKey:
+    """An allowed constructor fed an unhashable key."""
+
+    def __reduce__(self):
+        return (collections.OrderedDict, ([({}, 1)],))
+
+
+@pytest.mark.parametrize(
+    "thing", [CallsRebuildWithoutArguments(), BuildsADictWithADictKey()], ids=lambda t: type(t).__name__
+)
+def test_allowed_calls_that_fail_inside_torch_load_become_corrupt_checkpoint_errors(tmp_path, thing):
+    # torch.load raises a bare TypeError for these; callers catching CheckpointError must see them.
+    path = tmp_path / "odd.pt"
+    torch.save({"schema": "ckpt.v1", "model": thing}, path)
+    with pytest.raises(CorruptCheckpointError, match="odd.pt"):
+        load_verified_file(path)
 
 
 class RunsShellOnUnpickle:
