@@ -3,8 +3,8 @@
 A hand-written summary drifts: someone adds an RNG source or a schema, the
 code changes, the doc does not. Here every list in the recipe (buckets,
 payload keys, RNG sources, schemas, migrations, temp-file marker, footer
-magic, shard-index names, error classes, CLI commands) is read from the
-package at render time, so changing a constant changes the recipe.
+magic, shard-index names, error classes) is read from the package at render
+time, so changing a constant changes the recipe.
 
 The output is deterministic (no dates, no paths, no hashes) so that the
 committed ``outputs/skill-checkpoint-save-resume.md`` only changes when the
@@ -121,8 +121,6 @@ def render_skill_markdown() -> str:
         >>> "Checkpoint save and resume" in text
         True
     """
-    from .cli import COMMANDS  # late: cli imports command modules lazily, never this one
-
     keys = _tiny_payload_keys()
     # Each registered step lifts a payload by one version: the next schema in KNOWN_SCHEMAS.
     migrations = [
@@ -220,11 +218,9 @@ def render_skill_markdown() -> str:
         "",
         "Kill a run with SIGKILL after a save, resume it in a fresh process and compare every loss "
         "with an uninterrupted run: on CPU the difference is exactly 0.0 and the batches are the same. "
-        "Two negative controls (RNG not restored, fresh optimizer) must diverge.",
-        "",
-        "Commands (`python -m ckpt_lesson COMMAND --help`):",
-        "",
-        *[f"- `{name}`: {help_text}" for name, (_, help_text) in COMMANDS.items()],
+        "Two negative controls (RNG not restored, fresh optimizer) must diverge. "
+        "`python -m ckpt_lesson demo` runs exactly this; `python -m ckpt_lesson --help` lists the "
+        "other commands.",
         "",
     ]
     return "\n".join(lines)
