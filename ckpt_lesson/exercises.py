@@ -63,8 +63,14 @@ class _Case:
 
 
 def _grade(
-    name: str, fn_name: str, fn: Callable[..., Any], cases: Iterable[_Case], verbose: bool
+    name: str,
+    fn_name: str,
+    fn: Callable[..., Any],
+    cases: Iterable[_Case],
+    verbose: bool,
+    scrub: Callable[[str], str] = str,
 ) -> GradeResult:
+    """Run ``cases`` until the first failure; ``scrub`` cleans the failure text (e.g. temp paths)."""
     count = 0
     for case in cases:
         count += 1
@@ -76,7 +82,8 @@ def _grade(
         except Exception as exc:  # the learner's bug is the finding, never a crash of the grader
             if case.expect_raise and isinstance(exc, case.expect_raise):
                 continue
-            result = GradeResult(False, True, count, f"{case.describe}: raised {type(exc).__name__}: {exc}")
+            message = f"{case.describe}: raised {type(exc).__name__}: {_clip(str(exc), 200)}"
+            result = GradeResult(False, True, count, scrub(message))
             break
         if case.expect_raise:
             wanted = " or ".join(e.__name__ for e in case.expect_raise)
@@ -84,7 +91,7 @@ def _grade(
         else:
             problem = case.judge(got)
         if problem is not None:
-            result = GradeResult(False, True, count, f"{case.describe}: {problem}")
+            result = GradeResult(False, True, count, scrub(f"{case.describe}: {problem}"))
             break
     else:
         result = GradeResult(True, True, count, None)
@@ -101,9 +108,12 @@ def _grade(
     return result
 
 
-def _short(value: Any, limit: int = 120) -> str:
-    text = repr(value)
+def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    return _clip(repr(value), limit)
 
 
 def _setrepr(values: Iterable[int]) -> str:
@@ -311,7 +321,9 @@ def check_verify_part(fn: Callable[..., Any], *, verbose: bool = True) -> GradeR
     plan += [(rng.choice(damages), rng.randint(1, 200_000)) for _ in range(40)]
     with tempfile.TemporaryDirectory(prefix="ckpt-lesson-grader-") as tmp:
         cases = [_verify_case(reference, Path(tmp), i, damage, n, rng) for i, (damage, n) in enumerate(plan)]
-        return _grade("check_verify_part", "verify_part", fn, cases, verbose)
+        # A learner's exception may name the temp file; keep machine paths out of notebook output.
+        scrub = lambda text: text.replace(tmp, "<tmp>")  # noqa: E731
+        return _grade("check_verify_part", "verify_part", fn, cases, verbose, scrub)
 
 
 def _verify_case(

@@ -201,7 +201,9 @@ def test_verify_part_fails_raising_on_a_missing_file():
         ok = len(data) == size and hashlib.sha256(data).hexdigest() == sha256
         return None if ok else "mismatch"
 
-    assert "raised FileNotFoundError" in _fails(check_verify_part, raises_when_missing)
+    failure = _fails(check_verify_part, raises_when_missing)
+    assert "raised FileNotFoundError" in failure
+    assert "<tmp>/part-" in failure and "/tmp" not in failure
 
 
 def test_verify_part_fails_hashing_only_the_first_kilobyte():
