@@ -25,7 +25,31 @@ from .integrity import FileDigest, file_digest  # noqa: E402
 from .rng import capture_rng_state, restore_rng_state  # noqa: E402
 from .schema import CURRENT_SCHEMA, SCHEMA_V1, SCHEMA_V2, migrate_v1_to_v2  # noqa: E402
 # Feature modules: one import line per module, kept in alphabetical order of module.
+from .accumulation import (  # noqa: E402
+    AccumulationState,
+    MicroStepRecord,
+    load_accumulating,
+    save_accumulating,
+    train_accumulating,
+)
 from .cadence import SaveCadence, should_save  # noqa: E402
+from .contract import (  # noqa: E402
+    ResumeReport,
+    check_contract,
+    config_fingerprint,
+    contract_metadata,
+    current_contract,
+    model_fingerprint,
+    resume_report,
+)
+from .cost import (  # noqa: E402
+    SpotComparison,
+    compare_spot,
+    cost_per_accepted_step,
+    daly_interval,
+    expected_wall_time,
+    young_interval,
+)
 from .demo import run_full_demo, run_negative_control, run_resume_demo  # noqa: E402
 from .demo_artifacts import write_demo_artifacts  # noqa: E402
 from .exercises import (  # noqa: E402
@@ -35,8 +59,11 @@ from .exercises import (  # noqa: E402
     check_migration,
     check_verify_part,
 )
+from .faults import CampaignResult, KillPlan, run_campaign  # noqa: E402
 from .manager import CheckpointManager, ManagerConfig  # noqa: E402
 from .migrate import MigrationResult, migrate_file, write_legacy_v1_checkpoint  # noqa: E402
+from .preemption import PREEMPTED_EXIT_CODE, PreemptionHandler, train_until_preempted  # noqa: E402
+from .report import RecoveryRecorder, read_recovery_log, summarize_recoveries  # noqa: E402
 from .retention import KeepBest, KeepLastK, keep_last_k  # noqa: E402
 from .scan import ScanResult, read_manifest, scan_checkpoints, verify_part  # noqa: E402
 from .sharded import (  # noqa: E402
@@ -57,12 +84,15 @@ from .training import (  # noqa: E402
     seed_everything,
     train,
 )
+from .warm_start import WarmStartRecord, warm_start_from  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccumulationState",
     "BUCKETS",
     "CURRENT_SCHEMA",
+    "CampaignResult",
     "CheckpointError",
     "CheckpointManager",
     "ContractMismatchError",
@@ -72,56 +102,83 @@ __all__ = [
     "IncompleteCheckpointError",
     "KeepBest",
     "KeepLastK",
+    "KillPlan",
     "ManagerConfig",
+    "MicroStepRecord",
     "MigrationResult",
+    "PREEMPTED_EXIT_CODE",
+    "PreemptionHandler",
+    "RecoveryRecorder",
+    "ResumeReport",
     "SCHEMA_V1",
     "SCHEMA_V2",
     "SaveCadence",
     "ScanResult",
     "SchemaError",
     "ShardedSaveResult",
+    "SpotComparison",
     "StateMismatchError",
     "SyntheticRegression",
     "TrainState",
     "UnsafeCheckpointError",
+    "WarmStartRecord",
     "__version__",
     "atomic_save",
     "atomic_write_json",
     "capture_rng_state",
     "check_cadence",
+    "check_contract",
     "check_keep_k",
     "check_migration",
     "check_torch_version",
     "check_verify_part",
+    "compare_spot",
+    "config_fingerprint",
+    "contract_metadata",
+    "cost_per_accepted_step",
+    "current_contract",
+    "daly_interval",
+    "expected_wall_time",
     "file_digest",
     "fsync_dir",
     "keep_last_k",
+    "load_accumulating",
     "load_checkpoint",
     "load_sharded_checkpoint",
     "make_model",
     "make_optimizer_and_scheduler",
     "migrate_file",
     "migrate_v1_to_v2",
+    "model_fingerprint",
     "plan_shards",
     "read_checkpoint",
     "read_manifest",
+    "read_recovery_log",
     "read_shard_index",
     "render_skill_markdown",
     "restore_rng_state",
+    "resume_report",
+    "run_campaign",
     "run_full_demo",
     "run_managed_training",
     "run_negative_control",
     "run_resume_demo",
+    "save_accumulating",
     "save_checkpoint",
     "save_sharded_checkpoint",
     "scan_checkpoints",
     "seed_everything",
     "shard_keys_by_prefix",
     "should_save",
+    "summarize_recoveries",
     "train",
+    "train_accumulating",
+    "train_until_preempted",
     "verify_part",
     "verify_sharded_checkpoint",
+    "warm_start_from",
     "write_demo_artifacts",
     "write_legacy_v1_checkpoint",
     "write_skill_markdown",
+    "young_interval",
 ]
