@@ -244,7 +244,7 @@ def apply_payload(
         not isinstance(opt_sd, dict)
         or not isinstance(opt_sd.get("state"), dict)
         or not isinstance(opt_sd.get("param_groups"), (list, tuple))
-        or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in opt_sd["param_groups"])
+        or not all(_is_param_group(g) for g in opt_sd["param_groups"])
     ):
         raise StateMismatchError(
             f"{source}: 'optimizer' is not an optimizer state_dict; a resume needs the saved "
@@ -274,12 +274,31 @@ def apply_payload(
         validate_rng_state(payload["rng"], allow_device_change=allow_device_change)
     except CheckpointError as exc:
         raise StateMismatchError(f"{source}: {exc}") from exc
+    # The optimizer goes first because its values are the least checkable: torch
+    # casts every state entry and raises on odd ones, sometimes after it has
+    # already replaced its state. Its current state_dict (references, no copies)
+    # lets a failed load be rolled back before anything else has changed.
+    previous = optimizer.state_dict()
+    try:
+        optimizer.load_state_dict(opt_sd)
+    except Exception as exc:
+        optimizer.load_state_dict(previous)
+        raise StateMismatchError(
+            f"{source}: the optimizer state does not fit the live optimizer ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); build the same optimizer class and groups as the saved run."
+        ) from exc
     model.load_state_dict(payload["model"], strict=True)
-    optimizer.load_state_dict(opt_sd)
     if scheduler is not None:
         scheduler.load_state_dict(payload["scheduler"])
     restore_rng_state(payload["rng"], allow_device_change=allow_device_change)
     return state
+
+
+def _is_param_group(group: Any) -> bool:
+    """A saved param group: a dict whose ``params`` is a list of integer ids."""
+    if not isinstance(group, dict) or not isinstance(group.get("params"), list):
+        return False
+    return all(isinstance(i, int) and not isinstance(i, bool) for i in group["params"])
 
 
 def check_model_state(saved: Any, model: torch.nn.Module, *, source: str = "<payload>") -> None:

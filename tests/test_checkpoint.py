@@ -193,19 +193,44 @@ def test_a_run_without_scheduler_cannot_be_loaded_into_one_with_a_scheduler(tmp_
     assert again.load(tmp_path / "plain.pt").step == 2
 
 
-@pytest.mark.parametrize("damage", ["rng_malformed", "rng_from_two_gpus", "optimizer_not_a_state_dict"])
-def test_a_bad_bucket_is_refused_before_anything_is_overwritten(tmp_path, tiny_run, damage):
-    run = tiny_run(0)
-    run.train(2)
-    payload = build_payload(run.model, run.optimizer, run.scheduler, run.state)
+def _damage(payload: dict, damage: str) -> None:
+    opt = payload["optimizer"]
     if damage == "rng_malformed":
         payload["rng"]["numpy"]["keys"] = [1, 2, 3]
     elif damage == "rng_from_two_gpus":
         payload["rng"]["torch_cuda"] = [torch.zeros(16, dtype=torch.uint8)] * (torch.cuda.device_count() + 2)
-    else:
+    elif damage == "optimizer_not_a_state_dict":
         payload["optimizer"] = {"state": {}, "param_groups": "oops"}
+    elif damage == "optimizer_param_ids_not_ints":
+        opt["param_groups"][0]["params"] = [{} for _ in opt["param_groups"][0]["params"]]
+    elif damage == "adamw_state_without_step":
+        del opt["state"][0]["step"]  # torch fails on this only after replacing the optimizer's state
+    elif damage == "adamw_step_not_a_number":
+        opt["state"][0]["step"] = {"a": 1}
+    else:
+        raise AssertionError(damage)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "rng_malformed",
+        "rng_from_two_gpus",
+        "optimizer_not_a_state_dict",
+        "optimizer_param_ids_not_ints",
+        "adamw_state_without_step",
+        "adamw_step_not_a_number",
+    ],
+)
+def test_a_bad_bucket_is_refused_before_anything_is_overwritten(tmp_path, tiny_run, damage):
+    run = tiny_run(0)
+    run.train(2)
+    payload = build_payload(run.model, run.optimizer, run.scheduler, run.state)
+    _damage(payload, damage)
     atomic_save(payload, tmp_path / "bad.pt")
-    refused_without_change(tiny_run(1), tmp_path / "bad.pt")
+    target = tiny_run(1)
+    target.train(1)  # live optimizer state that a half-done load would overwrite
+    refused_without_change(target, tmp_path / "bad.pt")
 
 
 @pytest.mark.parametrize(
