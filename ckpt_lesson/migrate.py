@@ -16,7 +16,8 @@ The rewrite is careful in the same way as a save:
 3. atomically replace the file with the migrated payload.
 
 A kill at any moment leaves either the old file or the new one at ``path``,
-and the original bytes are always somewhere.
+and the original bytes are always somewhere; running the migration again
+finishes an interrupted one.
 
 This module also keeps :func:`write_legacy_v1_checkpoint`, a faithful copy of
 the lesson's original *naive* save, so that tests and notebook 09 have real
@@ -141,13 +142,20 @@ def migrate_file(
         backup_suffix: Appended to the file name for the backup of the
             original bytes (``last.pt`` -> ``last.pt.v1.bak``).
 
+    A backup that already exists is never overwritten. The one exception is
+    not an overwrite: if it holds exactly the bytes of ``path`` (an earlier run
+    was killed between making the backup and replacing the file), it is kept
+    and reused, so rerunning is the way to finish an interrupted migration.
+    Tensors are loaded to CPU and written back as CPU tensors; loading maps
+    them to the requested device anyway.
+
     Returns:
         A :class:`MigrationResult`; ``backup`` is ``None`` and nothing on disk
         changed when the file was already current.
 
     Raises:
         CheckpointError: ``path`` is missing, a directory, a symlink, or the
-            backup name already exists (a backup is never overwritten).
+            backup name already exists with other bytes (never overwritten).
         CorruptCheckpointError: The file is damaged, not a ``torch.save``
             archive, or a current-schema file has lost its integrity footer.
         UnsafeCheckpointError: The weights-only loader refused it.
@@ -187,21 +195,37 @@ def migrate_file(
             f"{path}: checkpoint lacks {missing}, so even a migrated file could not resume "
             "training. Nothing was changed."
         )
-    if backup.exists() or backup.is_symlink():
-        raise _backup_exists(path, backup)
+    # Step 2: keep the original bytes, and make sure they are the bytes we just read. A backup
+    # that already holds exactly these bytes is from a run killed after this step: reusing it
+    # overwrites nothing, and rerunning is how an interrupted migration is finished.
+    if not _is_backup_of(backup, digest.sha256):
+        if backup.exists() or backup.is_symlink():
+            raise _backup_exists(path, backup)
+        _make_backup(path, backup)
+        _check_backup(path, backup, digest.sha256)
 
-    # Step 2: keep the original bytes, and make sure they are the bytes we just read.
-    _make_backup(path, backup)
-    if file_digest(backup).sha256 != digest.sha256:
+    # Step 3: one atomic replace; the footer is the integrity record v1 lacked.
+    atomic_save(migrated, path)
+    return MigrationResult(path, backup, str(original), current)
+
+
+def _is_backup_of(backup: Path, sha256: str) -> bool:
+    """True when ``backup`` is a regular file holding exactly the bytes with ``sha256``."""
+    if backup.is_symlink() or not backup.is_file():
+        return False
+    try:
+        return file_digest(backup).sha256 == sha256
+    except CheckpointError:  # a damaged footer in whatever is there: not our backup
+        return False
+
+
+def _check_backup(path: Path, backup: Path, sha256: str) -> None:
+    if file_digest(backup).sha256 != sha256:
         backup.unlink(missing_ok=True)
         raise CheckpointError(
             f"{path}: the file changed while it was being migrated (another process is writing "
             "it?); nothing was migrated. Stop the writer and run migrate again."
         )
-
-    # Step 3: one atomic replace; the footer is the integrity record v1 lacked.
-    atomic_save(migrated, path)
-    return MigrationResult(path, backup, str(original), current)
 
 
 def _check_target(path: Path) -> None:

@@ -156,6 +156,18 @@ def test_migrate_refuses_to_overwrite_an_existing_backup(legacy):
     assert path.with_name("last.pt.v1.bak").read_bytes() == b"an older backup"
 
 
+def test_rerunning_an_interrupted_migration_reuses_its_identical_backup(legacy):
+    # A kill after the backup was made but before the file was replaced leaves exactly this.
+    path, expected = legacy
+    before = path.read_bytes()
+    os.link(path, path.with_name("last.pt.v1.bak"))
+    result = migrate_file(path)
+    assert result.changed and result.backup is not None
+    assert result.backup.read_bytes() == before
+    assert load_verified_file(path)[0]["schema"] == "ckpt.v2"
+    assert _resume(path)[1] == expected
+
+
 def test_migrate_uses_the_given_backup_suffix(legacy):
     path, _ = legacy
     result = migrate_file(path, backup_suffix=".orig")
