@@ -47,6 +47,8 @@ from .checkpoint import BUCKETS, TrainState, load_verified_file
 from .errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from .integrity import file_digest
 from .rng import capture_rng_state
+from .scan import MANIFEST_NAME
+from .sharded import INDEX_NAME
 
 __all__ = [
     "DEFAULT_BACKUP_SUFFIX",
@@ -189,6 +191,7 @@ def migrate_file(
                 "so migrate refuses; restore an older checkpoint."
             )
         return MigrationResult(path, None, str(original), current)
+    _refuse_recorded_part(path)
     missing = [b for b in BUCKETS if b not in migrated]
     if missing:
         raise StateMismatchError(
@@ -226,6 +229,22 @@ def _check_backup(path: Path, backup: Path, sha256: str) -> None:
             f"{path}: the file changed while it was being migrated (another process is writing "
             "it?); nothing was migrated. Stop the writer and run migrate again."
         )
+
+
+def _refuse_recorded_part(path: Path) -> None:
+    """Refuse a file that a manifest or shard index beside it records by sha256.
+
+    Rewriting such a file changes its bytes, so the record would no longer
+    match and every scan and restore would call the whole save corrupt.
+    """
+    for record in (MANIFEST_NAME, INDEX_NAME):
+        if (path.parent / record).exists():
+            raise CheckpointError(
+                f"{path}: is one part of a save recorded in {record}, which pins its sha256; "
+                "rewriting it would make that save fail verification. Nothing was changed. Such "
+                "files are migrated in memory on every load; to upgrade them on disk, restore "
+                "and save again through the CheckpointManager."
+            )
 
 
 def _check_target(path: Path) -> None:

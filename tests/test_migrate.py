@@ -168,6 +168,17 @@ def test_rerunning_an_interrupted_migration_reuses_its_identical_backup(legacy):
     assert _resume(path)[1] == expected
 
 
+@pytest.mark.parametrize("record", ["manifest.json", "index.json"])
+def test_migrate_refuses_a_file_whose_sha256_a_manifest_or_index_records(legacy, record):
+    path, _ = legacy
+    before = path.read_bytes()
+    (path.parent / record).write_text("{}")
+    with pytest.raises(CheckpointError, match=f"recorded in {record}"):
+        migrate_file(path)
+    assert path.read_bytes() == before
+    assert not path.with_name("last.pt.v1.bak").exists()
+
+
 def test_migrate_uses_the_given_backup_suffix(legacy):
     path, _ = legacy
     result = migrate_file(path, backup_suffix=".orig")
