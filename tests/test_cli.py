@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import runpy
+import sys
 import textwrap
 
 import pytest
@@ -19,6 +21,16 @@ def test_help_exits_zero_and_lists_every_registered_command(capsys):
     assert "usage: python -m ckpt_lesson" in out
     for name in cli.COMMANDS:
         assert name in out
+
+
+def test_python_dash_m_ckpt_lesson_runs_the_same_main(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["ckpt_lesson", "--help"])
+    with pytest.raises(SystemExit) as info:
+        runpy.run_module("ckpt_lesson", run_name="__main__")
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m ckpt_lesson")
+    assert all(name in out for name in cli.COMMANDS)
 
 
 def test_no_command_is_a_usage_error_not_a_traceback(capsys):
