@@ -230,13 +230,32 @@ def apply_payload(
     """Check that ``payload`` fits the live objects, then restore all five buckets.
 
     Everything that can be checked cheaply is checked before anything is
-    changed, so a refused checkpoint leaves the model as it was.
+    changed, and the one part torch checks only while loading (the optimizer's
+    state entries) is rolled back on failure, so a refused checkpoint leaves
+    model, optimizer, scheduler and random generators as they were.
+
+    Args:
+        payload: A current-schema payload, e.g. from :func:`read_checkpoint`.
+        model, optimizer, scheduler: The live objects (``scheduler`` may be
+            ``None`` when the saved run had none).
+        source: Names the checkpoint in error messages.
+        allow_device_change: See :func:`ckpt_lesson.rng.restore_rng_state`.
+
+    Returns:
+        The saved :class:`TrainState`.
 
     Raises:
-        StateMismatchError: Model keys or shapes differ, the optimizer's
-            parameter groups differ, scheduler presence differs, or the RNG
-            block is malformed or was saved on a different number of CUDA devices.
+        StateMismatchError: A bucket is missing, model keys or shapes differ,
+            the optimizer's parameter groups or state entries do not fit,
+            scheduler presence differs, or the RNG block is malformed or was
+            saved on a different number of CUDA devices.
+
+    Example:
+        >>> state = apply_payload(read_checkpoint("ckpt/last.pt"), model, opt, sched)  # doctest: +SKIP
     """
+    missing = [b for b in BUCKETS if not isinstance(payload, dict) or b not in payload]
+    if missing:
+        raise StateMismatchError(f"{source}: payload lacks {missing}; a resume needs every bucket.")
     state = TrainState.from_dict(payload["state"], source=source)
     check_model_state(payload["model"], model, source=source)
     opt_sd = payload["optimizer"]

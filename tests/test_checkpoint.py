@@ -19,6 +19,7 @@ from ckpt_lesson.atomic import atomic_save
 from ckpt_lesson.checkpoint import (
     BUCKETS,
     TrainState,
+    apply_payload,
     build_payload,
     load_checkpoint,
     read_checkpoint,
@@ -141,6 +142,13 @@ def test_a_missing_bucket_is_refused_never_filled_with_fresh_state(tmp_path, tin
         fresh.load(path)
     assert str(path) in str(info.value)
     assert same(snapshot(fresh), before)
+
+
+@pytest.mark.parametrize("payload", [{"schema": CURRENT_SCHEMA}, ["not", "a", "dict"]], ids=["empty", "list"])
+def test_apply_payload_called_directly_refuses_a_payload_without_buckets(tiny_run, payload):
+    run = tiny_run(0)
+    with pytest.raises(StateMismatchError, match="shard-3"):
+        apply_payload(payload, run.model, run.optimizer, run.scheduler, source="shard-3")
 
 
 def refused_without_change(run, path, error=StateMismatchError):
