@@ -234,9 +234,13 @@ def test_fsync_hits_the_file_then_replace_then_the_directory(tmp_path, monkeypat
     events = []
     real_fsync, real_replace = os.fsync, os.replace
 
+    sizes_at_fsync = []
+
     def fsync(fd):
         st = os.fstat(fd)
         events.append(("fsync", "dir" if stat.S_ISDIR(st.st_mode) else "file", st.st_ino))
+        if not stat.S_ISDIR(st.st_mode):
+            sizes_at_fsync.append(st.st_size)  # Python's buffer must be flushed before the fsync
         real_fsync(fd)
 
     def replace(src, dst):
@@ -259,6 +263,7 @@ def test_fsync_hits_the_file_then_replace_then_the_directory(tmp_path, monkeypat
     assert len(renames) == 1 and is_temp_file(renames[0][1]) and renames[0][2] == "out.bin"
     assert file_sync in events and dir_sync in events
     assert events.index(file_sync) < events.index(renames[0]) < len(events) - 1 - events[::-1].index(dir_sync)
+    assert sizes_at_fsync == [path.stat().st_size]
 
 
 def test_a_missing_directory_is_a_checkpoint_error_and_writes_nothing(tmp_path):

@@ -27,6 +27,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ckpt_lesson.checkpoint import load_checkpoint, load_verified_file
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
@@ -153,6 +155,25 @@ def test_footer_writer_output_does_not_depend_on_how_torch_save_splits_its_write
     assert a.finish() == b.finish()
     assert whole.getvalue() == dribbled.getvalue()
     assert zipfile.ZipFile(dribbled).comment.startswith(FOOTER_MAGIC)
+
+
+_ONE_ARCHIVE = io.BytesIO()
+torch.save({"w": torch.arange(40, dtype=torch.float32)}, _ONE_ARCHIVE)
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=len(_ONE_ARCHIVE.getvalue())), max_size=12))
+def test_footer_writer_gives_the_same_bytes_for_any_split_of_the_stream(cuts):
+    data = _ONE_ARCHIVE.getvalue()
+    edges = [0, *sorted(cuts), len(data)]
+    reference, split = io.BytesIO(), io.BytesIO()
+    whole = FooterWriter(reference)
+    whole.write(data)
+    pieces = FooterWriter(split)
+    for start, end in zip(edges, edges[1:], strict=False):
+        pieces.write(data[start:end])  # empty pieces included
+    assert pieces.finish() == whole.finish()
+    assert split.getvalue() == reference.getvalue()
 
 
 def test_footer_writer_refuses_output_that_is_not_a_zip():
