@@ -59,9 +59,12 @@ from .report import read_recovery_log
 
 __all__ = [
     "POINTS",
+    "Baseline",
     "CampaignResult",
     "KillOutcome",
     "KillPlan",
+    "RunConfig",
+    "compute_baseline",
     "predict_restored_step",
     "run_campaign",
     "run_kill_sequence",
@@ -334,7 +337,7 @@ def run_kill_sequence(
     pending: KillOutcome | None = None
     for plan in [*plans, None]:
         if pending is not None and run_dir.exists():
-            pending.incomplete_found = sum(1 for r in scan_checkpoints(run_dir) if r.status != "ok")
+            pending.incomplete_found = sum(1 for r in scan_checkpoints(run_dir) if r.status == "incomplete")
         messages, code = _spawn(run_dir, cfg, plan)
         life_error = None
         for msg in messages:

@@ -5,7 +5,8 @@ Spot and preemptible machines are taken back with a warning: a ``SIGTERM``
 (about 30 s on GCP spot, a best-effort two minutes on AWS spot), then
 ``SIGKILL``. The safe reaction has three rules:
 
-1. **The signal handler only sets a flag.** A handler runs between two
+1. **The signal handler only sets a flag** (a *second* signal goes to the
+   previous handler, so Ctrl-C twice still stops a hung save). A handler runs between two
    bytecodes of whatever the main thread was doing, possibly in the middle of
    ``optimizer.step()`` or of another save. Saving from inside it would write
    half-updated state. So :class:`PreemptionHandler` records the request and
@@ -26,6 +27,7 @@ Spot and preemptible machines are taken back with a warning: a ``SIGTERM``
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -129,6 +131,16 @@ class PreemptionHandler:
             self.received_at = self._clock()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signal_received is not None:
+            # A second signal: the operator insists (a save that hangs must stay killable).
+            # Hand this signal back to its previous handler, and deliver it there.
+            old = self._old.get(signum, signal.SIG_DFL)
+            signal.signal(signum, old)
+            if callable(old):
+                old(signum, frame)
+            elif old == signal.SIG_DFL:
+                os.kill(os.getpid(), signum)
+            return
         # Only record: the interrupted code may be mid-step or mid-save.
         self.request(signum)
 

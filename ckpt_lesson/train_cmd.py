@@ -32,6 +32,7 @@ from .checkpoint import TrainState
 from .contract import model_fingerprint
 from .errors import CheckpointError
 from .manager import CheckpointManager, EventHook
+from .preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
 from .report import RecoveryRecorder
 from .scan import step_of
 from .training import (
@@ -76,6 +77,7 @@ def run_managed_training(
     show_contract: bool = False,
     after_step: Callable[[TrainState, StepRecord], None] | None = None,
     on_restore: Callable[[Any, dict[str, Any] | None], None] | None = None,
+    preemption: PreemptionHandler | None = None,
 ) -> dict[str, Any]:
     """Train the teaching model to ``total_steps``, saving and resuming via a manager.
 
@@ -103,6 +105,10 @@ def run_managed_training(
             before a due save), e.g. to stream step records.
         on_restore: Called as ``on_restore(model, last_restore)`` after a
             restore and before the first step.
+        preemption: An entered :class:`~ckpt_lesson.preemption.PreemptionHandler`:
+            once it has caught a signal, the step in flight finishes, the state
+            is saved (timed against the grace period) and the run stops with
+            ``"preempted": True`` and ``"exit_code": 75`` in the result.
 
     Every restore appends a line to ``run_dir/recovery.jsonl`` after the first
     resumed step (see :mod:`ckpt_lesson.report`), and ``progress.json`` is
@@ -189,8 +195,10 @@ def run_managed_training(
             stop_after_step,
             recorder,
             after_step,
+            preemption,
         )
         stopped_early = state.step < total_steps
+        preempted = preemption is not None and preemption.requested and stopped_early
         if not stopped_early and mgr.last_saved_step != state.step:
             mgr.save(model, optimizer, scheduler, state)  # the finished run, ready to evaluate or extend
         last_restore = mgr.last_restore
@@ -202,6 +210,8 @@ def run_managed_training(
         "saved_steps": saved_steps,
         "stopped_early": stopped_early,
         "last_restore": last_restore,
+        "preempted": preempted,
+        "exit_code": PREEMPTED_EXIT_CODE if preempted else 0,
     }
 
 
@@ -219,6 +229,7 @@ def _train_with_saves(
     stop_after_step: int | None,
     recorder: RecoveryRecorder | None = None,
     user_after_step: Callable[[TrainState, StepRecord], None] | None = None,
+    preemption: PreemptionHandler | None = None,
 ) -> list[StepRecord]:
     from tqdm import tqdm  # plain bar on stderr: tqdm.auto would store a widget in notebooks
 
@@ -235,6 +246,11 @@ def _train_with_saves(
             user_after_step(st, record)
         if mgr.should_save(st.step):
             mgr.save(model, optimizer, scheduler, st)
+        if preemption is not None and preemption.requested and st.step < total_steps:
+            # The signal only set a flag; now, at a step boundary, is the safe moment to save.
+            if mgr.last_saved_step != st.step:
+                preemption.timed_save(lambda: mgr.save(model, optimizer, scheduler, st))
+            return True
         return stop_after_step is not None and st.step >= stop_after_step
 
     try:
@@ -298,7 +314,22 @@ def run(args: argparse.Namespace) -> int:
         every_steps = DEFAULT_EVERY_STEPS
     if args.num_shards < 0:
         raise CheckpointError(f"--num-shards must be >= 0 (0 = single file), got {args.num_shards}.")
-    out = run_managed_training(
+    with PreemptionHandler() as preemption:  # SIGTERM/SIGINT: finish the step, save, exit 75
+        out = _run_cli_training(args, every_steps, preemption)
+    start = "scratch" if out["resumed_from"] is None else f"step {out['resumed_from']}"
+    loss = f"{out['losses'][-1]:.6f}" if out["losses"] else "n/a"
+    status = "preempted" if out["preempted"] else "stopped early" if out["stopped_early"] else "done"
+    print(
+        f"{status}: step {out['final_step']}/{args.total_steps} (from {start}); "
+        f"saved steps {out['saved_steps']}; final loss {loss}"
+    )
+    return int(out["exit_code"])
+
+
+def _run_cli_training(
+    args: argparse.Namespace, every_steps: int | None, preemption: PreemptionHandler
+) -> dict[str, Any]:
+    return run_managed_training(
         args.ckpt_dir,
         total_steps=args.total_steps,
         seed=args.seed,
@@ -310,12 +341,5 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         progress=not args.no_progress,
         stop_after_step=args.stop_after_step,
+        preemption=preemption,
     )
-    start = "scratch" if out["resumed_from"] is None else f"step {out['resumed_from']}"
-    loss = f"{out['losses'][-1]:.6f}" if out["losses"] else "n/a"
-    status = "stopped early" if out["stopped_early"] else "done"
-    print(
-        f"{status}: step {out['final_step']}/{args.total_steps} (from {start}); "
-        f"saved steps {out['saved_steps']}; final loss {loss}"
-    )
-    return 0

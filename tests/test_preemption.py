@@ -124,6 +124,51 @@ def test_a_caught_sigint_sets_the_flag_instead_of_raising_and_old_handlers_come_
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def test_a_second_sigint_reaches_the_previous_handler_so_a_hung_save_stays_interruptible():
+    with PreemptionHandler(signals=(signal.SIGINT,)) as handler:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert handler.requested
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def run_child(run_dir, conn):
+    """run_managed_training under a PreemptionHandler, slowed so a signal lands mid-run."""
+    from ckpt_lesson.train_cmd import run_managed_training
+
+    def after(st, rec):
+        conn.send(st.step)
+        time.sleep(0.01)
+
+    with PreemptionHandler() as handler:
+        out = run_managed_training(run_dir, total_steps=UNTIL, seed=SEED, every_steps=25, preemption=handler,
+                                   after_step=after)  # fmt: skip
+    os._exit(out["exit_code"])
+
+
+def test_run_managed_training_saves_on_sigterm_exits_75_and_resumes_bit_for_bit(tmp_path):
+    from ckpt_lesson.train_cmd import run_managed_training
+
+    reference = run_managed_training(tmp_path / "reference", total_steps=UNTIL, seed=SEED, every_steps=25)
+    expected = reference["losses"]
+    ctx = multiprocessing.get_context("fork")
+    parent_conn, child_conn = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=run_child, args=(tmp_path / "run", child_conn))
+    child.start()
+    try:
+        while parent_conn.poll(60) and parent_conn.recv() < 7:
+            pass
+        os.kill(child.pid, signal.SIGTERM)
+        child.join(60)
+    finally:
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == PREEMPTED_EXIT_CODE
+    out = run_managed_training(tmp_path / "run", total_steps=UNTIL, seed=SEED, every_steps=25)
+    assert 7 <= out["resumed_from"] < 25  # the preemption save, not a cadence save
+    assert out["losses"] == expected
+
+
 def test_the_loop_saves_once_at_the_step_the_request_arrived_and_returns_75():
     seed_everything(SEED)
     data = SyntheticRegression(seed=SEED)
