@@ -427,8 +427,14 @@ def _weights_only_load(f: Any, path: Path, map_location: Any) -> Any:
     try:
         return torch.load(f, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)|Unsupported operand \S+", str(exc))
-        first = found.group(0) if found else "forbidden content"
+        if re.search(r"Unsupported operand", str(exc)):
+            # Not a pickle at all (a text file, random bytes): damaged, not hostile.
+            raise CorruptCheckpointError(
+                f"{path}: not a torch.save archive (its bytes are not a pickle stream); "
+                "it is damaged or some other kind of file. Restore an older checkpoint."
+            ) from exc
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        first = found.group(0) if found else "a construct outside tensors and plain values"
         raise UnsafeCheckpointError(
             f"{path}: refused by the weights-only loader ({first[:200]}). It holds Python objects "
             "beyond tensors and plain values, which no ckpt_lesson checkpoint does. Treat it as "

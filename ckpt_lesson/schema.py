@@ -115,6 +115,19 @@ def migrate_payload(payload: Any, *, source: str = "<payload>") -> dict[str, Any
         newer = isinstance(schema, str) and schema.startswith("ckpt.v")
         hint = "upgrade ckpt_lesson to read it" if newer else "this is not a ckpt_lesson checkpoint"
         raise SchemaError(f"{source}: unknown schema {schema!r} (known: {KNOWN_SCHEMAS}); {hint}.")
-    while payload["schema"] != CURRENT_SCHEMA:
-        payload = MIGRATIONS[payload["schema"]](payload)
-    return payload
+    # At most one step per known schema: a migration that forgets to bump the
+    # schema field must fail loudly, not loop forever.
+    for _ in range(len(KNOWN_SCHEMAS)):
+        schema = payload["schema"]
+        if schema == CURRENT_SCHEMA:
+            return payload
+        if schema not in MIGRATIONS:
+            raise SchemaError(
+                f"{source}: no migration registered from {schema!r} towards {CURRENT_SCHEMA!r}; "
+                "add one to ckpt_lesson.schema.MIGRATIONS."
+            )
+        payload = MIGRATIONS[schema](payload)
+    raise SchemaError(
+        f"{source}: migrations from {schema!r} did not reach {CURRENT_SCHEMA!r} within "
+        f"{len(KNOWN_SCHEMAS)} steps; a registered migration does not advance the schema field."
+    )

@@ -342,7 +342,7 @@ EXPECTED = {
     "zero_length": CheckpointError,
     "flipped_central_directory": CorruptCheckpointError,
     "flipped_tensor_data": CorruptCheckpointError,
-    "junk_text": CheckpointError,
+    "junk_text": CorruptCheckpointError,
     "hostile_raw_pickle": UnsafeCheckpointError,
     "hostile_torch_zip": UnsafeCheckpointError,
     "directory": CheckpointError,

@@ -104,3 +104,19 @@ def test_current_env_records_versions_and_world_size():
     assert set(env) == {"torch", "numpy", "python", "device_type", "world_size"}
     assert env["world_size"] == 4 and env["device_type"] in {"cpu", "cuda"}
     assert all(isinstance(env[k], str) for k in ("torch", "numpy", "python"))
+
+
+def test_migrate_payload_refuses_a_known_schema_without_a_registered_migration(monkeypatch):
+    import ckpt_lesson.schema as schema
+
+    monkeypatch.setattr(schema, "MIGRATIONS", {})
+    with pytest.raises(SchemaError, match="no migration registered"):
+        schema.migrate_payload({"schema": schema.SCHEMA_V1}, source="old.pt")
+
+
+def test_migrate_payload_stops_a_migration_that_never_advances_the_schema(monkeypatch):
+    import ckpt_lesson.schema as schema
+
+    monkeypatch.setattr(schema, "MIGRATIONS", {schema.SCHEMA_V1: lambda p: dict(p)})
+    with pytest.raises(SchemaError, match="does not advance"):
+        schema.migrate_payload({"schema": schema.SCHEMA_V1}, source="old.pt")
