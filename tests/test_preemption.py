@@ -43,12 +43,17 @@ def child_main(run: Path, until: int, pause: float, seed: int, conn=None) -> Non
     state = load_checkpoint(ckpt, model, opt, sched) if ckpt.exists() else TrainState()
     print(f"start {state.step}", flush=True)
 
+    handler = PreemptionHandler(grace_seconds=30.0)
+
     def after(st, rec):
         if conn is not None:
             conn.send(st.step)
-        time.sleep(pause)
+            if st.step == 5:  # hold until the signal arrives: no dependence on timing
+                deadline = time.monotonic() + 60
+                while not handler.requested and time.monotonic() < deadline:
+                    time.sleep(pause)
 
-    with PreemptionHandler(grace_seconds=30.0) as handler:
+    with handler:
         out = train_until_preempted(
             model, opt, sched, state, data, until_step=until, seed=seed, handler=handler,
             save=lambda st: save_checkpoint(model, opt, sched, st, ckpt), after_step=after,
@@ -102,7 +107,7 @@ def test_sigterm_finishes_the_step_saves_exits_75_and_a_fresh_process_resumes_bi
             child.kill()
     assert child.exitcode == PREEMPTED_EXIT_CODE
     stopped = read_checkpoint(run / "last.pt")["state"]["step"]
-    assert 5 <= stopped < UNTIL  # the step in flight was finished, then saved
+    assert stopped == 5  # saved at the step boundary where the signal arrived
     assert not (run / "losses.json").exists()
 
     resumed = subprocess.run(
@@ -136,11 +141,17 @@ def run_child(run_dir, conn):
     """run_managed_training under a PreemptionHandler, slowed so a signal lands mid-run."""
     from ckpt_lesson.train_cmd import run_managed_training
 
-    def after(st, rec):
-        conn.send(st.step)
-        time.sleep(0.01)
+    handler = PreemptionHandler()
 
-    with PreemptionHandler() as handler:
+    def after(st, rec):
+        if st.step == 7:
+            conn.send(st.step)
+            # Hold here until the signal arrives, so the test does not depend on timing.
+            deadline = time.monotonic() + 60
+            while not handler.requested and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+    with handler:
         out = run_managed_training(run_dir, total_steps=UNTIL, seed=SEED, every_steps=25, preemption=handler,
                                    after_step=after)  # fmt: skip
     os._exit(out["exit_code"])
@@ -156,8 +167,7 @@ def test_run_managed_training_saves_on_sigterm_exits_75_and_resumes_bit_for_bit(
     child = ctx.Process(target=run_child, args=(tmp_path / "run", child_conn))
     child.start()
     try:
-        while parent_conn.poll(60) and parent_conn.recv() < 7:
-            pass
+        assert parent_conn.poll(60) and parent_conn.recv() == 7
         os.kill(child.pid, signal.SIGTERM)
         child.join(60)
     finally:
@@ -165,7 +175,7 @@ def test_run_managed_training_saves_on_sigterm_exits_75_and_resumes_bit_for_bit(
             child.kill()
     assert child.exitcode == PREEMPTED_EXIT_CODE
     out = run_managed_training(tmp_path / "run", total_steps=UNTIL, seed=SEED, every_steps=25)
-    assert 7 <= out["resumed_from"] < 25  # the preemption save, not a cadence save
+    assert out["resumed_from"] == 7  # the preemption save, not a cadence save
     assert out["losses"] == expected
 
 
