@@ -20,8 +20,6 @@ tests run it in child processes and kill them at chosen moments.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -29,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import TrainState
+from .contract import config_fingerprint as _contract_config_fingerprint
 from .contract import model_fingerprint
 from .errors import CheckpointError
 from .manager import CheckpointManager, EventHook
@@ -55,8 +54,12 @@ def _has_saves(run_dir: Path) -> bool:
 
 
 def config_fingerprint(config: dict[str, Any]) -> str:
-    """sha256 of the run's settings as sorted JSON: equal settings, equal fingerprint."""
-    return hashlib.sha256(json.dumps(config, sort_keys=True).encode("utf-8")).hexdigest()
+    """sha256 of the run's settings as sorted JSON: equal settings, equal fingerprint.
+
+    The same function as :func:`ckpt_lesson.contract.config_fingerprint`, so a
+    fingerprint recorded here can be recomputed with the public one.
+    """
+    return _contract_config_fingerprint(config)
 
 
 def run_managed_training(
