@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from .checkpoint import TrainState
+from .errors import CheckpointError
 from .report import read_recovery_log
 
 __all__ = [
@@ -549,8 +550,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.kills < 1:
-        print("error: --kills must be >= 1")
-        return 2
+        raise CheckpointError(f"--kills must be >= 1, got {args.kills}.")
     started = time.perf_counter()
     result = run_campaign(
         args.kills, seed=args.seed, workdir=args.workdir, named_points=not args.random_only, keep=args.keep

@@ -92,3 +92,8 @@ def test_chaos_cli_prints_the_table_and_exits_zero(tmp_path, capsys):
     for row in ("kills", "fallbacks", "wrong choices", "corrupt loads", "trajectory differences", "verdict"):
         assert row in out
     assert "PASS" in out
+
+
+def test_chaos_cli_refuses_zero_kills_with_exit_2(capsys):
+    assert cli.main(["chaos", "--kills", "0"]) == 2
+    assert "error: --kills must be >= 1" in capsys.readouterr().err
