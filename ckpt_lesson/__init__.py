@@ -10,21 +10,6 @@ from ._version_check import check_torch_version
 
 check_torch_version()
 
-from .atomic import atomic_save, atomic_write_json, fsync_dir  # noqa: E402
-from .checkpoint import BUCKETS, TrainState, load_checkpoint, read_checkpoint, save_checkpoint  # noqa: E402
-from .errors import (  # noqa: E402
-    CheckpointError,
-    ContractMismatchError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    SchemaError,
-    StateMismatchError,
-    UnsafeCheckpointError,
-)
-from .integrity import FileDigest, file_digest  # noqa: E402
-from .rng import capture_rng_state, restore_rng_state  # noqa: E402
-from .schema import CURRENT_SCHEMA, SCHEMA_V1, SCHEMA_V2, migrate_v1_to_v2  # noqa: E402
-# Feature modules: one import line per module, kept in alphabetical order of module.
 from .accumulation import (  # noqa: E402
     AccumulationState,
     MicroStepRecord,
@@ -32,7 +17,9 @@ from .accumulation import (  # noqa: E402
     save_accumulating,
     train_accumulating,
 )
+from .atomic import atomic_save, atomic_write_json, fsync_dir  # noqa: E402
 from .cadence import SaveCadence, should_save  # noqa: E402
+from .checkpoint import BUCKETS, TrainState, load_checkpoint, read_checkpoint, save_checkpoint  # noqa: E402
 from .contract import (  # noqa: E402
     ResumeReport,
     check_contract,
@@ -52,6 +39,15 @@ from .cost import (  # noqa: E402
 )
 from .demo import run_full_demo, run_negative_control, run_resume_demo  # noqa: E402
 from .demo_artifacts import write_demo_artifacts  # noqa: E402
+from .errors import (  # noqa: E402
+    CheckpointError,
+    ContractMismatchError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    SchemaError,
+    StateMismatchError,
+    UnsafeCheckpointError,
+)
 from .exercises import (  # noqa: E402
     GradeResult,
     check_cadence,
@@ -60,12 +56,15 @@ from .exercises import (  # noqa: E402
     check_verify_part,
 )
 from .faults import CampaignResult, KillPlan, run_campaign  # noqa: E402
+from .integrity import FileDigest, file_digest  # noqa: E402
 from .manager import CheckpointManager, ManagerConfig  # noqa: E402
 from .migrate import MigrationResult, migrate_file, write_legacy_v1_checkpoint  # noqa: E402
 from .preemption import PREEMPTED_EXIT_CODE, PreemptionHandler, train_until_preempted  # noqa: E402
 from .report import RecoveryRecorder, read_recovery_log, summarize_recoveries  # noqa: E402
 from .retention import KeepBest, KeepLastK, keep_last_k  # noqa: E402
+from .rng import capture_rng_state, restore_rng_state  # noqa: E402
 from .scan import ScanResult, read_manifest, scan_checkpoints, verify_part  # noqa: E402
+from .schema import CURRENT_SCHEMA, SCHEMA_V1, SCHEMA_V2, migrate_v1_to_v2  # noqa: E402
 from .sharded import (  # noqa: E402
     ShardedSaveResult,
     load_sharded_checkpoint,

@@ -161,8 +161,7 @@ def _parse(
                 torch.Generator(device=f"cuda:{index}").set_state(t)
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError, OverflowError) as exc:
         raise CheckpointError(
-            f"RNG state is malformed ({type(exc).__name__}: {exc}); "
-            "it must come from capture_rng_state()."
+            f"RNG state is malformed ({type(exc).__name__}: {exc}); it must come from capture_rng_state()."
         ) from exc
     return python, legacy_numpy, cpu, cuda
 

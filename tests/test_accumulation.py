@@ -38,9 +38,7 @@ def fresh(total_steps: int = UNTIL):
 def baseline():
     data, model, opt, sched = fresh()
     state = AccumulationState()
-    records = train_accumulating(
-        model, opt, sched, state, data, until_step=UNTIL, seed=SEED, **ACC
-    )
+    records = train_accumulating(model, opt, sched, state, data, until_step=UNTIL, seed=SEED, **ACC)
     return state.losses, [r.sample_ids for r in records]
 
 
@@ -62,9 +60,7 @@ def interrupted_then_resumed(tmp_path, stop_at):
     )  # fmt: skip
     data, model, opt, sched = fresh()
     resumed = load_accumulating(path, model, opt, sched, **ACC)
-    second = train_accumulating(
-        model, opt, sched, resumed, data, until_step=UNTIL, seed=SEED, **ACC
-    )
+    second = train_accumulating(model, opt, sched, resumed, data, until_step=UNTIL, seed=SEED, **ACC)
     return path, resumed, [r.sample_ids for r in first + second]
 
 
@@ -105,9 +101,7 @@ def test_dropping_the_accumulated_gradients_changes_the_run(tmp_path):
         step=plain.step, epoch=plain.epoch, batch_in_epoch=plain.batch_in_epoch, losses=plain.losses,
         micro_step=2, micro_losses=[0.0, 0.0],
     )  # fmt: skip
-    train_accumulating(
-        model, opt, sched, state, data, until_step=UNTIL, seed=SEED, **ACC
-    )
+    train_accumulating(model, opt, sched, state, data, until_step=UNTIL, seed=SEED, **ACC)
     assert state.losses[:5] == losses[:5]
     assert state.losses[6:] != losses[6:]
 

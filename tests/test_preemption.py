@@ -33,6 +33,7 @@ from ckpt_lesson.training import (
 SEED = 5
 UNTIL = 40
 
+
 def child_main(run: Path, until: int, pause: float, seed: int, conn=None) -> None:
     """One training process: resume if a save exists, train, save and exit 75 on SIGTERM."""
     seed_everything(seed)

@@ -93,11 +93,17 @@ def test_summary_counts_fallbacks_incomplete_saves_and_times():
         ),
         build_recovery_record(
             restore_info(step=80, skipped=[{"step": 120, "status": "incomplete", "reason": "r"}]),
-            last_executed_step=120, started_at=0, first_step_at=3.0, now=1e3,
+            last_executed_step=120,
+            started_at=0,
+            first_step_at=3.0,
+            now=1e3,
         ),  # fmt: skip
         build_recovery_record(
             restore_info(step=160, skipped=[{"step": 200, "status": "corrupt", "reason": "r"}]),
-            last_executed_step=None, started_at=0, first_step_at=2.0, now=1e3,
+            last_executed_step=None,
+            started_at=0,
+            first_step_at=2.0,
+            now=1e3,
         ),  # fmt: skip
     ]
     s = summarize_recoveries(records)
