@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .checkpoint import TrainState, apply_payload, read_checkpoint, save_checkpoint
+from .checkpoint import REQUIRES_KEY, TrainState, apply_payload, read_checkpoint, save_checkpoint
 from .errors import StateMismatchError
 from .integrity import FileDigest
 from .training import JITTER_STD, SyntheticRegression, batch_sample_ids
@@ -209,7 +209,10 @@ def save_accumulating(
     Safe at any micro-step. Returns the file's digest.
     """
     block = accumulation_extras(model, state, accum_steps=accum_steps, micro_batch_size=micro_batch_size)
-    extras = {"accumulation": block}
+    extras: dict[str, Any] = {"accumulation": block}
+    if state.micro_step > 0:
+        # Mid-accumulation the gradients are state: make plain loaders refuse the file.
+        extras[REQUIRES_KEY] = ["accumulation"]
     return save_checkpoint(model, optimizer, scheduler, state, path, extras=extras, data=data)
 
 
@@ -309,7 +312,7 @@ def load_accumulating(
     source = str(path)
     kw = {"accum_steps": accum_steps, "micro_batch_size": micro_batch_size, "source": source}
     _checked_block(payload, model, **kw)
-    base = apply_payload(payload, model, optimizer, scheduler, source=source)
+    base = apply_payload(payload, model, optimizer, scheduler, source=source, handles=("accumulation",))
     micro_step, micro_losses = restore_accumulation(payload, model, **kw)
     return AccumulationState(
         step=base.step,

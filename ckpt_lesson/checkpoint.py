@@ -23,6 +23,7 @@ import os
 import pickle
 import re
 import time
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from .schema import CURRENT_SCHEMA, SCHEMA_V1, current_env, migrate_payload
 
 __all__ = [
     "BUCKETS",
+    "REQUIRES_KEY",
     "TrainState",
     "apply_payload",
     "build_payload",
@@ -53,6 +55,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: Key in ``extras`` listing state that only a special loader restores.
+REQUIRES_KEY = "requires"
 
 #: The buckets a resume needs; a payload missing any of them is refused.
 BUCKETS = ("model", "optimizer", "scheduler", "state", "rng")
@@ -226,6 +231,7 @@ def apply_payload(
     *,
     source: str = "<payload>",
     allow_device_change: bool = False,
+    handles: Collection[str] = (),
 ) -> TrainState:
     """Check that ``payload`` fits the live objects, then restore all five buckets.
 
@@ -240,6 +246,9 @@ def apply_payload(
             ``None`` when the saved run had none).
         source: Names the checkpoint in error messages.
         allow_device_change: See :func:`ckpt_lesson.rng.restore_rng_state`.
+        handles: Names in ``extras["requires"]`` that the caller restores
+            itself (e.g. ``"accumulation"`` for gradients saved mid-step).
+            Any other required name is refused: a plain load would drop it.
 
     Returns:
         The saved :class:`TrainState`.
@@ -247,8 +256,9 @@ def apply_payload(
     Raises:
         StateMismatchError: A bucket is missing, model keys or shapes differ,
             the optimizer's parameter groups or state entries do not fit,
-            scheduler presence differs, or the RNG block is malformed or was
-            saved on a different number of CUDA devices.
+            scheduler presence differs, the RNG block is malformed or was
+            saved on a different number of CUDA devices, or ``extras`` requires
+            state that this caller does not restore.
 
     Example:
         >>> state = apply_payload(read_checkpoint("ckpt/last.pt"), model, opt, sched)  # doctest: +SKIP
@@ -256,6 +266,7 @@ def apply_payload(
     missing = [b for b in BUCKETS if not isinstance(payload, dict) or b not in payload]
     if missing:
         raise StateMismatchError(f"{source}: payload lacks {missing}; a resume needs every bucket.")
+    _check_requirements(payload.get("extras"), handles, source=source)
     state = TrainState.from_dict(payload["state"], source=source)
     check_model_state(payload["model"], model, source=source)
     opt_sd = payload["optimizer"]
@@ -318,6 +329,22 @@ def _is_param_group(group: Any) -> bool:
     if not isinstance(group, dict) or not isinstance(group.get("params"), list):
         return False
     return all(isinstance(i, int) and not isinstance(i, bool) for i in group["params"])
+
+
+def _check_requirements(extras: Any, handles: Collection[str], *, source: str) -> None:
+    # A save can carry state beyond the five buckets that only a special loader
+    # restores (partial gradients mid-accumulation). It lists that state in
+    # extras["requires"], so the plain loader refuses instead of dropping it.
+    required = extras.get(REQUIRES_KEY, []) if isinstance(extras, dict) else []
+    if not isinstance(required, (list, tuple)):
+        raise StateMismatchError(f"{source}: extras[{REQUIRES_KEY!r}] must be a list of names.")
+    unknown = [name for name in required if name not in handles]
+    if unknown:
+        raise StateMismatchError(
+            f"{source}: the checkpoint also holds {unknown} state that this loader does not restore "
+            "(e.g. gradients saved in the middle of an accumulation); loading it here would silently "
+            "drop that state. Use the matching loader: load_accumulating() for 'accumulation'."
+        )
 
 
 def check_model_state(saved: Any, model: torch.nn.Module, *, source: str = "<payload>") -> None:

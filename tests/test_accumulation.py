@@ -12,7 +12,7 @@ from ckpt_lesson.accumulation import (
     save_accumulating,
     train_accumulating,
 )
-from ckpt_lesson.checkpoint import TrainState, load_checkpoint, read_checkpoint
+from ckpt_lesson.checkpoint import TrainState, apply_payload, load_checkpoint, read_checkpoint
 from ckpt_lesson.errors import StateMismatchError
 from ckpt_lesson.training import (
     SyntheticRegression,
@@ -96,7 +96,8 @@ def test_dropping_the_accumulated_gradients_changes_the_run(tmp_path):
         and (save_accumulating(model, opt, sched, st, path, **ACC) or True),
     )  # fmt: skip
     data, model, opt, sched = fresh()
-    plain = load_checkpoint(path, model, opt, sched)  # restores the five buckets, not the gradients
+    # Naive on purpose: claim to handle the accumulation block, then ignore it.
+    plain = apply_payload(read_checkpoint(path), model, opt, sched, handles=("accumulation",))
     state = AccumulationState(
         step=plain.step, epoch=plain.epoch, batch_in_epoch=plain.batch_in_epoch, losses=plain.losses,
         micro_step=2, micro_losses=[0.0, 0.0],
@@ -167,3 +168,30 @@ def test_invalid_accumulation_settings_are_refused():
             model, opt, sched, AccumulationState(micro_step=4), data, until_step=1, seed=SEED, accum_steps=4,
             micro_batch_size=8,
         )  # fmt: skip
+
+
+def test_a_plain_load_refuses_a_mid_accumulation_save_instead_of_dropping_its_gradients(tmp_path):
+    path = tmp_path / "accum.pt"
+    data, model, opt, sched = fresh()
+    train_accumulating(
+        model, opt, sched, AccumulationState(), data, until_step=UNTIL, seed=SEED, **ACC,
+        after_micro_step=lambda st, rec: (st.step == 5 and st.micro_step == 2)
+        and (save_accumulating(model, opt, sched, st, path, **ACC) or True),
+    )  # fmt: skip
+    data, model, opt, sched = fresh()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(StateMismatchError, match="load_accumulating"):
+        load_checkpoint(path, model, opt, sched)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_plain_load_accepts_a_save_made_at_an_optimizer_step_boundary(tmp_path):
+    path = tmp_path / "accum.pt"
+    data, model, opt, sched = fresh()
+    train_accumulating(
+        model, opt, sched, AccumulationState(), data, until_step=UNTIL, seed=SEED, **ACC,
+        after_micro_step=lambda st, rec: (rec.boundary and st.step == 5)
+        and (save_accumulating(model, opt, sched, st, path, **ACC) or True),
+    )  # fmt: skip
+    data, model, opt, sched = fresh()
+    assert load_checkpoint(path, model, opt, sched).step == 5
