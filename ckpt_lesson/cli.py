@@ -16,7 +16,7 @@ from .errors import CheckpointError
 
 #: command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "chaos": ("ckpt_lesson.faults", "SIGKILL training at chosen points; check every restore"),
+    "chaos": ("ckpt_lesson.chaos", "SIGKILL training at chosen points; check every restore"),
     "demo": ("ckpt_lesson.demo", "kill a training run, resume it in a fresh process, compare losses"),
     "migrate": ("ckpt_lesson.migrate", "rewrite an old checkpoint in the current schema, adding its footer"),
     "report": ("ckpt_lesson.report", "summarise a run's restores: fallbacks, steps redone, recovery times"),
