@@ -30,15 +30,17 @@ faults; those are caught at restore, which always verifies.
 
 One writer per run directory: two managers saving into the same folder is not
 supported (readers, scans and restores are fine).
+
+This module decides *what* is saved and *when*; the folder moves of steps 1, 5
+and of deletion live in :mod:`ckpt_lesson.commit`, and the checks a restore runs
+on each candidate in :mod:`ckpt_lesson.restore`.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
-import shutil
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -48,14 +50,26 @@ from typing import Any
 
 from .atomic import atomic_write_json, fsync_dir
 from .cadence import SaveCadence, validate_cadence
-from .checkpoint import BUCKETS, TrainState, apply_payload, read_checkpoint, save_checkpoint
-from .contract import ENV_POLICIES, check_contract, resume_report
-from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
+from .checkpoint import BUCKETS, TrainState, save_checkpoint
+from .commit import (  # the constants and _writer_is_dead are re-exported: they used to live here
+    DELETING_PREFIX,  # noqa: F401
+    LOCK_NAME,  # noqa: F401
+    QUARANTINE_PREFIX,  # noqa: F401
+    STALE_UNLOCKED_SECONDS,  # noqa: F401
+    clean_stale,
+    delete_save,
+    open_staging,
+    publish,
+)
+from .commit import writer_is_dead as _writer_is_dead  # noqa: F401
+from .contract import ENV_POLICIES
+from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from .restore import check_resume_contract, load_save
+from .restore import index_parts as _index_parts  # noqa: F401
 from .retention import KeepLastK, RetentionPolicy
 from .scan import (
     MANIFEST_NAME,
     MANIFEST_SCHEMA,
-    STAGING_PREFIX,
     ScanResult,
     inspect_save,
     read_manifest,
@@ -64,7 +78,7 @@ from .scan import (
     verify_part,
 )
 from .schema import CURRENT_SCHEMA, current_env
-from .sharded import INDEX_NAME, load_sharded_checkpoint, save_sharded_checkpoint
+from .sharded import INDEX_NAME, save_sharded_checkpoint
 
 __all__ = ["CheckpointManager", "EventHook", "ManagerConfig", "read_manifest"]
 
@@ -72,12 +86,6 @@ log = logging.getLogger(__name__)
 
 #: ``on_event(name, info)``: called at each stage of a save (see :class:`CheckpointManager`).
 EventHook = Callable[[str, dict[str, Any]], None]
-
-LOCK_NAME = ".lock"
-DELETING_PREFIX = ".deleting-"
-QUARANTINE_PREFIX = ".quarantine-"
-#: A staging folder with no ``.lock`` this old lost its writer between mkdir and lock creation.
-STALE_UNLOCKED_SECONDS = 10.0
 
 
 def _plain_dict(value: Any, name: str) -> dict[str, Any]:
@@ -337,8 +345,9 @@ class CheckpointManager:
         step = state.step
         self._refuse_if_already_saved(step)
         started = time.perf_counter()
-        staging, lock_fd = self._make_staging(step)
-        try:
+        # Ctrl-C or an error anywhere in this block: open_staging removes the staging folder
+        # (garbage, never a save) and releases the lock, so the error surfaces with nothing half-made.
+        with open_staging(self.run_dir, step) as staging:
             self._emit("save_begin", step=step, staging=staging.name)
             parts = self._write_parts(staging, model, optimizer, scheduler, state, extras)
             self._emit("parts_complete", step=step, files=[p["file"] for p in parts])
@@ -349,8 +358,11 @@ class CheckpointManager:
             if self.config.verify_on_save:
                 self._verify_staged(staging, parts)
                 self._emit("verified", step=step, save_id=manifest["save_id"])
-            final = self._publish(staging, step)
-            (final / LOCK_NAME).unlink(missing_ok=True)  # still held via lock_fd; no longer needed
+            final = publish(
+                staging,
+                self.step_dir(step),
+                on_quarantined=lambda aside: self._emit("quarantined", step=step, path=str(aside)),
+            )
             self._verified.add(step)
             self._cadence.mark_saved(step)
             self._emit("published", step=step, path=str(final), save_id=manifest["save_id"])
@@ -359,13 +371,6 @@ class CheckpointManager:
             save_id = manifest["save_id"]
             self.last_save = {"step": step, "path": str(final), "save_id": save_id, "seconds": seconds}
             self._emit("save_end", step=step, path=str(final), seconds=seconds, deleted=deleted)
-        except BaseException:
-            # Ctrl-C or an error mid-save: the staging folder is garbage, never a save.
-            if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
-            raise
-        finally:
-            os.close(lock_fd)  # releases the flock
         self.clean_stale()
         return final
 
@@ -376,24 +381,6 @@ class CheckpointManager:
                 f"step {step} is already saved in {target} and verifies; a save is never overwritten. "
                 "Save a later step, or delete that folder by hand if you really mean to replace it."
             )
-
-    def _make_staging(self, step: int) -> tuple[Path, int]:
-        staging = self.run_dir / f"{STAGING_PREFIX}{step:08d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        staging.mkdir()
-        # Create and lock .lock right after mkdir: a staging folder without a lock is
-        # treated as abandoned once it is STALE_UNLOCKED_SECONDS old.
-        try:
-            fd = os.open(staging / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BaseException:
-            os.close(fd)
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        return staging, fd
 
     def _write_parts(
         self, staging: Path, model: Any, optimizer: Any, scheduler: Any, state: TrainState, extras: Any
@@ -458,25 +445,6 @@ class CheckpointManager:
         # The manifest itself is parsed back too: a save whose commit record cannot be read is no save.
         read_manifest(staging)
 
-    def _publish(self, staging: Path, step: int) -> Path:
-        final = self.step_dir(step)
-        if final.exists():
-            if inspect_save(final)[0].ok:
-                raise CheckpointError(
-                    f"step {step} was saved by another writer meanwhile ({final}); not replacing it."
-                )
-            aside = self.run_dir / f"{QUARANTINE_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
-            os.replace(final, aside)
-            log.warning(
-                "%s was corrupt or incomplete; moved it aside to %s, publishing the new save",
-                final,
-                aside.name,
-            )
-            self._emit("quarantined", step=step, path=str(aside))
-        os.replace(staging, final)
-        fsync_dir(self.run_dir)
-        return final
-
     # ------------------------------------------------------------------ retention and cleanup
 
     def apply_retention(self) -> list[int]:
@@ -502,21 +470,9 @@ class CheckpointManager:
         return deleted
 
     def _delete_step(self, step: int) -> bool:
-        src = self.step_dir(step)
-        # Rename first (atomic): a kill mid-rmtree then leaves a .deleting- folder, never a
-        # half-deleted folder that still looks like a save.
-        doomed = self.run_dir / f"{DELETING_PREFIX}{src.name}-{uuid.uuid4().hex[:8]}"
-        try:
-            os.replace(src, doomed)
-        except OSError as exc:
-            log.warning("could not delete %s (%s); training goes on, retention will retry", src.name, exc)
+        if not delete_save(self.step_dir(step)):
             return False
         self._verified.discard(step)
-        try:
-            fsync_dir(self.run_dir)
-            shutil.rmtree(doomed)
-        except OSError as exc:
-            log.warning("could not remove %s (%s); training goes on; delete it by hand", doomed.name, exc)
         return True
 
     def clean_stale(self) -> list[str]:
@@ -524,30 +480,13 @@ class CheckpointManager:
 
         A staging folder is stale only if its ``.lock`` can be locked (its
         writer is dead: the kernel drops a dead process's flock), or it has no
-        ``.lock`` and is older than :data:`STALE_UNLOCKED_SECONDS`. A folder a
-        live writer holds is never touched.
+        ``.lock`` and is older than :data:`~ckpt_lesson.commit.STALE_UNLOCKED_SECONDS`.
+        A folder a live writer holds is never touched.
 
         Returns:
             Names of the folders removed.
         """
-        removed = []
-        for entry in sorted(self.run_dir.iterdir()):
-            if not entry.is_dir() or entry.is_symlink():
-                continue
-            if entry.name.startswith(DELETING_PREFIX):
-                shutil.rmtree(entry, ignore_errors=True)
-                removed.append(entry.name)
-            elif entry.name.startswith(STAGING_PREFIX) and _writer_is_dead(entry):
-                doomed = self.run_dir / f"{DELETING_PREFIX}{entry.name.lstrip('.')}"
-                try:
-                    os.replace(entry, doomed)
-                    shutil.rmtree(doomed, ignore_errors=True)
-                except OSError as exc:
-                    log.warning("could not remove stale %s (%s)", entry.name, exc)
-                    continue
-                log.info("removed %s: its writer is gone (an interrupted save)", entry.name)
-                removed.append(entry.name)
-        return removed
+        return clean_stale(self.run_dir)
 
     # ------------------------------------------------------------------ restore
 
@@ -581,7 +520,15 @@ class CheckpointManager:
         for step in reversed(steps):
             target = self.step_dir(step)
             try:
-                manifest, state = self._load_save(target, step, model, optimizer, scheduler, map_location)
+                manifest, state = load_save(
+                    target,
+                    step,
+                    model,
+                    optimizer,
+                    scheduler,
+                    map_location=map_location,
+                    check_contract=self._check_contract,
+                )
             except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
                 status = "incomplete" if isinstance(exc, IncompleteCheckpointError) else "corrupt"
                 skipped.append({"step": step, "status": status, "reason": str(exc)})
@@ -612,97 +559,8 @@ class CheckpointManager:
             "'python -m ckpt_lesson scan DIR' shows the same list."
         )
 
-    def _load_save(
-        self, target: Path, step: int, model: Any, optimizer: Any, scheduler: Any, map_location: Any
-    ) -> tuple[dict[str, Any], TrainState]:
-        manifest = read_manifest(target)
-        if manifest["step"] != step:
-            raise CorruptCheckpointError(f"{target.name}: manifest records step {manifest['step']}")
-        self._check_contract(target, manifest)
-        for part in manifest["parts"]:  # presence and size first: free, and names a missing part exactly
-            path = target / part["file"]
-            if not path.is_file() or path.is_symlink():
-                raise IncompleteCheckpointError(f"{target.name}: part {part['file']} is missing")
-            if path.stat().st_size != part["bytes"]:
-                size = path.stat().st_size
-                raise CorruptCheckpointError(
-                    f"{target.name}: {part['file']}: size {size} != recorded {part['bytes']}"
-                )
-        if manifest["layout"] == "single":
-            by_name = {p["file"]: p for p in manifest["parts"]}
-            self._verify_others(target, manifest, skip={"checkpoint.pt"})
-            # One pass: load_verified_file checks footer and the manifest's sha256 while hashing.
-            path = target / "checkpoint.pt"
-            sha = by_name["checkpoint.pt"]["sha256"]
-            payload = read_checkpoint(path, map_location=map_location, expected_sha256=sha)
-            saved = TrainState.from_dict(payload["state"], source=str(path))
-            if saved.step != step:
-                raise CorruptCheckpointError(f"{target.name}: payload holds step {saved.step}")
-            return manifest, apply_payload(payload, model, optimizer, scheduler, source=str(path))
-        # Sharded: pin index.json to the manifest; the loader checks every shard against the index.
-        self._verify_others(target, manifest, skip=set())
-        state = load_sharded_checkpoint(target, model, optimizer, scheduler, map_location=map_location)
-        if state.step != step:
-            # Everything was applied already; the next (older) candidate replaces all five buckets.
-            raise CorruptCheckpointError(f"{target.name}: payload holds step {state.step}")
-        return manifest, state
-
     def _check_contract(self, target: Path, manifest: dict[str, Any]) -> None:
-        """The resume contract, from the manifest alone: nothing is loaded before it passes.
-
-        Not damage, so never skipped in favour of an older save: a save that
-        covers fewer buckets, or belongs to other data, another model, config
-        or environment, is refused (``StateMismatchError`` /
-        ``ContractMismatchError``), and older saves of the same run would be refused alike.
-        """
-        covers = manifest.get("covers") if isinstance(manifest.get("covers"), list) else []
-        missing = [b for b in BUCKETS if b not in covers]
-        if missing:
-            raise StateMismatchError(
-                f"{target.name}: this save does not cover {missing}; a resume needs every bucket. "
-                "Use warm_start_from() to start a new experiment from its weights."
-            )
-        report = resume_report(manifest, current={**self.expect, "env": current_env()})
-        log.info("%s", report.format())
-        self._emit("resume_contract", step=manifest["step"], save_id=manifest.get("save_id"), report=report)
-        self._contract = (report, check_contract(report, env_policy=self.env_policy))
-
-    def _verify_others(self, target: Path, manifest: dict[str, Any], *, skip: set[str]) -> None:
-        if manifest["layout"] == "sharded":
-            index = {p["file"] for p in _index_parts(target)}
-            skip = skip | index  # verified by the sharded loader, against the index pinned below
-        for part in manifest["parts"]:
-            if part["file"] in skip:
-                continue
-            problem = verify_part(target / part["file"], size=part["bytes"], sha256=part["sha256"])
-            if problem:
-                raise CorruptCheckpointError(f"{target.name}: {problem}")
-
-
-def _index_parts(target: Path) -> list[dict[str, Any]]:
-    """Files the sharded index lists (shards + meta); read only after index.json itself is verified."""
-    try:
-        index = json.loads((target / INDEX_NAME).read_text(encoding="utf-8"))
-        return [*index["shards"], index["meta"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-
-
-def _writer_is_dead(staging: Path) -> bool:
-    """True if nobody holds ``staging/.lock`` (or there is no lock and the folder is old)."""
-    try:
-        fd = os.open(staging / LOCK_NAME, os.O_RDWR)
-    except FileNotFoundError:
-        try:
-            return time.time() - staging.stat().st_mtime > STALE_UNLOCKED_SECONDS
-        except FileNotFoundError:
-            return False
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # BlockingIOError: a live process holds it
-        return False
-    finally:
-        os.close(fd)
-    return True
+        """Refuse a save this run must not resume (see :func:`~ckpt_lesson.restore.check_resume_contract`)."""
+        self._contract = check_resume_contract(
+            target, manifest, expect=self.expect, env_policy=self.env_policy, emit=self._emit
+        )
