@@ -13,15 +13,16 @@ the run after resume:
 =============  ==========================================================
 
 Loading always uses ``torch.load(weights_only=True)``: a checkpoint is data,
-and the full unpickler would run any code a crafted file asks it to.
+and the full unpickler would run any code a crafted file asks it to. Reading
+and verifying the file is :mod:`ckpt_lesson.loading` (its
+:func:`load_verified_file` is re-exported here); this module decides what the
+payload means and applies it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import pickle
-import re
 import time
 from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
@@ -31,13 +32,9 @@ from typing import Any
 import torch
 
 from .atomic import atomic_save
-from .errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    StateMismatchError,
-    UnsafeCheckpointError,
-)
-from .integrity import FileDigest, verify_footer
+from .errors import CheckpointError, CorruptCheckpointError, StateMismatchError
+from .integrity import FileDigest
+from .loading import load_verified_file
 from .rng import capture_rng_state, restore_rng_state, validate_rng_state
 from .schema import CURRENT_SCHEMA, SCHEMA_V1, current_env, migrate_payload
 
@@ -398,81 +395,3 @@ def load_checkpoint(
     """
     payload = read_checkpoint(path, map_location=map_location, expected_sha256=expected_sha256)
     return apply_payload(payload, model, optimizer, scheduler, source=str(path))
-
-
-def load_verified_file(
-    path: str | os.PathLike[str],
-    *,
-    map_location: str | torch.device = "cpu",
-    expected_sha256: str | None = None,
-    expected_size: int | None = None,
-) -> tuple[Any, FileDigest]:
-    """Hash a ``.pt`` file once, check it, then ``torch.load(weights_only=True)`` it.
-
-    The building block of every load in this package: the footer (when the
-    file has one), the expected size and the expected whole-file sha256 are
-    all checked in a single read before the unpickler sees a byte.
-
-    Returns:
-        The loaded object and the file's digest (``content_sha256`` is ``None``
-        for a file without footer; callers decide whether that is allowed).
-
-    Raises:
-        CheckpointError: Missing file. CorruptCheckpointError: size or hash
-            mismatch, unreadable archive. UnsafeCheckpointError: refused by the
-            weights-only loader.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(
-            f"{path}: no such checkpoint file; check the path, or list saves with "
-            "'python -m ckpt_lesson scan DIR'."
-        )
-    try:
-        f = open(path, "rb")
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot open ({exc.strerror}); check its permissions.") from exc
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        if expected_size is not None and size != expected_size:
-            raise CorruptCheckpointError(
-                f"{path}: {size} bytes on disk but {expected_size} recorded; the file was truncated "
-                "or replaced after it was saved. Restore an older checkpoint."
-            )
-        digest = verify_footer(f, name=path)
-        # Compare case-insensitively: hex digests copied from other tools are sometimes upper case.
-        if expected_sha256 is not None and digest.sha256 != expected_sha256.lower():
-            raise CorruptCheckpointError(
-                f"{path}: sha256 {digest.sha256[:12]}... does not match the recorded "
-                f"{expected_sha256[:12]}...; the file changed after it was saved. "
-                "Restore an older checkpoint."
-            )
-        return _weights_only_load(f, path, map_location), digest
-
-
-def _weights_only_load(f: Any, path: Path, map_location: Any) -> Any:
-    try:
-        return torch.load(f, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        if re.search(r"Unsupported operand", str(exc)):
-            # Not a pickle at all (a text file, random bytes): damaged, not hostile.
-            raise CorruptCheckpointError(
-                f"{path}: not a torch.save archive (its bytes are not a pickle stream); "
-                "it is damaged or some other kind of file. Restore an older checkpoint."
-            ) from exc
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-        first = found.group(0) if found else "a construct outside tensors and plain values"
-        raise UnsafeCheckpointError(
-            f"{path}: refused by the weights-only loader ({first[:200]}). It holds Python objects "
-            "beyond tensors and plain values, which no ckpt_lesson checkpoint does. Treat it as "
-            "untrusted; do not load it with weights_only=False."
-        ) from exc
-    except Exception as exc:
-        # Deliberately broad: fed damaged bytes, torch.load raises almost anything
-        # (RuntimeError from the zip reader, EOFError, KeyError, and TypeError or
-        # AttributeError when a flipped opcode hands a rebuild function the wrong
-        # object). Every one of them means "not a readable checkpoint".
-        raise CorruptCheckpointError(
-            f"{path}: not a readable checkpoint archive ({type(exc).__name__}: {str(exc)[:200]}); "
-            "it is truncated, damaged or not a torch.save file. Restore an older checkpoint."
-        ) from exc
