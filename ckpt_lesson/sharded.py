@@ -26,31 +26,42 @@ goes into the index costs no second read (which would nearly double the save
 time) and describes exactly the bytes that were written. The loader checks
 every file's size and sha256 against the index *before* anything is applied:
 a refused checkpoint leaves the model exactly as it was.
+
+This module plans, saves and loads; reading and validating the index (and
+keeping every file name inside the directory) is :mod:`ckpt_lesson.shard_index`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from .atomic import atomic_save, atomic_write_json, fsync_dir
 from .checkpoint import BUCKETS, TrainState, apply_payload, build_payload, load_verified_file
-from .errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    SchemaError,
-    StateMismatchError,
-    UnsafeCheckpointError,
+from .errors import CheckpointError, StateMismatchError
+from .integrity import FileDigest
+from .schema import migrate_payload
+
+# The read side (index validation, path safety, hashing against the index) lives in
+# shard_index; its names are re-exported here, where callers have always imported them.
+from .shard_index import (
+    _SHA_RE,  # noqa: F401
+    _SHARD_RE,  # noqa: F401
+    INDEX_NAME,
+    LAYOUTS,
+    META_NAME,
+    SHARDED_SCHEMA,
+    _bad,
+    _check_entry,  # noqa: F401
+    _files,
+    _safe_path,  # noqa: F401
+    read_shard_index,
+    verify_sharded_checkpoint,
 )
-from .integrity import FileDigest, verify_footer
-from .schema import KNOWN_SCHEMAS, migrate_payload
 
 __all__ = [
     "INDEX_NAME",
@@ -66,17 +77,9 @@ __all__ = [
     "verify_sharded_checkpoint",
 ]
 
-SHARDED_SCHEMA = "ckpt.sharded.v1"
-INDEX_NAME = "index.json"
-META_NAME = "meta.pt"
-#: ``round_robin``: key i goes to shard i % N. ``param_group``: weights and
-#: biases/buffers in separate groups of shards, balanced by bytes.
-LAYOUTS = ("round_robin", "param_group")
-_SHARD_RE = re.compile(r"^model\.shard-\d{3,}\.pt$")
-_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
-
 
 def _shard_name(i: int) -> str:
+    # shard_index._SHARD_RE recognises exactly these names; change both together.
     return f"model.shard-{i:03d}.pt"
 
 
@@ -265,180 +268,6 @@ def save_sharded_checkpoint(
     }
     index_digest = atomic_write_json(index, out_dir / INDEX_NAME)  # the commit point
     return ShardedSaveResult(out_dir=out_dir, files=files, meta=meta, index=index_digest)
-
-
-def _bad(ckpt_dir: Path, what: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
-        f"{ckpt_dir / INDEX_NAME}: {what}; the index was damaged or edited after the save. "
-        "Restore an older checkpoint."
-    )
-
-
-def _check_entry(ckpt_dir: Path, entry: Any, where: str, *, with_keys: bool) -> None:
-    if not isinstance(entry, dict):
-        raise _bad(ckpt_dir, f"{where} is not an object")
-    if not isinstance(entry.get("file"), str):
-        raise _bad(ckpt_dir, f"{where} has no 'file' name")
-    size = entry.get("bytes")
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise _bad(ckpt_dir, f"{where} has no valid 'bytes' (got {size!r})")
-    if not isinstance(entry.get("sha256"), str) or not _SHA_RE.match(entry["sha256"]):
-        raise _bad(ckpt_dir, f"{where} has no valid 'sha256'")
-    if with_keys:
-        keys = entry.get("keys")
-        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-            raise _bad(ckpt_dir, f"{where} has no 'keys' list of strings")
-
-
-def _safe_path(root: Path, name: str) -> Path:
-    """Resolve an index entry's file name, refusing anything that could leave ``root``."""
-    parts = re.split(r"[/\\]", name)
-    if (
-        PurePosixPath(name).is_absolute()
-        or PureWindowsPath(name).is_absolute()
-        or PureWindowsPath(name).drive
-        or "\\" in name
-        or "\x00" in name
-        or any(p in ("", ".", "..") for p in parts)
-    ):
-        raise UnsafeCheckpointError(
-            f"{root / INDEX_NAME}: file name {name!r} is not a plain relative path inside the "
-            "checkpoint directory. Do not load it; an index from an untrusted source can point anywhere."
-        )
-    try:
-        path = (root / name).resolve()
-    except (OSError, RuntimeError) as exc:  # a symlink loop: nothing trustworthy at the end of it
-        raise UnsafeCheckpointError(
-            f"{root / name}: cannot be resolved ({exc}); refusing to read it."
-        ) from exc
-    try:
-        path.relative_to(root)
-    except ValueError:
-        raise UnsafeCheckpointError(
-            f"{root / name}: resolves to {path}, outside the checkpoint directory {root} (a symlink "
-            "leaving it). Refusing to read it; copy the real files into the directory instead."
-        ) from None
-    return path
-
-
-def _files(ckpt_dir: Path, index: dict[str, Any]) -> list[tuple[Path, dict[str, Any]]]:
-    """Every (path, entry) of the index, shards first then meta, each checked to exist."""
-    out = []
-    for entry in [*index["shards"], index["meta"]]:
-        path = _safe_path(ckpt_dir, entry["file"])
-        if not path.is_file():
-            raise IncompleteCheckpointError(
-                f"{ckpt_dir / entry['file']}: listed in {INDEX_NAME} but missing; the checkpoint is "
-                "incomplete (a file was deleted or never copied). Restore an older checkpoint."
-            )
-        out.append((path, entry))
-    if len({p for p, _ in out}) != len(out):
-        raise _bad(ckpt_dir, "two entries name the same file")
-    return out
-
-
-def read_shard_index(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and validate ``index.json`` and the directory around it, reading no shard.
-
-    Checks the structure, that no file name can leave the directory (absolute
-    paths, ``..``, escaping symlinks), that no key is listed twice, that the
-    shard count agrees with ``num_shards`` and with the shard files present,
-    and that every listed file exists.
-
-    Returns:
-        The index as parsed from JSON.
-
-    Raises:
-        IncompleteCheckpointError: No index (the save never finished) or a listed file is missing.
-        CorruptCheckpointError: Unreadable or inconsistent index, or unlisted shard files.
-        UnsafeCheckpointError: A file name or symlink leads outside ``ckpt_dir``.
-        SchemaError: Not a ``ckpt.sharded.v1`` index.
-
-    Example:
-        >>> read_shard_index("ckpt/step-12")["num_shards"]  # doctest: +SKIP
-        4
-    """
-    root = Path(ckpt_dir).resolve()
-    if not root.is_dir():
-        raise CheckpointError(f"{ckpt_dir}: no such checkpoint directory; check the path.")
-    if not (root / INDEX_NAME).exists():
-        raise IncompleteCheckpointError(
-            f"{ckpt_dir}: no {INDEX_NAME}; the save never finished (the index is written last). "
-            "Resume from an older checkpoint."
-        )
-    index_path = _safe_path(root, INDEX_NAME)
-    try:
-        index = json.loads(index_path.read_bytes().decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise _bad(root, f"not valid JSON ({exc})") from exc
-    if not isinstance(index, dict):
-        raise _bad(root, "not a JSON object")
-    if index.get("schema") != SHARDED_SCHEMA:
-        raise SchemaError(
-            f"{index_path}: schema {index.get('schema')!r} is not {SHARDED_SCHEMA!r}; "
-            "this is not a sharded checkpoint this code can read."
-        )
-    if index.get("payload_schema") not in KNOWN_SCHEMAS:
-        # Refused before reading a single shard: the payload inside is a layout this code cannot restore.
-        raise SchemaError(
-            f"{index_path}: payload schema {index.get('payload_schema')!r} is not one of {KNOWN_SCHEMAS}; "
-            "a newer ckpt_lesson wrote it, or it is not a ckpt_lesson checkpoint. Upgrade to read it."
-        )
-    if index.get("layout") not in LAYOUTS:
-        raise _bad(root, f"unknown layout {index.get('layout')!r}")
-    n, shards = index.get("num_shards"), index.get("shards")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or not isinstance(shards, list):
-        raise _bad(root, "'num_shards' or 'shards' is missing or invalid")
-    if len(shards) != n:
-        raise _bad(root, f"'num_shards' is {n} but {len(shards)} shards are listed")
-    for i, entry in enumerate(shards):
-        _check_entry(root, entry, f"shard {i}", with_keys=True)
-    _check_entry(root, index.get("meta"), "'meta'", with_keys=False)
-    seen: dict[str, int] = {}
-    for i, entry in enumerate(shards):
-        for key in entry["keys"]:
-            if key in seen:
-                raise _bad(root, f"key {key!r} is listed in shard {seen[key]} and shard {i}")
-            seen[key] = i
-    _files(root, index)
-    listed = {e["file"] for e in shards}
-    unlisted = sorted(p.name for p in root.iterdir() if _SHARD_RE.match(p.name) and p.name not in listed)
-    if unlisted:
-        raise _bad(root, f"the directory holds shard files the index does not list: {unlisted[:5]}")
-    return index
-
-
-def verify_sharded_checkpoint(ckpt_dir: str | os.PathLike[str]) -> list[FileDigest]:
-    """Check every file's size and sha256 against the index, loading nothing.
-
-    Returns:
-        One digest per shard (index order), then one for ``meta.pt``.
-
-    Raises:
-        CheckpointError: As :func:`read_shard_index`; ``CorruptCheckpointError``
-            for a size or hash mismatch.
-
-    Example:
-        >>> [d.size for d in verify_sharded_checkpoint("ckpt/step-12")]  # doctest: +SKIP
-    """
-    root = Path(ckpt_dir).resolve()
-    digests = []
-    for path, entry in _files(root, read_shard_index(root)):
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != entry["bytes"]:
-                raise CorruptCheckpointError(
-                    f"{path}: {size} bytes on disk but {entry['bytes']} in the index; truncated or "
-                    "replaced after the save. Restore an older checkpoint."
-                )
-            digest = verify_footer(f, name=path)
-        if digest.sha256 != entry["sha256"]:
-            raise CorruptCheckpointError(
-                f"{path}: sha256 {digest.sha256[:12]}... differs from the index's {entry['sha256'][:12]}...; "
-                "the file changed after the save. Restore an older checkpoint."
-            )
-        digests.append(digest)
-    return digests
 
 
 def load_sharded_checkpoint(
