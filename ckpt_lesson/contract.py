@@ -204,7 +204,9 @@ def resume_report(manifest: Mapping[str, Any], *, current: Mapping[str, Any]) ->
         manifest: A manifest dict (``save_id``, ``step``, ``env``, ``data``,
             ``metadata["contract"]``), or a single-file payload (``state``,
             ``env``, ``data``, ``extras["contract"]``).
-        current: From :func:`current_contract`.
+        current: From :func:`current_contract`; may also hold ``config``, the
+            run's settings dict, compared key by key with the same keys of
+            the manifest's ``metadata``.
 
     Returns:
         A :class:`ResumeReport`; pass it to :func:`check_contract`.
@@ -224,6 +226,12 @@ def resume_report(manifest: Mapping[str, Any], *, current: Mapping[str, Any]) ->
     for kind in ("model", "config"):
         key = f"{kind}_fingerprint"
         rows.append(_row(key, kind, saved_contract.get(key), current.get(key)))
+    # A fingerprint says *that* the config differs; the settings themselves, when
+    # the caller passes them and the save kept them as metadata, say *what* differs.
+    settings = current.get("config")
+    saved_meta = manifest.get("metadata")
+    if isinstance(settings, Mapping) and isinstance(saved_meta, Mapping):
+        rows += [_row(f"config.{k}", "config", saved_meta.get(k), settings[k]) for k in sorted(settings)]
     rows += [_row(f"env.{k}", "env", saved_env.get(k), cur_env.get(k)) for k in ENV_FIELDS]
     return ResumeReport(manifest.get("save_id"), step, tuple(rows))
 

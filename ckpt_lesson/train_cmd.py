@@ -173,7 +173,7 @@ def run_managed_training(
         data=data_block,
         metadata={**settings, **fingerprints},
         on_event=record_saves,
-        expect={"data": data_block, **fingerprints},
+        expect={"data": data_block, "config": settings, **fingerprints},
         env_policy=env_policy,
     ) as mgr:
         restored = mgr.restore_latest(model, optimizer, scheduler) if resume != "never" else None

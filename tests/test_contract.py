@@ -285,3 +285,12 @@ def test_manager_refuses_an_unknown_env_policy(tmp_path):
 
     with pytest.raises(CheckpointError, match="env_policy"):
         CheckpointManager(tmp_path, every_steps=1, env_policy="maybe")
+
+
+def test_settings_kept_as_metadata_name_the_config_key_that_differs():
+    manifest = saved_manifest(metadata={**contract_metadata(config=CONFIG), **CONFIG})
+    now = {**current(config={**CONFIG, "lr": 0.02}), "config": {**CONFIG, "lr": 0.02}}
+    report = resume_report(manifest, current=now)
+    assert [r.field for r in report.differences()] == ["config_fingerprint", "config.lr"]
+    with pytest.raises(ContractMismatchError, match=r"config\.lr: saved .*, current 0\.02"):
+        check_contract(report)
