@@ -19,6 +19,7 @@ from .accumulation import (  # noqa: E402
 )
 from .atomic import atomic_save, atomic_write_json, fsync_dir  # noqa: E402
 from .cadence import SaveCadence, should_save  # noqa: E402
+from .chaos import CampaignResult, run_campaign  # noqa: E402
 from .checkpoint import BUCKETS, TrainState, load_checkpoint, read_checkpoint, save_checkpoint  # noqa: E402
 from .contract import (  # noqa: E402
     ResumeReport,
@@ -55,7 +56,7 @@ from .exercises import (  # noqa: E402
     check_migration,
     check_verify_part,
 )
-from .faults import CampaignResult, KillPlan, run_campaign  # noqa: E402
+from .faults import KillPlan  # noqa: E402
 from .integrity import FileDigest, file_digest  # noqa: E402
 from .manager import CheckpointManager, ManagerConfig  # noqa: E402
 from .migrate import MigrationResult, migrate_file, write_legacy_v1_checkpoint  # noqa: E402

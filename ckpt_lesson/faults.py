@@ -45,25 +45,20 @@ import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .checkpoint import TrainState
 
-if TYPE_CHECKING:  # for type checkers and linters; at run time see __getattr__ at the end
-    from .chaos import CampaignResult, run_campaign
-
 __all__ = [
     "POINTS",
     "Baseline",
-    "CampaignResult",
     "KillOutcome",
     "KillPlan",
     "RunConfig",
     "compute_baseline",
     "predict_restored_step",
-    "run_campaign",
     "run_kill_sequence",
 ]
 
@@ -365,18 +360,3 @@ def run_kill_sequence(
             _flip_byte_of_newest(run_dir, plan.step)
         pending = outcome
     return outcomes, diffs, finished_equal
-
-
-# The campaign (many runs, planned from a seed, and its table) lives in
-# ckpt_lesson.chaos, which imports this module. Its names stay importable from
-# here, looked up on first use: an import at the top of this file would be
-# circular, and one at the bottom would break whenever chaos is imported first.
-_MOVED_TO_CHAOS = frozenset({"CampaignResult", "run_campaign", "_plan_run", "configure", "run"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_CHAOS:
-        from . import chaos
-
-        return getattr(chaos, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -51,21 +51,10 @@ from typing import Any
 from .atomic import atomic_write_json, fsync_dir
 from .cadence import SaveCadence, validate_cadence
 from .checkpoint import BUCKETS, TrainState, save_checkpoint
-from .commit import (  # the constants and _writer_is_dead are re-exported: they used to live here
-    DELETING_PREFIX,  # noqa: F401
-    LOCK_NAME,  # noqa: F401
-    QUARANTINE_PREFIX,  # noqa: F401
-    STALE_UNLOCKED_SECONDS,  # noqa: F401
-    clean_stale,
-    delete_save,
-    open_staging,
-    publish,
-)
-from .commit import writer_is_dead as _writer_is_dead  # noqa: F401
+from .commit import clean_stale, delete_save, open_staging, publish
 from .contract import ENV_POLICIES
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from .restore import check_resume_contract, load_save
-from .restore import index_parts as _index_parts  # noqa: F401
 from .retention import KeepLastK, RetentionPolicy
 from .scan import (
     MANIFEST_NAME,

@@ -7,13 +7,13 @@ import dataclasses
 import pytest
 
 from ckpt_lesson import cli
+from ckpt_lesson.chaos import run_campaign
 from ckpt_lesson.faults import (
     POINTS,
     KillPlan,
     RunConfig,
     compute_baseline,
     predict_restored_step,
-    run_campaign,
     run_kill_sequence,
 )
 

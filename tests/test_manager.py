@@ -131,14 +131,14 @@ def test_events_come_in_commit_order_and_retention_deletes_only_after_the_new_sa
 
 
 def test_the_save_holds_its_staging_lock_until_it_is_published(tmp_path):
-    from ckpt_lesson.manager import _writer_is_dead
+    from ckpt_lesson.commit import writer_is_dead
 
     seen = {}
 
     def hook(name, info):
         if name == "parts_complete":
             [staging] = [p for p in tmp_path.iterdir() if p.name.startswith(".staging-")]
-            seen["dead_while_saving"] = _writer_is_dead(staging)
+            seen["dead_while_saving"] = writer_is_dead(staging)
 
     mgr = CheckpointManager(tmp_path, every_steps=1, on_event=hook)
     run_with_manager(mgr, until_step=1)
