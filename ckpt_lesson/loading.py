@@ -100,7 +100,7 @@ def _weights_only_load(f: Any, path: Path, map_location: Any) -> Any:
         raise UnsafeCheckpointError(
             f"{path}: refused by the weights-only loader ({first[:200]}). It holds Python objects "
             "beyond tensors and plain values, which no ckpt_lesson checkpoint does. Treat it as "
-            "untrusted; do not load it with weights_only=False."
+            "untrusted and never retry it with the full unpickler (weights_only off)."
         ) from exc
     except Exception as exc:
         # Deliberately broad: fed damaged bytes, torch.load raises almost anything
