@@ -32,14 +32,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from .checkpoint import REQUIRES_KEY, TrainState, apply_payload, read_checkpoint, save_checkpoint
 from .errors import StateMismatchError
 from .integrity import FileDigest
-from .training import JITTER_STD, SyntheticRegression, batch_sample_ids
+from .training import SyntheticRegression, batch_loss, next_batch_ids
 
 __all__ = [
     "ACCUMULATION_SCHEMA",
@@ -132,19 +131,17 @@ def train_accumulating(
         )
     if not 0 <= state.micro_step < accum_steps:
         raise StateMismatchError(f"state.micro_step={state.micro_step} is outside 0..{accum_steps - 1}.")
-    per_epoch = len(data) // micro_batch_size
+    if micro_batch_size > len(data):
+        raise StateMismatchError(
+            f"micro_batch_size={micro_batch_size} is larger than the data ({len(data)} samples); "
+            "an epoch would hold no batch."
+        )
     if state.micro_step == 0:
         optimizer.zero_grad(set_to_none=True)
     records: list[MicroStepRecord] = []
     while state.step < until_step:
-        if state.batch_in_epoch >= per_epoch:
-            state.epoch += 1
-            state.batch_in_epoch = 0
-        ids = batch_sample_ids(seed, state.epoch, state.batch_in_epoch, len(data), micro_batch_size)
-        model.train()
-        x = data.x[ids]
-        jitter = np.random.normal(0.0, JITTER_STD, size=tuple(x.shape)).astype(np.float32)
-        loss = nn.functional.mse_loss(model(x + torch.from_numpy(jitter)), data.y[ids])
+        ids = next_batch_ids(state, data, seed=seed, batch_size=micro_batch_size)
+        loss = batch_loss(model, data, ids)
         # Dividing by accum_steps makes the summed gradient the mean over the
         # effective batch, as one big batch of accum_steps * micro_batch_size.
         (loss / accum_steps).backward()

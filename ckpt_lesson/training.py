@@ -31,10 +31,12 @@ from .checkpoint import TrainState
 __all__ = [
     "StepRecord",
     "SyntheticRegression",
+    "batch_loss",
     "batch_sample_ids",
     "epoch_order",
     "make_model",
     "make_optimizer_and_scheduler",
+    "next_batch_ids",
     "seed_everything",
     "train",
     "train_step",
@@ -129,6 +131,27 @@ class StepRecord:
     sample_ids: tuple[int, ...]
 
 
+def batch_loss(model: nn.Module, data: SyntheticRegression, ids: list[int]) -> torch.Tensor:
+    """Forward pass on the samples ``ids`` with NumPy input jitter; returns the loss tensor.
+
+    The single place where a batch meets the model, so every training loop
+    (plain, accumulating) draws from the generators in the same order:
+    NumPy's jitter first, then torch's dropout masks.
+    """
+    model.train()
+    x = data.x[ids]
+    jitter = np.random.normal(0.0, JITTER_STD, size=tuple(x.shape)).astype(np.float32)
+    return nn.functional.mse_loss(model(x + torch.from_numpy(jitter)), data.y[ids])
+
+
+def next_batch_ids(state: TrainState, data: SyntheticRegression, *, seed: int, batch_size: int) -> list[int]:
+    """Roll ``state`` into the next epoch when this one is used up; return the next batch's ids."""
+    if state.batch_in_epoch >= len(data) // batch_size:
+        state.epoch += 1
+        state.batch_in_epoch = 0
+    return batch_sample_ids(seed, state.epoch, state.batch_in_epoch, len(data), batch_size)
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -137,11 +160,7 @@ def train_step(
     ids: list[int],
 ) -> float:
     """One optimizer step on the samples ``ids``; returns the loss."""
-    model.train()
-    x = data.x[ids]
-    jitter = np.random.normal(0.0, JITTER_STD, size=tuple(x.shape)).astype(np.float32)
-    x = x + torch.from_numpy(jitter)
-    loss = nn.functional.mse_loss(model(x), data.y[ids])
+    loss = batch_loss(model, data, ids)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
@@ -194,10 +213,7 @@ def train(
         raise ValueError(f"batch_size must be between 1 and len(data)={len(data)}, got {batch_size}.")
     records: list[StepRecord] = []
     while state.step < until_step:
-        if state.batch_in_epoch >= per_epoch:
-            state.epoch += 1
-            state.batch_in_epoch = 0
-        ids = batch_sample_ids(seed, state.epoch, state.batch_in_epoch, len(data), batch_size)
+        ids = next_batch_ids(state, data, seed=seed, batch_size=batch_size)
         loss = train_step(model, optimizer, scheduler, data, ids)
         state.step += 1
         state.batch_in_epoch += 1
