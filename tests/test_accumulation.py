@@ -168,6 +168,11 @@ def test_invalid_accumulation_settings_are_refused():
             model, opt, sched, AccumulationState(micro_step=4), data, until_step=1, seed=SEED, accum_steps=4,
             micro_batch_size=8,
         )  # fmt: skip
+    with pytest.raises(StateMismatchError, match="larger than the data"):
+        train_accumulating(
+            model, opt, sched, AccumulationState(), data, until_step=1, seed=SEED, accum_steps=2,
+            micro_batch_size=len(data) + 1,
+        )  # fmt: skip
 
 
 def test_a_plain_load_refuses_a_mid_accumulation_save_instead_of_dropping_its_gradients(tmp_path):
