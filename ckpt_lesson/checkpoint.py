@@ -115,21 +115,30 @@ def build_payload(
     *,
     extras: dict[str, Any] | None = None,
     data: dict[str, Any] | None = None,
+    rng: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Gather the five buckets plus metadata into one current-schema payload.
 
     ``scheduler`` may be ``None`` for a run without one; loading then requires
     ``None`` too, so the two can never be silently mixed.
+
+    ``rng`` is a state from :func:`~ckpt_lesson.rng.capture_rng_state` taken
+    earlier; ``None`` captures the generators now. An asynchronous save passes
+    the state captured with its snapshot: by the time a background thread
+    writes, training has drawn more random numbers, and saving *those* would
+    resume with the wrong dropout masks and jitter.
     """
     if not isinstance(state, TrainState):
         raise CheckpointError(f"state must be a TrainState, got {type(state).__name__}.")
+    if rng is not None:
+        validate_rng_state(rng)  # a bad state must fail this save, not the resume months later
     return {
         "schema": CURRENT_SCHEMA,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         "state": state.to_dict(),
-        "rng": capture_rng_state(),
+        "rng": capture_rng_state() if rng is None else rng,
         "wall_saved_at": time.time(),
         "extras": extras,
         "env": current_env(),
@@ -146,6 +155,7 @@ def save_checkpoint(
     *,
     extras: dict[str, Any] | None = None,
     data: dict[str, Any] | None = None,
+    rng: dict[str, Any] | None = None,
 ) -> FileDigest:
     """Save a complete, resumable checkpoint to one file, atomically.
 
@@ -156,6 +166,8 @@ def save_checkpoint(
         extras: Extra plain-Python values to carry along.
         data: Dataset description for the v2 ``data`` block, e.g.
             ``{"fingerprint": "...", "order_seed": 11}``.
+        rng: Generator state captured earlier (see :func:`build_payload`);
+            ``None`` captures it now.
 
     Returns:
         Size and sha256 of the file written.
@@ -163,7 +175,7 @@ def save_checkpoint(
     Example:
         >>> save_checkpoint(model, opt, sched, TrainState(step=12), "ckpt/last.pt")  # doctest: +SKIP
     """
-    payload = build_payload(model, optimizer, scheduler, state, extras=extras, data=data)
+    payload = build_payload(model, optimizer, scheduler, state, extras=extras, data=data, rng=rng)
     return atomic_save(payload, path)
 
 

@@ -306,6 +306,7 @@ class CheckpointManager:
         state: TrainState,
         *,
         extras: dict[str, Any] | None = None,
+        rng: dict[str, Any] | None = None,
     ) -> Path:
         """Save ``state.step`` with the commit protocol, then apply retention.
 
@@ -313,6 +314,10 @@ class CheckpointManager:
             model, optimizer, scheduler: The live training objects.
             state: Counters and losses; ``state.step`` names the save.
             extras: Plain values carried in the payload.
+            rng: Generator state captured earlier with
+                :func:`~ckpt_lesson.rng.capture_rng_state` (as
+                :class:`~ckpt_lesson.async_save.TrainingSnapshot` does);
+                ``None`` captures it now.
 
         Returns:
             The published ``step-XXXXXXXX`` folder.
@@ -338,7 +343,7 @@ class CheckpointManager:
         # (garbage, never a save) and releases the lock, so the error surfaces with nothing half-made.
         with open_staging(self.run_dir, step) as staging:
             self._emit("save_begin", step=step, staging=staging.name)
-            parts = self._write_parts(staging, model, optimizer, scheduler, state, extras)
+            parts = self._write_parts(staging, model, optimizer, scheduler, state, extras, rng)
             self._emit("parts_complete", step=step, files=[p["file"] for p in parts])
             manifest = self._manifest(state, parts)
             atomic_write_json(manifest, staging / MANIFEST_NAME)
@@ -372,13 +377,21 @@ class CheckpointManager:
             )
 
     def _write_parts(
-        self, staging: Path, model: Any, optimizer: Any, scheduler: Any, state: TrainState, extras: Any
+        self,
+        staging: Path,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any,
+        state: TrainState,
+        extras: Any,
+        rng: dict[str, Any] | None = None,
     ) -> list[dict[str, Any]]:
         step, data = state.step, self.config.data
         if self.config.num_shards is None:
             self._emit("part_begin", step=step, file="checkpoint.pt")
+            target = staging / "checkpoint.pt"
             digest = save_checkpoint(
-                model, optimizer, scheduler, state, staging / "checkpoint.pt", extras=extras, data=data
+                model, optimizer, scheduler, state, target, extras=extras, data=data, rng=rng
             )
             part = {"file": "checkpoint.pt", "bytes": digest.size, "sha256": digest.sha256}
             self._emit("part_written", step=step, **part)
@@ -394,6 +407,7 @@ class CheckpointManager:
             layout=self.config.shard_layout,
             extras=extras,
             data=data,
+            rng=rng,
         )
         # Digests come from the writer (taken while the bytes passed), never from a re-read.
         parts = [{"file": f["name"], "bytes": f["bytes"], "sha256": f["sha256"]} for f in result.files]

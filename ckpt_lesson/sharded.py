@@ -211,11 +211,12 @@ def save_sharded_checkpoint(
     layout: str = "round_robin",
     extras: dict[str, Any] | None = None,
     data: dict[str, Any] | None = None,
+    rng: dict[str, Any] | None = None,
 ) -> ShardedSaveResult:
     """Save a resumable checkpoint as shards + ``meta.pt`` + ``index.json`` (last).
 
     Args:
-        model, optimizer, scheduler, state, extras, data: As for
+        model, optimizer, scheduler, state, extras, data, rng: As for
             :func:`~ckpt_lesson.checkpoint.save_checkpoint`.
         out_dir: A new directory (created with its parents). One that already
             holds an ``index.json`` is refused: a checkpoint is never rewritten
@@ -242,7 +243,7 @@ def save_sharded_checkpoint(
             f"{out_dir}: already holds a finished checkpoint ({INDEX_NAME}); checkpoints are never "
             "overwritten in place. Choose a new directory, e.g. one per step."
         )
-    payload = build_payload(model, optimizer, scheduler, state, extras=extras, data=data)
+    payload = build_payload(model, optimizer, scheduler, state, extras=extras, data=data, rng=rng)
     model_sd = payload.pop("model")  # what is left is meta.pt: every other bucket
     plan = plan_shards(model_sd, num_shards, layout)
     _make_dir(out_dir)
