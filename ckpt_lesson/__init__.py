@@ -17,6 +17,7 @@ from .accumulation import (  # noqa: E402
     save_accumulating,
     train_accumulating,
 )
+from .async_save import AsyncCheckpointer, TrainingSnapshot  # noqa: E402
 from .atomic import atomic_save, atomic_write_json, fsync_dir  # noqa: E402
 from .cadence import SaveCadence, should_save  # noqa: E402
 from .chaos import CampaignResult, run_campaign  # noqa: E402
@@ -90,6 +91,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccumulationState",
+    "AsyncCheckpointer",
     "BUCKETS",
     "CURRENT_SCHEMA",
     "CampaignResult",
@@ -120,6 +122,7 @@ __all__ = [
     "StateMismatchError",
     "SyntheticRegression",
     "TrainState",
+    "TrainingSnapshot",
     "UnsafeCheckpointError",
     "WarmStartRecord",
     "__version__",
