@@ -36,9 +36,10 @@ What is and is not safe: mutating the model or optimizer right after
 ``save_async`` returns is safe, because the snapshot was finished before it
 returned. Calling ``manager.save`` (or ``restore_latest``) directly while an
 async save is in flight is *not* supported: call :meth:`~AsyncCheckpointer.wait`
-first. The manager's cadence timer restarts when a background save publishes,
-so ``should_save`` stays correct for step-based cadence and errs towards an
-earlier save for time-based cadence.
+first. The manager's cadence timer restarts only when a background save
+publishes, so while one is in flight :meth:`~AsyncCheckpointer.should_save`
+applies the step rule alone; otherwise the time rule would fire on every step
+and queue a second save right behind the first.
 
 Interruptions: Ctrl-C reaches the training thread, not the writer, and
 Python waits for the (non-daemon) writer at exit, so the save in flight still
@@ -207,7 +208,10 @@ class AsyncCheckpointer:
         return thread is not None and thread.is_alive()
 
     def should_save(self, step: int) -> bool:
-        """The manager's cadence decision (see :meth:`CheckpointManager.should_save`)."""
+        """The manager's cadence decision; only its step rule while a save is in flight."""
+        if self.in_flight:
+            every = self.manager.config.every_steps
+            return every is not None and step > 0 and step != self._step and step % every == 0
         return self.manager.should_save(step)
 
     def save_async(self, model: Any, optimizer: Any, scheduler: Any, state: TrainState) -> None:

@@ -290,6 +290,28 @@ def test_only_one_save_is_in_flight(tmp_path, monkeypatch, tiny_run):
     ]
 
 
+def test_the_time_rule_does_not_fire_again_while_a_save_is_in_flight(tmp_path, tiny_run):
+    gate = Gate()
+    clock = [0.0]
+    mgr = CheckpointManager(
+        tmp_path, every_seconds=10, clock=lambda: clock[0], on_event=gate.at_event("part_begin")
+    )
+    ckpt = AsyncCheckpointer(mgr)
+    run = tiny_run(SEED)
+    run.train(2)
+    clock[0] = 10.0
+    assert ckpt.should_save(2)
+    ckpt.save_async(run.model, run.optimizer, run.scheduler, run.state)
+    gate.wait_for_writer()
+    clock[0] = 30.0  # the write is slow; the manager's timer still counts from 0
+    assert mgr.should_save(3) and not ckpt.should_save(3)
+    gate.open()
+    ckpt.wait()
+    assert not ckpt.should_save(3)  # the timer restarted when step 2 was published, at 30
+    clock[0] = 40.0
+    assert ckpt.should_save(3)
+
+
 def killed_writer_child(tiny_run: Any, run_dir: Path, gate_file: Path) -> None:
     """Save step 4 for good, then hang the step-8 write after creating ``gate_file``."""
     run = tiny_run(SEED)
