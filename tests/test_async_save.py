@@ -104,12 +104,13 @@ def saved_payload(run_dir: Path, step: int) -> dict[str, Any]:
     return read_checkpoint(run_dir / f"step-{step:08d}" / "checkpoint.pt")
 
 
-def test_async_save_resumes_bit_for_bit(tmp_path, monkeypatch, tiny_run):
+@pytest.mark.parametrize("num_shards", [None, 2], ids=["single", "sharded"])
+def test_async_save_resumes_bit_for_bit(tmp_path, monkeypatch, tiny_run, num_shards):
     losses, ids = reference(tiny_run, 20)
     gate = Gate()
     gate.on_writes(monkeypatch)  # held mid-file
     run = tiny_run(SEED)
-    mgr = CheckpointManager(tmp_path, every_steps=5)
+    mgr = CheckpointManager(tmp_path, every_steps=5, num_shards=num_shards)
     ckpt = AsyncCheckpointer(mgr)
     seen_in_flight = []
 
@@ -123,6 +124,7 @@ def test_async_save_resumes_bit_for_bit(tmp_path, monkeypatch, tiny_run):
     run.train(8, after_step=saver(run, ckpt, on_step))
     assert ckpt.wait() == tmp_path / "step-00000005"
     assert seen_in_flight == [True, True]
+    assert (tmp_path / "step-00000005" / ("checkpoint.pt" if num_shards is None else "index.json")).is_file()
 
     fresh = tiny_run(SEED)  # "crash" at step 8: restore into new objects and go on
     state = CheckpointManager(tmp_path, every_steps=5).restore_latest(
