@@ -1,10 +1,9 @@
 """Asynchronous saves: the training thread pays for a memory copy, a thread writes the bytes.
 
-A save has two halves with very different costs. *Reading* the training state
-(weights, optimizer moments, scheduler, counters, generators) is a memory copy:
-milliseconds. *Writing* it (serialize, hash, fsync, verify, publish) is disk
-time: seconds for a real model. Only the first half has to stop training. So an
-:class:`AsyncCheckpointer` does it in that order:
+A save has two halves. *Reading* the training state is a memory copy
+(milliseconds); *writing* it (serialize, hash, fsync, verify, publish) is disk
+time (seconds for a real model). Only the first has to stop training, so an
+:class:`AsyncCheckpointer` does:
 
 1. **Snapshot, synchronously.** :meth:`TrainingSnapshot.capture` copies every
    tensor of the three ``state_dict()``\\ s to fresh CPU memory, copies the
@@ -20,11 +19,10 @@ writing would describe some later step, and a resume would continue with the
 wrong random numbers, plausibly but not identically.
 
 Why at most one save is in flight: each snapshot is a full copy of the
-training state, so an unbounded queue of them is unbounded memory; with one in
-flight there is at most one extra copy. It also keeps saves in step order (a
-later save can never be published before an earlier one) and means the
-manager's ``save`` never runs twice at once. :meth:`~AsyncCheckpointer.save_async`
-therefore first waits for the previous save, *then* takes its snapshot.
+training state, so a queue of them is unbounded memory; one in flight means at
+most one extra copy. It also publishes saves in step order and never runs the
+manager's ``save`` twice at once. So :meth:`~AsyncCheckpointer.save_async`
+first waits for the previous save, *then* takes its snapshot.
 
 Why errors surface on the training thread: an exception in a background thread
 only prints a traceback; the run would carry on believing it is protected. The
@@ -99,10 +97,9 @@ def _copy_tree(value: Any) -> Any:
 
 
 class _FrozenState:
-    """Stands in for a model/optimizer/scheduler: ``state_dict()`` returns the snapshot's copy.
+    """Read-only stand-in for a model/optimizer/scheduler: ``state_dict()`` is all a save calls.
 
-    The save code only ever calls ``state_dict()``, so it works unchanged. The
-    copy is shared, not re-copied: the writer reads it and nobody else holds it.
+    It returns the snapshot's copy itself: only the writer reads it, nobody mutates it.
     """
 
     __slots__ = ("_state",)
@@ -190,12 +187,12 @@ class AsyncCheckpointer:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        try:  # the body's own error matters more; still finish (or report) the save
+        try:
             self.close()
         except Exception:
+            if exc_type is None:
+                raise
+            # The body's own error is the one to propagate; this one is logged, not lost.
             log.exception("asynchronous save failed while leaving the block after another error")
 
     def __repr__(self) -> str:
