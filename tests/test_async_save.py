@@ -247,6 +247,31 @@ def test_a_checkpoint_error_in_the_writer_is_raised_as_it_is(tmp_path, tiny_run)
     assert info.value.__cause__ is None
 
 
+def test_leaving_the_block_after_an_error_keeps_that_error_and_logs_the_failed_save(
+    tmp_path, monkeypatch, tiny_run, caplog
+):
+    def broken(self_: Any, data: Any) -> int:
+        raise OSError(5, "I/O error (test)")
+
+    monkeypatch.setattr(integrity.FooterWriter, "write", broken)
+    run = tiny_run(SEED)
+    run.train(2)
+    with pytest.raises(KeyError, match="the body's own error"):
+        with AsyncCheckpointer(CheckpointManager(tmp_path, every_steps=100)) as ckpt:
+            ckpt.save_async(run.model, run.optimizer, run.scheduler, run.state)
+            raise KeyError("the body's own error")
+    assert "asynchronous save failed" in caplog.text and "step 2" in caplog.text
+    assert not ckpt.in_flight
+
+
+def test_a_bad_state_is_refused_on_the_calling_thread_and_starts_nothing(tmp_path, tiny_run):
+    run = tiny_run(SEED)
+    ckpt = AsyncCheckpointer(CheckpointManager(tmp_path, every_steps=100))
+    with pytest.raises(CheckpointError, match="TrainState"):
+        ckpt.save_async(run.model, run.optimizer, run.scheduler, {"step": 3})
+    assert not ckpt.in_flight and ckpt.wait() is None and list(tmp_path.iterdir()) == []
+
+
 def test_save_async_from_the_writer_thread_is_refused(tmp_path, tiny_run):
     run = tiny_run(SEED)
     run.train(2)
