@@ -43,7 +43,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckpt_lesson as cl
-from ckpt_lesson.checkpoint import load_verified_file
+from ckpt_lesson.files.checkpoint import load_verified_file
 
 HERE = Path(__file__).resolve().parent
 

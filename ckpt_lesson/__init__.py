@@ -10,37 +10,28 @@ from ._version_check import check_torch_version
 
 check_torch_version()
 
-from .accumulation import (  # noqa: E402
-    AccumulationState,
-    MicroStepRecord,
-    load_accumulating,
-    save_accumulating,
-    train_accumulating,
+from .cli.chaos import CampaignResult, run_campaign  # noqa: E402
+from .cli.faults import KillPlan  # noqa: E402
+from .course.accumulating import MicroStepRecord, train_accumulating  # noqa: E402
+from .course.demo import run_full_demo, run_negative_control, run_resume_demo  # noqa: E402
+from .course.demo_artifacts import write_demo_artifacts  # noqa: E402
+from .course.exercises import (  # noqa: E402
+    GradeResult,
+    check_cadence,
+    check_keep_k,
+    check_migration,
+    check_verify_part,
 )
-from .async_save import AsyncCheckpointer, TrainingSnapshot  # noqa: E402
-from .atomic import atomic_save, atomic_write_json, fsync_dir  # noqa: E402
-from .cadence import SaveCadence, should_save  # noqa: E402
-from .chaos import CampaignResult, run_campaign  # noqa: E402
-from .checkpoint import BUCKETS, TrainState, load_checkpoint, read_checkpoint, save_checkpoint  # noqa: E402
-from .contract import (  # noqa: E402
-    ResumeReport,
-    check_contract,
-    config_fingerprint,
-    contract_metadata,
-    current_contract,
-    model_fingerprint,
-    resume_report,
+from .course.managed import run_managed_training  # noqa: E402
+from .course.preemptible import train_until_preempted  # noqa: E402
+from .course.skill import render_skill_markdown, write_skill_markdown  # noqa: E402
+from .course.training import (  # noqa: E402
+    SyntheticRegression,
+    make_model,
+    make_optimizer_and_scheduler,
+    seed_everything,
+    train,
 )
-from .cost import (  # noqa: E402
-    SpotComparison,
-    compare_spot,
-    cost_per_accepted_step,
-    daly_interval,
-    expected_wall_time,
-    young_interval,
-)
-from .demo import run_full_demo, run_negative_control, run_resume_demo  # noqa: E402
-from .demo_artifacts import write_demo_artifacts  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError,
     ContractMismatchError,
@@ -50,24 +41,19 @@ from .errors import (  # noqa: E402
     StateMismatchError,
     UnsafeCheckpointError,
 )
-from .exercises import (  # noqa: E402
-    GradeResult,
-    check_cadence,
-    check_keep_k,
-    check_migration,
-    check_verify_part,
+from .files.atomic import atomic_save, atomic_write_json, fsync_dir  # noqa: E402
+from .files.checkpoint import (  # noqa: E402
+    BUCKETS,
+    TrainState,
+    load_checkpoint,
+    read_checkpoint,
+    save_checkpoint,
 )
-from .faults import KillPlan  # noqa: E402
-from .integrity import FileDigest, file_digest  # noqa: E402
-from .manager import CheckpointManager, ManagerConfig  # noqa: E402
-from .migrate import MigrationResult, migrate_file, write_legacy_v1_checkpoint  # noqa: E402
-from .preemption import PREEMPTED_EXIT_CODE, PreemptionHandler, train_until_preempted  # noqa: E402
-from .report import RecoveryRecorder, read_recovery_log, summarize_recoveries  # noqa: E402
-from .retention import KeepBest, KeepLastK, keep_last_k  # noqa: E402
-from .rng import capture_rng_state, restore_rng_state  # noqa: E402
-from .scan import ScanResult, read_manifest, scan_checkpoints, verify_part  # noqa: E402
-from .schema import CURRENT_SCHEMA, SCHEMA_V1, SCHEMA_V2, migrate_v1_to_v2  # noqa: E402
-from .sharded import (  # noqa: E402
+from .files.integrity import FileDigest, file_digest  # noqa: E402
+from .files.migrate import MigrationResult, migrate_file, write_legacy_v1_checkpoint  # noqa: E402
+from .files.rng import capture_rng_state, restore_rng_state  # noqa: E402
+from .files.schema import CURRENT_SCHEMA, SCHEMA_V1, SCHEMA_V2, migrate_v1_to_v2  # noqa: E402
+from .files.sharded import (  # noqa: E402
     ShardedSaveResult,
     load_sharded_checkpoint,
     plan_shards,
@@ -76,16 +62,32 @@ from .sharded import (  # noqa: E402
     shard_keys_by_prefix,
     verify_sharded_checkpoint,
 )
-from .skill import render_skill_markdown, write_skill_markdown  # noqa: E402
-from .train_cmd import run_managed_training  # noqa: E402
-from .training import (  # noqa: E402
-    SyntheticRegression,
-    make_model,
-    make_optimizer_and_scheduler,
-    seed_everything,
-    train,
+from .runs.accumulation import AccumulationState, load_accumulating, save_accumulating  # noqa: E402
+from .runs.async_save import AsyncCheckpointer, TrainingSnapshot  # noqa: E402
+from .runs.cadence import SaveCadence, should_save  # noqa: E402
+from .runs.contract import (  # noqa: E402
+    ResumeReport,
+    check_contract,
+    config_fingerprint,
+    contract_metadata,
+    current_contract,
+    model_fingerprint,
+    resume_report,
 )
-from .warm_start import WarmStartRecord, warm_start_from  # noqa: E402
+from .runs.cost import (  # noqa: E402
+    SpotComparison,
+    compare_spot,
+    cost_per_accepted_step,
+    daly_interval,
+    expected_wall_time,
+    young_interval,
+)
+from .runs.manager import CheckpointManager, ManagerConfig  # noqa: E402
+from .runs.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler  # noqa: E402
+from .runs.report import RecoveryRecorder, read_recovery_log, summarize_recoveries  # noqa: E402
+from .runs.retention import KeepBest, KeepLastK, keep_last_k  # noqa: E402
+from .runs.scan import ScanResult, read_manifest, scan_checkpoints, verify_part  # noqa: E402
+from .runs.warm_start import WarmStartRecord, warm_start_from  # noqa: E402
 
 __version__ = "0.1.0"
 

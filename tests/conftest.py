@@ -15,9 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt_lesson.checkpoint import TrainState, load_checkpoint, save_checkpoint
-from ckpt_lesson.integrity import FileDigest
-from ckpt_lesson.training import (
+from ckpt_lesson.course.training import (
     StepRecord,
     SyntheticRegression,
     make_model,
@@ -25,6 +23,8 @@ from ckpt_lesson.training import (
     seed_everything,
     train,
 )
+from ckpt_lesson.files.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from ckpt_lesson.files.integrity import FileDigest
 
 TINY_N = 64
 TINY_BATCH = 8

@@ -29,21 +29,21 @@ import uuid
 
 import pytest
 
-from ckpt_lesson.atomic import atomic_save, atomic_write_json
-from ckpt_lesson.checkpoint import TrainState, build_payload
-from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.manager import CheckpointManager
-from ckpt_lesson.report import RecoveryRecorder, read_recovery_log
-from ckpt_lesson.scan import read_manifest
-from ckpt_lesson.train_cmd import run_managed_training
-from ckpt_lesson.training import (
+from ckpt_lesson.course.managed import run_managed_training
+from ckpt_lesson.course.training import (
     SyntheticRegression,
     make_model,
     make_optimizer_and_scheduler,
     seed_everything,
     train,
 )
-from ckpt_lesson.warm_start import read_warm_start, warm_start_from
+from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.atomic import atomic_save, atomic_write_json
+from ckpt_lesson.files.checkpoint import TrainState, build_payload
+from ckpt_lesson.runs.manager import CheckpointManager
+from ckpt_lesson.runs.report import RecoveryRecorder, read_recovery_log
+from ckpt_lesson.runs.scan import read_manifest
+from ckpt_lesson.runs.warm_start import read_warm_start, warm_start_from
 
 SEED, TOTAL, EVERY, KEEP = 11, 300, 40, 3
 LOST_SAVE, LOST_AT = 280, 300
@@ -74,7 +74,7 @@ def baseline():
 
 def second_process(run_dir, half_bytes):
     """Resume at 240, stall the step-280 save half-way, lose the machine at step 300."""
-    from ckpt_lesson import integrity
+    from ckpt_lesson.files import integrity
 
     stall, written, original = threading.Event(), {"n": 0}, integrity.FooterWriter.write
 

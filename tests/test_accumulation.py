@@ -5,21 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckpt_lesson.accumulation import (
-    ACCUMULATION_SCHEMA,
-    AccumulationState,
-    load_accumulating,
-    save_accumulating,
-    train_accumulating,
-)
-from ckpt_lesson.checkpoint import TrainState, apply_payload, load_checkpoint, read_checkpoint
-from ckpt_lesson.errors import StateMismatchError
-from ckpt_lesson.training import (
+from ckpt_lesson.course.accumulating import train_accumulating
+from ckpt_lesson.course.training import (
     SyntheticRegression,
     make_model,
     make_optimizer_and_scheduler,
     seed_everything,
     train,
+)
+from ckpt_lesson.errors import StateMismatchError
+from ckpt_lesson.files.checkpoint import TrainState, apply_payload, load_checkpoint, read_checkpoint
+from ckpt_lesson.runs.accumulation import (
+    ACCUMULATION_SCHEMA,
+    AccumulationState,
+    load_accumulating,
+    save_accumulating,
 )
 
 SEED = 3
@@ -148,7 +148,7 @@ def test_resuming_with_a_different_accumulation_split_is_refused_and_changes_not
 
 
 def test_a_file_without_an_accumulation_block_is_refused(tmp_path):
-    from ckpt_lesson.checkpoint import save_checkpoint
+    from ckpt_lesson.files.checkpoint import save_checkpoint
 
     data, model, opt, sched = fresh()
     save_checkpoint(model, opt, sched, TrainState(), tmp_path / "plain.pt")

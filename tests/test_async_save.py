@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt_lesson import integrity
-from ckpt_lesson.async_save import AsyncCheckpointer, TrainingSnapshot
-from ckpt_lesson.checkpoint import TrainState, build_payload, read_checkpoint
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.manager import CheckpointManager
-from ckpt_lesson.rng import capture_rng_state, restore_rng_state
+from ckpt_lesson.files import integrity
+from ckpt_lesson.files.checkpoint import TrainState, build_payload, read_checkpoint
+from ckpt_lesson.files.rng import capture_rng_state, restore_rng_state
+from ckpt_lesson.runs.async_save import AsyncCheckpointer, TrainingSnapshot
+from ckpt_lesson.runs.manager import CheckpointManager
 
 SEED = 5
 

@@ -23,10 +23,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_lesson.atomic import atomic_save, atomic_write_bytes, atomic_write_json, fsync_dir, is_temp_file
-from ckpt_lesson.checkpoint import load_verified_file
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.integrity import sha256_bytes
+from ckpt_lesson.files.atomic import (
+    atomic_save,
+    atomic_write_bytes,
+    atomic_write_json,
+    fsync_dir,
+    is_temp_file,
+)
+from ckpt_lesson.files.checkpoint import load_verified_file
+from ckpt_lesson.files.integrity import sha256_bytes
 
 PART = 1 << 20  # float32 elements per part: 4 MB
 PARTS = 16  # 64 MB in all, written part by part so the temp file grows visibly
@@ -45,7 +51,7 @@ import os, sys, time
 import torch
 
 torch.set_num_threads(1)  # no OpenMP pool to inherit across fork()
-from ckpt_lesson import atomic
+from ckpt_lesson.files import atomic
 
 part, parts = int(sys.argv[1]), int(sys.argv[2])
 payload = {"tag": "new", "parts": [torch.full((part,), 2.0) for _ in range(parts)]}

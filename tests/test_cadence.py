@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_lesson.cadence import SaveCadence, should_save, validate_cadence
 from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.runs.cadence import SaveCadence, should_save, validate_cadence
 
 
 class FakeClock:

@@ -15,8 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from ckpt_lesson.atomic import atomic_save
-from ckpt_lesson.checkpoint import (
+from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, SchemaError, StateMismatchError
+from ckpt_lesson.files.atomic import atomic_save
+from ckpt_lesson.files.checkpoint import (
     BUCKETS,
     TrainState,
     apply_payload,
@@ -25,9 +26,8 @@ from ckpt_lesson.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
-from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, SchemaError, StateMismatchError
-from ckpt_lesson.integrity import file_digest
-from ckpt_lesson.schema import CURRENT_SCHEMA, SCHEMA_V1
+from ckpt_lesson.files.integrity import file_digest
+from ckpt_lesson.files.schema import CURRENT_SCHEMA, SCHEMA_V1
 
 
 def same(a, b) -> bool:
@@ -292,7 +292,7 @@ def test_a_legacy_v1_file_without_footer_loads_with_a_warning(tmp_path, tiny_run
     torch.save(payload, path)  # how the lesson's original code saved
 
     fresh = tiny_run(1)
-    with caplog.at_level(logging.WARNING, logger="ckpt_lesson.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="ckpt_lesson.files.checkpoint"):
         state = fresh.load(path)
     assert state == run.state
     assert same(fresh.model.state_dict(), run.model.state_dict())

@@ -9,7 +9,10 @@ import logging
 import pytest
 import torch
 
-from ckpt_lesson.contract import (
+from ckpt_lesson.course.training import SyntheticRegression, make_model
+from ckpt_lesson.errors import CheckpointError, ContractMismatchError, StateMismatchError
+from ckpt_lesson.files.schema import current_env
+from ckpt_lesson.runs.contract import (
     check_contract,
     config_fingerprint,
     contract_metadata,
@@ -17,9 +20,6 @@ from ckpt_lesson.contract import (
     model_fingerprint,
     resume_report,
 )
-from ckpt_lesson.errors import CheckpointError, ContractMismatchError, StateMismatchError
-from ckpt_lesson.schema import current_env
-from ckpt_lesson.training import SyntheticRegression, make_model
 
 CONFIG = {"lr": 0.01, "batch_size": 16, "total_steps": 60}
 
@@ -100,7 +100,7 @@ def test_an_environment_change_is_refused_by_default():
 
 def test_an_environment_change_under_warn_is_logged_and_returned(caplog):
     report = resume_report(incompatible_env_manifest(), current=current())
-    with caplog.at_level(logging.WARNING, logger="ckpt_lesson.contract"):
+    with caplog.at_level(logging.WARNING, logger="ckpt_lesson.runs.contract"):
         warnings = check_contract(report, env_policy="warn")
     assert len(warnings) == 2 and all("environment changed" in w for w in warnings)
     assert "env.torch" in caplog.text
@@ -180,9 +180,9 @@ def test_resume_report_does_not_modify_the_manifest():
 
 
 def managed_save(run_dir, *, step=4, num_shards=None):
-    from ckpt_lesson.checkpoint import TrainState
-    from ckpt_lesson.manager import CheckpointManager
-    from ckpt_lesson.training import make_optimizer_and_scheduler, seed_everything
+    from ckpt_lesson.course.training import make_optimizer_and_scheduler, seed_everything
+    from ckpt_lesson.files.checkpoint import TrainState
+    from ckpt_lesson.runs.manager import CheckpointManager
 
     seed_everything(0)
     model = make_model()
@@ -196,8 +196,8 @@ def managed_save(run_dir, *, step=4, num_shards=None):
 
 
 def restore(run_dir, *, env_policy="refuse", **expect_overrides):
-    from ckpt_lesson.manager import CheckpointManager
-    from ckpt_lesson.training import make_optimizer_and_scheduler
+    from ckpt_lesson.course.training import make_optimizer_and_scheduler
+    from ckpt_lesson.runs.manager import CheckpointManager
 
     model = make_model()
     opt, sched = make_optimizer_and_scheduler(model)
@@ -228,7 +228,7 @@ def edit_manifest(step_dir, **changes):
 
 def test_manager_restore_checks_the_contract_and_records_the_report(tmp_path, caplog):
     managed_save(tmp_path)
-    with caplog.at_level(logging.INFO, logger="ckpt_lesson.manager"):
+    with caplog.at_level(logging.INFO, logger="ckpt_lesson.runs.manager"):
         mgr, state, _, _ = restore(tmp_path)
     assert state.step == 8
     report = mgr.last_restore["contract"]
@@ -281,7 +281,7 @@ def test_manager_skips_a_save_with_a_required_part_deleted_and_restores_the_olde
 
 
 def test_manager_refuses_an_unknown_env_policy(tmp_path):
-    from ckpt_lesson.manager import CheckpointManager
+    from ckpt_lesson.runs.manager import CheckpointManager
 
     with pytest.raises(CheckpointError, match="env_policy"):
         CheckpointManager(tmp_path, every_steps=1, env_policy="maybe")

@@ -7,15 +7,15 @@ import math
 
 import pytest
 
-import ckpt_lesson.cost as cost
-from ckpt_lesson.cost import (
+import ckpt_lesson.runs.cost as cost
+from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.runs.cost import (
     compare_spot,
     cost_per_accepted_step,
     daly_interval,
     expected_wall_time,
     young_interval,
 )
-from ckpt_lesson.errors import CheckpointError
 
 
 def test_spot_at_half_price_billing_fourteen_hours_is_thirty_percent_cheaper_not_fifty():

@@ -17,12 +17,15 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt_lesson import atomic, checkpoint, demo, errors, integrity, rng, schema
+from ckpt_lesson import errors
+from ckpt_lesson.cli import demo as demo_cli
 from ckpt_lesson.cli import main
-from ckpt_lesson.demo import CONTROL_KINDS, demo_failures, run_negative_control, run_resume_demo
-from ckpt_lesson.demo_artifacts import DEMO_SCHEMA, write_demo_artifacts
+from ckpt_lesson.course import demo
+from ckpt_lesson.course.demo import CONTROL_KINDS, demo_failures, run_negative_control, run_resume_demo
+from ckpt_lesson.course.demo_artifacts import DEMO_SCHEMA, write_demo_artifacts
+from ckpt_lesson.course.skill import render_skill_markdown, write_skill_markdown
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.skill import render_skill_markdown, write_skill_markdown
+from ckpt_lesson.files import atomic, checkpoint, integrity, rng, schema
 
 STEPS, KILL_AT, SEED = 20, 7, 5
 ARTIFACTS = ("resume-demo.json", "loss-curves.png", "skill-checkpoint-save-resume.md")
@@ -183,7 +186,7 @@ def test_cli_demo_exits_1_when_a_real_resume_diverges(cli_run: dict, tmp_path, m
     variants["sharded"]["max_loss_diff_after_resume"] = 1e-3  # above RESUME_TOLERANCE
     config = {k: doc[k] for k in ("total_steps", "interrupt_at", "num_shards", "seed", "resume_tolerance")}
     fake = {"config": config, "baseline": {"losses": doc["baseline_losses"]}, "variants": variants}
-    monkeypatch.setattr(demo, "run_full_demo", lambda **kwargs: fake)
+    monkeypatch.setattr(demo_cli, "run_full_demo", lambda **kwargs: fake)
     rc = main(["demo", "--total-steps", str(STEPS), "--interrupt-at", str(KILL_AT), "--out", str(tmp_path)])
     assert rc == 1
     assert "FAILED sharded" in capsys.readouterr().err
@@ -287,7 +290,7 @@ def test_cli_demo_help_lists_its_options(capsys) -> None:
 
 
 def _rendered_constants() -> list[str]:
-    from ckpt_lesson import sharded
+    from ckpt_lesson.files import sharded
 
     payload_keys = list(
         checkpoint.build_payload(torch.nn.Module(), _tiny_opt(), None, checkpoint.TrainState())
@@ -325,7 +328,7 @@ def test_skill_markdown_contains_every_constant_it_documents() -> None:
 
 
 def test_skill_markdown_follows_a_changed_constant(monkeypatch) -> None:
-    from ckpt_lesson import skill
+    from ckpt_lesson.course import skill
 
     monkeypatch.setattr(skill, "RNG_SOURCES", (*rng.RNG_SOURCES, "jax_key"))
     monkeypatch.setattr(skill, "TEMP_MARKER", ".partial-")

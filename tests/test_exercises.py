@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_lesson import exercises
-from ckpt_lesson.cadence import should_save
-from ckpt_lesson.exercises import check_cadence, check_keep_k, check_migration, check_verify_part
-from ckpt_lesson.retention import keep_last_k
-from ckpt_lesson.scan import verify_part
-from ckpt_lesson.schema import migrate_v1_to_v2
+from ckpt_lesson.course import exercises
+from ckpt_lesson.course.exercises import check_cadence, check_keep_k, check_migration, check_verify_part
+from ckpt_lesson.files.schema import migrate_v1_to_v2
+from ckpt_lesson.runs.cadence import should_save
+from ckpt_lesson.runs.retention import keep_last_k
+from ckpt_lesson.runs.scan import verify_part
 
 
 def scaffold(*args, **kwargs):

@@ -30,9 +30,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt_lesson.checkpoint import load_checkpoint, load_verified_file
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
-from ckpt_lesson.integrity import FOOTER_MAGIC, FooterWriter, file_digest, read_footer_digest
+from ckpt_lesson.files.checkpoint import load_checkpoint, load_verified_file
+from ckpt_lesson.files.integrity import FOOTER_MAGIC, FooterWriter, file_digest, read_footer_digest
 
 FOOTER_LEN = len(FOOTER_MAGIC) + 64
 
@@ -379,9 +379,9 @@ def test_damaged_and_hostile_files_raise_checkpoint_error_naming_the_file(bad_fi
 
 CHILD = """
 import json, sys
-from ckpt_lesson.checkpoint import load_checkpoint
+from ckpt_lesson.files.checkpoint import load_checkpoint
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.training import make_model, make_optimizer_and_scheduler
+from ckpt_lesson.course.training import make_model, make_optimizer_and_scheduler
 
 out = {"optimize": sys.flags.optimize}
 for path in sys.argv[1:]:

@@ -16,18 +16,18 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckpt_lesson.checkpoint import TrainState
-from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
-from ckpt_lesson.manager import CheckpointManager, ManagerConfig, read_manifest
-from ckpt_lesson.retention import KeepBest
-from ckpt_lesson.scan import scan_checkpoints
-from ckpt_lesson.training import (
+from ckpt_lesson.course.training import (
     SyntheticRegression,
     make_model,
     make_optimizer_and_scheduler,
     seed_everything,
     train,
 )
+from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
+from ckpt_lesson.files.checkpoint import TrainState
+from ckpt_lesson.runs.manager import CheckpointManager, ManagerConfig, read_manifest
+from ckpt_lesson.runs.retention import KeepBest
+from ckpt_lesson.runs.scan import scan_checkpoints
 
 SEED = 3
 
@@ -131,7 +131,7 @@ def test_events_come_in_commit_order_and_retention_deletes_only_after_the_new_sa
 
 
 def test_the_save_holds_its_staging_lock_until_it_is_published(tmp_path):
-    from ckpt_lesson.commit import writer_is_dead
+    from ckpt_lesson.runs.commit import writer_is_dead
 
     seen = {}
 
@@ -182,7 +182,7 @@ def test_a_corrupt_save_of_the_same_step_is_quarantined_not_deleted(tmp_path, ca
     mgr = CheckpointManager(tmp_path, every_steps=1)
     mgr.save(model, opt, sched, TrainState(step=5))
     flip_byte(tmp_path / "step-00000005" / "checkpoint.pt")
-    with caplog.at_level(logging.WARNING, logger="ckpt_lesson.manager"):
+    with caplog.at_level(logging.WARNING, logger="ckpt_lesson.runs.manager"):
         mgr.save(model, opt, sched, TrainState(step=5))
     quarantined = [n for n in names(tmp_path) if n.startswith(".quarantine-step-00000005-")]
     assert len(quarantined) == 1
@@ -198,9 +198,9 @@ def test_a_failed_delete_warns_and_training_goes_on(tmp_path, monkeypatch, caplo
             raise PermissionError(13, "Permission denied")
         return real_replace(src, dst)
 
-    monkeypatch.setattr("ckpt_lesson.manager.os.replace", refuse_deletes)
+    monkeypatch.setattr("ckpt_lesson.runs.manager.os.replace", refuse_deletes)
     mgr = CheckpointManager(tmp_path, keep_last=1, every_steps=2)
-    with caplog.at_level(logging.WARNING, logger="ckpt_lesson.manager"):
+    with caplog.at_level(logging.WARNING, logger="ckpt_lesson.runs.manager"):
         state = run_with_manager(mgr, until_step=6)
     assert state.step == 6
     assert mgr.all_steps() == [2, 4, 6]
@@ -334,7 +334,7 @@ def test_restore_latest_skips_a_corrupt_newer_save_and_logs_why(tmp_path, caplog
     built = build()
     _, model, opt, sched = built
     mgr2 = CheckpointManager(tmp_path, every_steps=4)
-    with caplog.at_level(logging.WARNING, logger="ckpt_lesson.manager"):
+    with caplog.at_level(logging.WARNING, logger="ckpt_lesson.runs.manager"):
         state = mgr2.restore_latest(model, opt, sched)
     assert state.step == 8
     assert "skipping step-00000012 (corrupt)" in caplog.text
@@ -355,7 +355,7 @@ def test_restore_latest_ignores_a_staging_dir_and_a_step_dir_without_manifest(tm
     staging.mkdir()
     (staging / "checkpoint.pt").write_bytes(b"partial")
     _, model, opt, sched = build()
-    with caplog.at_level(logging.WARNING, logger="ckpt_lesson.manager"):
+    with caplog.at_level(logging.WARNING, logger="ckpt_lesson.runs.manager"):
         state = CheckpointManager(tmp_path, every_steps=4).restore_latest(model, opt, sched)
     assert state.step == 4
     assert "skipping step-00000008 (incomplete)" in caplog.text

@@ -1,4 +1,4 @@
-"""Tests for file-level migration (ckpt_lesson.migrate) and the legacy v1 writer."""
+"""Tests for file-level migration (ckpt_lesson.files.migrate) and the legacy v1 writer."""
 
 from __future__ import annotations
 
@@ -9,18 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_lesson import cli, schema
-from ckpt_lesson.checkpoint import TrainState, load_checkpoint, load_verified_file, read_checkpoint
-from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, SchemaError, StateMismatchError
-from ckpt_lesson.integrity import file_digest
-from ckpt_lesson.migrate import migrate_file, write_legacy_v1_checkpoint
-from ckpt_lesson.training import (
+from ckpt_lesson import cli
+from ckpt_lesson.course.training import (
     SyntheticRegression,
     make_model,
     make_optimizer_and_scheduler,
     seed_everything,
     train,
 )
+from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, SchemaError, StateMismatchError
+from ckpt_lesson.files import schema
+from ckpt_lesson.files.checkpoint import TrainState, load_checkpoint, load_verified_file, read_checkpoint
+from ckpt_lesson.files.integrity import file_digest
+from ckpt_lesson.files.migrate import migrate_file, write_legacy_v1_checkpoint
 
 SEED = 11
 SPLIT = 6
@@ -75,7 +76,7 @@ def test_legacy_v1_file_is_plain_torch_save_with_v1_schema_and_no_footer(legacy)
 
 def test_legacy_v1_file_loads_with_a_warning_and_resumes_bit_for_bit(legacy, caplog):
     path, expected = legacy
-    with caplog.at_level(logging.WARNING, logger="ckpt_lesson.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="ckpt_lesson.files.checkpoint"):
         state, losses = _resume(path)
     assert any("legacy v1 checkpoint with no integrity record" in r.getMessage() for r in caplog.records)
     assert state.step == TOTAL

@@ -15,19 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_lesson.checkpoint import TrainState, load_checkpoint, read_checkpoint, save_checkpoint
-from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.preemption import (
-    PREEMPTED_EXIT_CODE,
-    PreemptionHandler,
-    train_until_preempted,
-)
-from ckpt_lesson.training import (
+from ckpt_lesson.course.preemptible import train_until_preempted
+from ckpt_lesson.course.training import (
     SyntheticRegression,
     make_model,
     make_optimizer_and_scheduler,
     seed_everything,
     train,
+)
+from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.checkpoint import TrainState, load_checkpoint, read_checkpoint, save_checkpoint
+from ckpt_lesson.runs.preemption import (
+    PREEMPTED_EXIT_CODE,
+    PreemptionHandler,
 )
 
 SEED = 5
@@ -140,7 +140,7 @@ def test_a_second_sigint_reaches_the_previous_handler_so_a_hung_save_stays_inter
 
 def run_child(run_dir, conn):
     """run_managed_training under a PreemptionHandler, slowed so a signal lands mid-run."""
-    from ckpt_lesson.train_cmd import run_managed_training
+    from ckpt_lesson.course.managed import run_managed_training
 
     handler = PreemptionHandler()
 
@@ -159,7 +159,7 @@ def run_child(run_dir, conn):
 
 
 def test_run_managed_training_saves_on_sigterm_exits_75_and_resumes_bit_for_bit(tmp_path):
-    from ckpt_lesson.train_cmd import run_managed_training
+    from ckpt_lesson.course.managed import run_managed_training
 
     reference = run_managed_training(tmp_path / "reference", total_steps=UNTIL, seed=SEED, every_steps=25)
     expected = reference["losses"]
@@ -235,7 +235,7 @@ def test_a_save_that_ends_after_the_grace_period_is_reported_and_logged(caplog):
         clock.now += 15.0
         return "saved"
 
-    with caplog.at_level(logging.WARNING, logger="ckpt_lesson.preemption"):
+    with caplog.at_level(logging.WARNING, logger="ckpt_lesson.runs.preemption"):
         timed = handler.timed_save(slow_save)
     assert timed.result == "saved"
     assert timed.save_seconds == 15.0

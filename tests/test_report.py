@@ -9,7 +9,7 @@ import pytest
 
 from ckpt_lesson import cli
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.report import (
+from ckpt_lesson.runs.report import (
     RECOVERY_LOG,
     RecoveryRecorder,
     append_recovery_record,

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.retention import KeepBest, KeepLastK, keep_last_k
+from ckpt_lesson.runs.retention import KeepBest, KeepLastK, keep_last_k
 
 
 def test_keep_last_k_deletes_everything_older_than_the_k_newest_verified():

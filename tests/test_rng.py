@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt_lesson.atomic import atomic_save
-from ckpt_lesson.checkpoint import load_verified_file
 from ckpt_lesson.errors import CheckpointError, UnsafeCheckpointError
-from ckpt_lesson.rng import RNG_SOURCES, capture_rng_state, restore_rng_state, validate_rng_state
+from ckpt_lesson.files.atomic import atomic_save
+from ckpt_lesson.files.checkpoint import load_verified_file
+from ckpt_lesson.files.rng import RNG_SOURCES, capture_rng_state, restore_rng_state, validate_rng_state
 
 
 def draw_python() -> list[float]:

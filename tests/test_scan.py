@@ -9,8 +9,6 @@ import pytest
 import torch
 
 from ckpt_lesson import cli
-from ckpt_lesson.atomic import atomic_write_json
-from ckpt_lesson.checkpoint import TrainState, save_checkpoint
 from ckpt_lesson.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -18,7 +16,9 @@ from ckpt_lesson.errors import (
     SchemaError,
     UnsafeCheckpointError,
 )
-from ckpt_lesson.scan import ScanResult, read_manifest, scan_checkpoints, step_dir_name, verify_part
+from ckpt_lesson.files.atomic import atomic_write_json
+from ckpt_lesson.files.checkpoint import TrainState, save_checkpoint
+from ckpt_lesson.runs.scan import ScanResult, read_manifest, scan_checkpoints, step_dir_name, verify_part
 
 
 def _tiny():

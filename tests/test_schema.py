@@ -7,7 +7,7 @@ import copy
 import pytest
 
 from ckpt_lesson.errors import SchemaError
-from ckpt_lesson.schema import (
+from ckpt_lesson.files.schema import (
     CURRENT_SCHEMA,
     KNOWN_SCHEMAS,
     MIGRATIONS,
@@ -107,7 +107,7 @@ def test_current_env_records_versions_and_world_size():
 
 
 def test_migrate_payload_refuses_a_known_schema_without_a_registered_migration(monkeypatch):
-    import ckpt_lesson.schema as schema
+    import ckpt_lesson.files.schema as schema
 
     monkeypatch.setattr(schema, "MIGRATIONS", {})
     with pytest.raises(SchemaError, match="no migration registered"):
@@ -115,7 +115,7 @@ def test_migrate_payload_refuses_a_known_schema_without_a_registered_migration(m
 
 
 def test_migrate_payload_stops_a_migration_that_never_advances_the_schema(monkeypatch):
-    import ckpt_lesson.schema as schema
+    import ckpt_lesson.files.schema as schema
 
     monkeypatch.setattr(schema, "MIGRATIONS", {schema.SCHEMA_V1: lambda p: dict(p)})
     with pytest.raises(SchemaError, match="does not advance"):

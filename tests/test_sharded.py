@@ -17,8 +17,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import ckpt_lesson.sharded as sharded
-from ckpt_lesson.checkpoint import TrainState
+import ckpt_lesson.files.sharded as sharded
+from ckpt_lesson.course.training import (
+    SyntheticRegression,
+    make_model,
+    make_optimizer_and_scheduler,
+    seed_everything,
+    train,
+)
 from ckpt_lesson.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -27,20 +33,14 @@ from ckpt_lesson.errors import (
     StateMismatchError,
     UnsafeCheckpointError,
 )
-from ckpt_lesson.sharded import (
+from ckpt_lesson.files.checkpoint import TrainState
+from ckpt_lesson.files.sharded import (
     load_sharded_checkpoint,
     plan_shards,
     read_shard_index,
     save_sharded_checkpoint,
     shard_keys_by_prefix,
     verify_sharded_checkpoint,
-)
-from ckpt_lesson.training import (
-    SyntheticRegression,
-    make_model,
-    make_optimizer_and_scheduler,
-    seed_everything,
-    train,
 )
 
 SEED = 7
@@ -430,8 +430,8 @@ def test_a_refusal_still_raises_under_python_dash_o(ckpt: Path) -> None:
     script = textwrap.dedent(
         """
         import sys
-        from ckpt_lesson.sharded import load_sharded_checkpoint
-        from ckpt_lesson.training import make_model, make_optimizer_and_scheduler
+        from ckpt_lesson.files.sharded import load_sharded_checkpoint
+        from ckpt_lesson.course.training import make_model, make_optimizer_and_scheduler
         print("optimize", sys.flags.optimize)
         model = make_model()
         load_sharded_checkpoint(sys.argv[1], model, *make_optimizer_and_scheduler(model))

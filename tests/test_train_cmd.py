@@ -5,11 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ckpt_lesson import cli
-from ckpt_lesson.checkpoint import TrainState, read_checkpoint
-from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.scan import scan_checkpoints
-from ckpt_lesson.train_cmd import run_managed_training
-from ckpt_lesson.training import (
+from ckpt_lesson.course.managed import run_managed_training
+from ckpt_lesson.course.training import (
     SyntheticRegression,
     batch_sample_ids,
     make_model,
@@ -17,6 +14,9 @@ from ckpt_lesson.training import (
     seed_everything,
     train,
 )
+from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.checkpoint import TrainState, read_checkpoint
+from ckpt_lesson.runs.scan import scan_checkpoints
 
 SEED = 11
 TOTAL = 12
@@ -98,7 +98,7 @@ def test_resuming_a_finished_run_trains_nothing_and_saves_nothing(tmp_path):
 
 def test_the_manifest_records_data_fingerprint_and_config(tmp_path):
     run_managed_training(tmp_path, total_steps=2, every_steps=2)
-    from ckpt_lesson.manager import read_manifest
+    from ckpt_lesson.runs.manager import read_manifest
 
     manifest = read_manifest(tmp_path / "step-00000002")
     fingerprint = SyntheticRegression(seed=SEED).fingerprint()

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt_lesson.checkpoint import TrainState
-from ckpt_lesson.training import SyntheticRegression, batch_sample_ids, epoch_order, train
+from ckpt_lesson.course.training import SyntheticRegression, batch_sample_ids, epoch_order, train
+from ckpt_lesson.files.checkpoint import TrainState
 
 
 def test_epoch_order_depends_on_seed_and_epoch_only():

@@ -8,13 +8,13 @@ import uuid
 import pytest
 import torch
 
-from ckpt_lesson.atomic import atomic_save, atomic_write_json
-from ckpt_lesson.checkpoint import BUCKETS, TrainState, build_payload, read_checkpoint, save_checkpoint
+from ckpt_lesson.course.training import make_model, make_optimizer_and_scheduler, seed_everything
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
-from ckpt_lesson.schema import CURRENT_SCHEMA, current_env
-from ckpt_lesson.sharded import save_sharded_checkpoint
-from ckpt_lesson.training import make_model, make_optimizer_and_scheduler, seed_everything
-from ckpt_lesson.warm_start import WARM_START_NAME, read_warm_start, warm_start_from
+from ckpt_lesson.files.atomic import atomic_save, atomic_write_json
+from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, build_payload, read_checkpoint, save_checkpoint
+from ckpt_lesson.files.schema import CURRENT_SCHEMA, current_env
+from ckpt_lesson.files.sharded import save_sharded_checkpoint
+from ckpt_lesson.runs.warm_start import WARM_START_NAME, read_warm_start, warm_start_from
 
 
 def trained():

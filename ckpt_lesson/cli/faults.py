@@ -1,0 +1,367 @@
+"""Fault injection: kill real training processes at the worst moments and check the restore.
+
+A resume path is only trustworthy if it has been *crashed into*, many times, at
+the points where a crash hurts: half-way through a file, after some shards but
+not all, after the parts but before the commit, during retention. This
+harness runs managed training (:class:`~ckpt_lesson.runs.manager.CheckpointManager`
+plus the teaching harness) in child processes, SIGKILLs each one at a planned
+point, then lets a new process restore and go on. For every kill it checks
+three things, all exactly:
+
+a. **the choice**: before the kill the harness *predicts* which save must be
+   restored (the interrupted save if it was already published, else the newest
+   one before it) and compares with the manager's ``last_restore``;
+b. **the trajectory**: every step any process executed, before or after a
+   kill, has the loss and sample ids of the uninterrupted run (``==``), and the
+   finished run's loss history equals it;
+c. **no corrupt load**: the restored weights hash to the uninterrupted run's
+   weights at that step, and the restored loss history is its prefix.
+
+Children are *forked* from the harness process, which has already imported
+torch and run one warm-up step: a child starts in milliseconds instead of the
+seconds a fresh interpreter needs, so hundreds of kills fit in minutes. Each
+child seeds everything and rebuilds every object from the run directory, so
+nothing but the files on disk carries over (torch uses one thread here, so the
+fork inherits no worker pool). The preemption test and the 300-step
+acceptance test use real fresh interpreters as well.
+
+Kill points (``POINTS``): ``save_end``, ``published`` and ``retention_delete``
+(the interrupted save is complete: it must be chosen); ``mid_part`` (after N
+bytes of a part), ``after_shards`` (after k of the shard files),
+``parts_complete``, ``manifest_written`` (the save is lost: the previous one
+must be chosen); ``between_saves`` (killed after a step with no save);
+``bitrot`` (killed after a save, then one byte of that save is flipped on disk,
+so the restorer must detect it and fall back). Which kills to make, many runs
+of them drawn from a seed, and the table that sums them up are
+:mod:`ckpt_lesson.cli.chaos`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import multiprocessing
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt_lesson.files.checkpoint import TrainState
+
+__all__ = [
+    "POINTS",
+    "Baseline",
+    "KillOutcome",
+    "KillPlan",
+    "RunConfig",
+    "compute_baseline",
+    "predict_restored_step",
+    "run_kill_sequence",
+]
+
+#: Kill point -> whether the interrupted save survives (is complete and published).
+POINTS: dict[str, bool] = {
+    "save_end": True,
+    "published": True,
+    "retention_delete": True,
+    "mid_part": False,
+    "after_shards": False,
+    "parts_complete": False,
+    "manifest_written": False,
+    "between_saves": True,
+    "bitrot": False,
+}
+_SHARDED_ONLY = {"after_shards"}
+
+
+@dataclass(frozen=True)
+class KillPlan:
+    """Where to kill one process: at ``point`` of the save of ``step`` (or after ``step``).
+
+    ``arg`` is the byte count for ``mid_part`` and the shard count for ``after_shards``.
+    """
+
+    step: int
+    point: str
+    arg: int = 0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One simulated run; every process of it uses the same settings."""
+
+    total_steps: int = 40
+    every_steps: int = 5
+    keep_last: int = 2
+    num_shards: int | None = None
+    seed: int = 11
+    batch_size: int = 16
+
+
+def predict_restored_step(plan: KillPlan, every_steps: int) -> int | None:
+    """The step a correct restorer must choose after ``plan``'s kill (``None``: fresh start).
+
+    Every save step below the killed step was published (each process re-saves
+    the steps after the one it restored), so the newest good save is the killed
+    save itself when it was complete, else the save step just below it.
+    """
+    survives = POINTS[plan.point]
+    if plan.point == "between_saves":
+        newest = plan.step - plan.step % every_steps
+    else:
+        newest = plan.step if survives else plan.step - every_steps
+    return newest if newest >= every_steps else None
+
+
+def _weights_hash(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _objects(cfg: RunConfig) -> tuple[Any, Any, Any, Any]:
+    from ckpt_lesson.course.training import (
+        SyntheticRegression,
+        make_model,
+        make_optimizer_and_scheduler,
+        seed_everything,
+    )
+
+    seed_everything(cfg.seed)
+    data = SyntheticRegression(seed=cfg.seed)
+    model = make_model()
+    opt, sched = make_optimizer_and_scheduler(model, total_steps=cfg.total_steps)
+    return data, model, opt, sched
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The uninterrupted run: per-step (loss, ids) and the weights hash at each step."""
+
+    losses: list[float]
+    ids: list[tuple[int, ...]]
+    weights: dict[int, str]
+
+
+def compute_baseline(cfg: RunConfig) -> Baseline:
+    """Train once without any save or kill (this also warms torch up before forking)."""
+    from ckpt_lesson.course.training import train
+
+    data, model, opt, sched = _objects(cfg)
+    state, ids, weights = TrainState(), [], {}
+
+    def after(st: TrainState, rec: Any) -> None:
+        ids.append(rec.sample_ids)
+        weights[st.step] = _weights_hash(model)
+
+    train(model, opt, sched, state, data, until_step=cfg.total_steps, seed=cfg.seed,
+          batch_size=cfg.batch_size, after_step=after)  # fmt: skip
+    return Baseline(list(state.losses), ids, weights)
+
+
+def _suicide() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm(plan: KillPlan | None) -> Any:
+    """Install this process's kill trigger; returns the manager event hook."""
+    if plan is None:
+        return None
+    armed = {"on": False, "bytes": 0, "files": 0}
+    if plan.point == "mid_part":
+        from ckpt_lesson.files import integrity
+
+        original_write = integrity.FooterWriter.write
+
+        def write(self: Any, data: Any) -> int:
+            if armed["on"]:
+                n = len(memoryview(data).cast("B"))
+                if armed["bytes"] + n >= plan.arg:
+                    # Write the bytes up to the kill point, so a torn file is really on disk.
+                    original_write(self, bytes(memoryview(data).cast("B")[: plan.arg - armed["bytes"]]))
+                    self.flush()
+                    _suicide()
+                armed["bytes"] += n
+            return original_write(self, data)
+
+        integrity.FooterWriter.write = write  # type: ignore[method-assign]
+    if plan.point == "after_shards":
+        from ckpt_lesson.files import sharded
+
+        original_save = sharded.atomic_save
+
+        def counting_save(payload: Any, path: Any) -> Any:
+            digest = original_save(payload, path)
+            if armed["on"] and Path(path).name.startswith("model.shard-"):
+                armed["files"] += 1
+                if armed["files"] >= plan.arg:
+                    _suicide()
+            return digest
+
+        sharded.atomic_save = counting_save  # type: ignore[assignment]
+
+    def hook(name: str, info: dict[str, Any]) -> None:
+        if info.get("step") is None:
+            return
+        if name == "save_begin" and info["step"] == plan.step:
+            armed["on"] = True
+        if name == "retention_delete" and armed["on"] and plan.point == "retention_delete":
+            _suicide()
+        if name == plan.point and info["step"] == plan.step:
+            _suicide()
+        if name == "save_end" and info["step"] == plan.step and plan.point == "bitrot":
+            _suicide()
+
+    return hook
+
+
+def _life(run_dir: Path, cfg: RunConfig, plan: KillPlan | None, conn: Any) -> None:
+    """One training process: ``run_managed_training`` with its kill trigger armed."""
+    try:
+        from ckpt_lesson.course.managed import run_managed_training
+
+        # The manager logs every skip and cleanup; the harness reports them itself, in its table.
+        quiet = logging.getLogger("ckpt_lesson")
+        quiet.addHandler(logging.NullHandler())
+        quiet.propagate = False
+        hook = _arm(plan)
+
+        def on_restore(model: torch.nn.Module, info: dict[str, Any] | None) -> None:
+            info = info or {}
+            losses = _restored_losses(info)
+            skipped = len(info.get("skipped", []))
+            conn.send(("restored", info.get("step"), skipped, _weights_hash(model), losses))
+
+        def after(st: TrainState, rec: Any) -> None:
+            conn.send(("step", rec.step, rec.loss, rec.sample_ids))
+            if plan is not None and plan.point == "between_saves" and st.step == plan.step:
+                _suicide()
+
+        out = run_managed_training(
+            run_dir, total_steps=cfg.total_steps, seed=cfg.seed, every_steps=cfg.every_steps,
+            keep_last=cfg.keep_last, num_shards=cfg.num_shards, batch_size=cfg.batch_size,
+            on_event=hook, after_step=after, on_restore=on_restore,
+        )  # fmt: skip
+        conn.send(("done", out["losses"]))
+    except BaseException as exc:  # report, never hang the harness
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        os._exit(3)
+    conn.close()
+
+
+def _restored_losses(info: dict[str, Any]) -> list[float]:
+    """The loss history the restore put back (read from the chosen save, independently)."""
+    from ckpt_lesson.files.checkpoint import load_verified_file
+
+    path = info.get("path")
+    if not path:
+        return []
+    target = Path(path)
+    file = target / "checkpoint.pt" if (target / "checkpoint.pt").exists() else target / "meta.pt"
+    payload, _ = load_verified_file(file)
+    return list(payload["state"]["losses"])
+
+
+def _flip_byte_of_newest(run_dir: Path, step: int) -> None:
+    step_dir = run_dir / f"step-{step:08d}"
+    victim = max((p for p in step_dir.iterdir() if p.suffix == ".pt"), key=lambda p: p.stat().st_size)
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    victim.write_bytes(bytes(raw))
+
+
+@dataclass
+class KillOutcome:
+    """What happened around one kill."""
+
+    plan: KillPlan
+    predicted: int | None
+    chosen: int | None = None
+    killed: bool = False
+    wrong_choice: bool = False
+    corrupt_load: bool = False
+    skipped: int = 0
+    incomplete_found: int = 0
+    error: str | None = None
+
+
+def _spawn(run_dir: Path, cfg: RunConfig, plan: KillPlan | None) -> tuple[list[tuple[Any, ...]], int | None]:
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_life, args=(run_dir, cfg, plan, child))
+    proc.start()
+    child.close()
+    messages = []
+    while True:
+        if not parent.poll(120):
+            proc.kill()
+            messages.append(("error", "child made no progress for 120 s"))
+            break
+        try:
+            messages.append(parent.recv())
+        except EOFError:
+            break
+    proc.join(30)
+    return messages, proc.exitcode
+
+
+def _check_restore(msg: tuple[Any, ...], base: Baseline) -> bool:
+    """True when the restored weights and loss history are the uninterrupted run's."""
+    _, step, _, weights, losses = msg
+    if step is None:
+        return not losses
+    return weights == base.weights.get(step) and losses == base.losses[:step]
+
+
+def run_kill_sequence(
+    run_dir: Path, cfg: RunConfig, plans: list[KillPlan], base: Baseline
+) -> tuple[list[KillOutcome], int, bool]:
+    """Kill one process per plan, then finish the run in a last process.
+
+    Returns:
+        ``(outcomes, trajectory_differences, finished_equal)``.
+    """
+    from ckpt_lesson.runs.scan import scan_checkpoints
+
+    outcomes: list[KillOutcome] = []
+    diffs = 0
+    finished_equal = False
+    pending: KillOutcome | None = None
+    for plan in [*plans, None]:
+        if pending is not None and run_dir.exists():
+            pending.incomplete_found = sum(1 for r in scan_checkpoints(run_dir) if r.status == "incomplete")
+        messages, code = _spawn(run_dir, cfg, plan)
+        life_error = None
+        for msg in messages:
+            if msg[0] == "restored" and pending is not None:
+                pending.chosen, pending.skipped = msg[1], msg[2]
+                pending.wrong_choice = msg[1] != pending.predicted
+                pending.corrupt_load = not _check_restore(msg, base)
+            elif msg[0] == "restored" and not _check_restore(msg, base):
+                diffs += 1
+            elif msg[0] == "step":
+                _, step, loss, ids = msg
+                diffs += int(loss != base.losses[step - 1] or ids != base.ids[step - 1])
+            elif msg[0] == "done":
+                finished_equal = msg[1] == base.losses
+            elif msg[0] == "error":
+                life_error = msg[1]
+        if plan is None:
+            if life_error and pending is not None:
+                pending.error = life_error
+            break
+        outcome = KillOutcome(plan, predict_restored_step(plan, cfg.every_steps), error=life_error)
+        outcome.killed = code == -signal.SIGKILL
+        outcomes.append(outcome)
+        if not outcome.killed:
+            outcome.error = outcome.error or f"kill point {plan.point} at step {plan.step} was never reached"
+            return outcomes, diffs, finished_equal
+        if plan.point == "bitrot":
+            _flip_byte_of_newest(run_dir, plan.step)
+        pending = outcome
+    return outcomes, diffs, finished_equal

@@ -1,0 +1,331 @@
+"""Kill a training run for real, resume it in a fresh process, compare every loss.
+
+The claim this lesson makes is strong: a resumed run is *the same run*, loss
+for loss, bit for bit. A claim like that is only worth something with an
+honest experiment behind it, so this module runs one:
+
+1. **Baseline.** Train ``total_steps`` steps without interruption.
+2. **Interrupted run.** A child process trains to ``interrupt_at``, saves a
+   checkpoint, tells the parent the save is complete, and keeps training.
+   The parent then sends ``SIGKILL``: no ``finally`` blocks, no ``atexit``,
+   no chance to tidy up, exactly like a pre-empted spot machine.
+3. **Resumed run.** A *fresh* child process, told only where the checkpoint
+   is (and the run's config), loads it and trains to ``total_steps``. It
+   never sees the baseline's losses; the parent compares afterwards.
+
+Two negative controls show what the comparison catches: a resume that skips
+the RNG restore, and one that builds a fresh optimizer. Both "work" (no
+error, a plausible loss curve) and both quietly turn into a different run.
+
+Run it with ``python -m ckpt_lesson demo``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt_lesson.course.demo_artifacts import write_demo_artifacts
+from ckpt_lesson.course.demo_worker import build_run, kill_after_save, release_resumer, spawn_child
+from ckpt_lesson.course.training import train
+from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.checkpoint import TrainState, read_checkpoint
+from ckpt_lesson.files.rng import capture_rng_state, restore_rng_state
+
+__all__ = [
+    "CONTROL_KINDS",
+    "RESUME_TOLERANCE",
+    "demo_failures",
+    "run_full_demo",
+    "run_negative_control",
+    "run_resume_demo",
+    "write_demo_artifacts",
+]
+
+#: The two deliberately broken resumes; each must diverge from the baseline.
+CONTROL_KINDS = ("no_rng", "fresh_optimizer")
+#: The CLI fails above this. On CPU the real difference is exactly 0.0; the
+#: tolerance only exists so a GPU run with non-deterministic kernels can pass.
+RESUME_TOLERANCE = 1e-4
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "outputs"
+
+
+@contextmanager
+def _caller_rng_preserved() -> Iterator[None]:
+    # In-process runs re-seed the global generators and pin torch to one
+    # thread; put the caller's (a notebook's, a test's) world back afterwards.
+    rng, threads = capture_rng_state(), torch.get_num_threads()
+    try:
+        yield
+    finally:
+        restore_rng_state(rng, allow_device_change=True)
+        torch.set_num_threads(threads)
+
+
+def _validate(total_steps: int, interrupt_at: int, num_shards: int) -> None:
+    for name, value in (
+        ("total_steps", total_steps),
+        ("interrupt_at", interrupt_at),
+        ("num_shards", num_shards),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise CheckpointError(f"{name} must be an int, got {value!r}.")
+    if not 0 < interrupt_at < total_steps:
+        raise CheckpointError(
+            f"interrupt_at={interrupt_at} must satisfy 0 < interrupt_at < total_steps={total_steps}: the "
+            "kill has to happen after at least one step and before the end. Pick e.g. "
+            f"--interrupt-at {max(1, total_steps // 2)} or raise --total-steps."
+        )
+    if num_shards < 1:
+        raise CheckpointError(f"num_shards={num_shards} must be >= 1; pass --num-shards 1 or more.")
+
+
+def _baseline(total_steps: int, seed: int) -> tuple[list[float], list[list[int]]]:
+    with _caller_rng_preserved():
+        data, model, optimizer, scheduler = build_run(seed, total_steps)
+        records = train(model, optimizer, scheduler, TrainState(), data, until_step=total_steps, seed=seed)
+    return [r.loss for r in records], [list(r.sample_ids) for r in records]
+
+
+def run_resume_demo(
+    *,
+    total_steps: int = 30,
+    interrupt_at: int = 12,
+    ckpt_dir: str | os.PathLike[str],
+    sharded: bool = False,
+    num_shards: int = 3,
+    seed: int = 11,
+) -> dict[str, Any]:
+    """Baseline, SIGKILLed child, fresh resumed child; compare losses and batches.
+
+    Args:
+        total_steps: Length of the whole run.
+        interrupt_at: The checkpoint's step; the child is killed after saving it.
+        ckpt_dir: Where the checkpoint goes (created if missing).
+        sharded: Save with ``save_sharded_checkpoint`` instead of one file.
+        num_shards: Shard count for the sharded variant.
+        seed: Seeds the generators, the data and the batch order.
+
+    Returns:
+        A dict with ``max_loss_diff_after_resume`` (0.0 on CPU), ``full_losses``
+        (the baseline), ``resumed_losses`` (steps after the checkpoint, from the
+        fresh process), ``losses_before_interrupt`` (as the checkpoint recorded
+        them), ``sample_ids_match`` plus both id lists, ``killed_by_sigkill``,
+        ``interrupted_returncode``, ``checkpoint`` and the config.
+
+    Raises:
+        CheckpointError: Bad arguments, or a child failed (the message carries
+            the end of its stderr).
+
+    Example:
+        >>> r = run_resume_demo(total_steps=20, interrupt_at=7, ckpt_dir="ckpt")  # doctest: +SKIP
+        >>> r["max_loss_diff_after_resume"], r["sample_ids_match"]  # doctest: +SKIP
+        (0.0, True)
+    """
+    _validate(total_steps, interrupt_at, num_shards)
+    ckpt_dir = Path(ckpt_dir)
+    if ckpt_dir.exists() and not ckpt_dir.is_dir():
+        raise CheckpointError(f"{ckpt_dir}: is a file, not a directory; pass a directory as ckpt_dir.")
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    target = ckpt_dir / (f"resume-demo-sharded-{num_shards}" if sharded else "resume-demo.pt")
+    ready, out = ckpt_dir / f".{target.name}.ready.json", ckpt_dir / f".{target.name}.resumed.json"
+    for stale in (target, ready, out):
+        _remove_stale(stale)
+    config = {"seed": seed, "total_steps": total_steps, "sharded": sharded, "ckpt": str(target)}
+    with tempfile.TemporaryFile() as err_killed, tempfile.TemporaryFile() as err_resumed:
+        # Both children start now so their torch imports overlap. The resumer
+        # is a separate, fresh process: it builds its objects, then blocks on
+        # stdin and does not open the checkpoint until the parent says "go",
+        # which happens only after the first child is dead.
+        resumer = spawn_child(
+            {**config, "role": "resume", "out": str(out)}, err_resumed, stdin=subprocess.PIPE
+        )
+        killed = None
+        try:
+            killed = spawn_child(
+                {
+                    **config,
+                    "role": "interrupted",
+                    "interrupt_at": interrupt_at,
+                    "num_shards": num_shards,
+                    "ready": str(ready),
+                    "parent": os.getpid(),
+                },
+                err_killed,
+            )
+            full_losses, full_ids = _baseline(total_steps, seed)
+            returncode = kill_after_save(killed, ready, err_killed, interrupt_at)
+            resumed = release_resumer(resumer, out, err_resumed, target)
+        finally:
+            for proc in (resumer, killed):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    if resumed["start_step"] != interrupt_at:
+        raise CheckpointError(
+            f"{target}: the resumed process started at step {resumed['start_step']}, expected {interrupt_at}."
+        )
+    return {
+        "total_steps": total_steps,
+        "interrupt_at": interrupt_at,
+        "seed": seed,
+        "sharded": sharded,
+        "num_shards": num_shards if sharded else None,
+        "checkpoint": str(target),
+        "interrupted_returncode": returncode,
+        "killed_by_sigkill": returncode == -signal.SIGKILL,
+        "full_losses": full_losses,
+        "losses_before_interrupt": resumed["losses_before"],
+        "resumed_losses": resumed["losses"],
+        "max_loss_diff_before_interrupt": _max_diff(resumed["losses_before"], full_losses[:interrupt_at]),
+        "max_loss_diff_after_resume": _max_diff(resumed["losses"], full_losses[interrupt_at:]),
+        "baseline_sample_ids": full_ids[interrupt_at:],
+        "resumed_sample_ids": resumed["sample_ids"],
+        "sample_ids_match": resumed["sample_ids"] == full_ids[interrupt_at:],
+    }
+
+
+def _max_diff(a: list[float], b: list[float]) -> float:
+    if len(a) != len(b):
+        raise CheckpointError(
+            f"cannot compare {len(a)} losses with {len(b)}; the runs covered different steps."
+        )
+    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+def _remove_stale(path: Path) -> None:
+    # Only ever the demo's own fixed names: a leftover from an earlier run must
+    # not be mistaken for this run's save (or its signal files).
+    if path.is_dir():
+        for child in sorted(path.iterdir()):
+            child.unlink()
+        path.rmdir()
+    else:
+        path.unlink(missing_ok=True)
+
+
+def run_negative_control(
+    kind: str, *, ckpt_path: str | os.PathLike[str], total_steps: int, seed: int
+) -> list[float]:
+    """Resume from a single-file checkpoint the *wrong* way; returns the losses after it.
+
+    These are deliberately naive resumes (do not use them); the lesson compares
+    their losses with the baseline's to show the divergence they cause:
+
+    * ``"no_rng"``: seeds at the top of the script as usual and restores the
+      model, optimizer and scheduler, but not the generators. Same batches,
+      different dropout masks and jitter: "seeded" is not "restored".
+    * ``"fresh_optimizer"``: restores the weights and generators but builds a
+      new AdamW and schedule, so the moments restart at zero and the learning
+      rate jumps back to its peak.
+
+    Runs in-process; the caller's RNG state and thread count are put back.
+
+    Raises:
+        CheckpointError: Unknown ``kind``, or the checkpoint cannot be read.
+
+    Example:
+        >>> bad = run_negative_control("no_rng", ckpt_path="ckpt/resume-demo.pt",
+        ...                            total_steps=30, seed=11)  # doctest: +SKIP
+    """
+    return [r.loss for r in _control_records(kind, ckpt_path=ckpt_path, total_steps=total_steps, seed=seed)]
+
+
+def _control_records(
+    kind: str, *, ckpt_path: str | os.PathLike[str], total_steps: int, seed: int
+) -> list[Any]:
+    if kind not in CONTROL_KINDS:
+        raise CheckpointError(f"unknown negative control {kind!r}; choose one of {CONTROL_KINDS}.")
+    payload = read_checkpoint(ckpt_path)
+    state = TrainState.from_dict(payload["state"], source=str(ckpt_path))
+    if not 0 < state.step < total_steps:
+        raise CheckpointError(
+            f"{ckpt_path}: saved at step {state.step}, which is not before total_steps={total_steps}."
+        )
+    with _caller_rng_preserved():
+        data, model, optimizer, scheduler = build_run(seed, total_steps)
+        model.load_state_dict(payload["model"])
+        if kind == "no_rng":  # naive, do not use: the generators stay wherever seeding left them
+            optimizer.load_state_dict(payload["optimizer"])
+            scheduler.load_state_dict(payload["scheduler"])
+        else:  # naive, do not use: optimizer and scheduler start from scratch
+            restore_rng_state(payload["rng"], allow_device_change=True)
+        return train(model, optimizer, scheduler, state, data, until_step=total_steps, seed=seed)
+
+
+def run_full_demo(
+    *,
+    total_steps: int = 30,
+    interrupt_at: int = 12,
+    num_shards: int = 3,
+    seed: int = 11,
+    ckpt_dir: str | os.PathLike[str],
+) -> dict[str, Any]:
+    """Everything ``python -m ckpt_lesson demo`` runs, as one dict for :func:`write_demo_artifacts`.
+
+    The single-file and sharded resumes and both negative controls, all
+    against the same baseline. Notebook 05 calls this too, so with the same
+    arguments both write byte-identical artifacts.
+
+    Returns:
+        ``{"config": {...}, "baseline": {"losses", "sample_ids"}, "variants":
+        {name: {"resumed_losses", "max_loss_diff_after_resume",
+        "sample_ids_match", "real_resume", ...}}}``.
+
+    Example:
+        >>> results = run_full_demo(ckpt_dir="ckpt")  # doctest: +SKIP
+        >>> write_demo_artifacts(results, "outputs")  # doctest: +SKIP
+    """
+    _validate(total_steps, interrupt_at, num_shards)
+    kwargs = {"total_steps": total_steps, "interrupt_at": interrupt_at, "seed": seed, "ckpt_dir": ckpt_dir}
+    runs = {
+        "single_file": run_resume_demo(**kwargs),
+        "sharded": run_resume_demo(**kwargs, sharded=True, num_shards=num_shards),
+    }
+    single = runs["single_file"]
+    variants: dict[str, dict[str, Any]] = {}
+    for name, r in runs.items():
+        keep = ("resumed_losses", "max_loss_diff_after_resume", "max_loss_diff_before_interrupt")
+        keep += ("sample_ids_match", "killed_by_sigkill", "interrupted_returncode", "num_shards")
+        variants[name] = {"real_resume": True, **{k: r[k] for k in keep}}
+    expected_ids = single["baseline_sample_ids"]
+    for kind in CONTROL_KINDS:
+        records = _control_records(kind, ckpt_path=single["checkpoint"], total_steps=total_steps, seed=seed)
+        losses = [r.loss for r in records]
+        variants[kind] = {
+            "real_resume": False,
+            "resumed_losses": losses,
+            "max_loss_diff_after_resume": _max_diff(losses, single["full_losses"][interrupt_at:]),
+            "sample_ids_match": [list(r.sample_ids) for r in records] == expected_ids,
+        }
+    return {
+        "config": {
+            "total_steps": total_steps,
+            "interrupt_at": interrupt_at,
+            "num_shards": num_shards,
+            "seed": seed,
+            "resume_tolerance": RESUME_TOLERANCE,
+        },
+        "baseline": {"losses": single["full_losses"], "sample_ids": expected_ids},
+        "variants": variants,
+    }
+
+
+def demo_failures(results: dict[str, Any]) -> list[str]:
+    """What went wrong in ``results`` (from :func:`run_full_demo`); empty when the lesson's claims hold."""
+    problems = []
+    for name, v in results["variants"].items():
+        diff = v["max_loss_diff_after_resume"]
+        if v["real_resume"] and (diff > RESUME_TOLERANCE or not v["sample_ids_match"]):
+            problems.append(f"{name}: max |loss diff| {diff:.3g}, sample ids match: {v['sample_ids_match']}")
+        if not v["real_resume"] and diff == 0.0:
+            problems.append(f"{name}: the negative control did not diverge, so it demonstrates nothing")
+    return problems

@@ -1,0 +1,138 @@
+"""Atomic, durable file writes: the old file or the new one, never half of either.
+
+``torch.save(obj, "ckpt.pt")`` truncates the target and then writes into it. A
+kill in between leaves a file that exists, has the right name, and does not
+load. The sequence below leaves the previous file untouched until the very
+last, atomic step:
+
+1. write a *uniquely named* temp file in the *target's own directory*
+   (same directory: a rename across file systems is a copy, not atomic, and
+   fails with EXDEV; unique name: two writers never share a temp file);
+2. flush Python's buffer and ``os.fsync`` the file, so the bytes are on disk
+   before any name points at them;
+3. ``os.replace(temp, target)``: atomic for every other process;
+4. ``os.fsync`` the directory, so the rename itself survives a power loss.
+
+Temp files start with ``.`` and contain ``.tmp-``; nothing in this package ever
+mistakes one for a checkpoint, and any failure (``KeyboardInterrupt``
+included) removes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.integrity import FileDigest, FooterWriter, sha256_bytes
+
+__all__ = [
+    "TEMP_MARKER",
+    "atomic_save",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "fsync_dir",
+    "is_temp_file",
+]
+
+#: Every temp file's name contains this marker (and starts with a dot).
+TEMP_MARKER = ".tmp-"
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Flush a directory's entries (new names, renames, deletions) to disk."""
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_temp_file(path: str | os.PathLike[str]) -> bool:
+    """True for the temp files this module writes (never a finished checkpoint)."""
+    name = Path(path).name
+    return name.startswith(".") and TEMP_MARKER in name
+
+
+def atomic_save(payload: Any, path: str | os.PathLike[str]) -> FileDigest:
+    """``torch.save`` ``payload`` to ``path`` atomically and durably.
+
+    The file also gets an integrity footer (see :mod:`ckpt_lesson.files.integrity`),
+    hashed while the bytes are written.
+
+    Args:
+        payload: Anything ``torch.save`` accepts; keep it to tensors and plain
+            Python values so that a weights-only load can read it back.
+        path: The final file name. Its directory must exist.
+
+    Returns:
+        Size and sha256 of the file as written.
+
+    Raises:
+        CheckpointError: The target directory does not exist, or the target
+            is itself a directory.
+
+    Example:
+        >>> digest = atomic_save({"w": torch.zeros(3)}, tmp_dir / "w.pt")  # doctest: +SKIP
+    """
+
+    def write(f: BinaryIO) -> FileDigest:
+        writer = FooterWriter(f)
+        torch.save(payload, writer)
+        return writer.finish()
+
+    return _atomic_write(Path(path), write)
+
+
+def atomic_write_bytes(data: bytes, path: str | os.PathLike[str]) -> FileDigest:
+    """Write ``data`` to ``path`` atomically and durably; returns its digest."""
+
+    def write(f: BinaryIO) -> FileDigest:
+        f.write(data)
+        return FileDigest(len(data), sha256_bytes(data))
+
+    return _atomic_write(Path(path), write)
+
+
+def atomic_write_json(obj: Any, path: str | os.PathLike[str]) -> FileDigest:
+    """Write ``obj`` as indented, key-sorted JSON, atomically and durably.
+
+    Raises:
+        CheckpointError: ``obj`` is not JSON-serializable, or the directory is missing.
+    """
+    try:
+        text = json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"{path}: cannot write as JSON ({exc}); pass plain dicts, lists, str, int, float."
+        ) from exc
+    return atomic_write_bytes(text.encode("utf-8"), path)
+
+
+def _atomic_write(path: Path, write: Callable[[BinaryIO], FileDigest]) -> FileDigest:
+    directory = path.parent
+    if not directory.is_dir():
+        raise CheckpointError(f"{path}: directory {directory} does not exist; create it before saving.")
+    if path.is_dir():
+        # Checked before writing: otherwise a whole payload is written, then refused by os.replace.
+        raise CheckpointError(f"{path}: is a directory; choose a file name inside it instead.")
+    tmp = directory / f".{path.name}{TEMP_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            digest = write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # BaseException on purpose: Ctrl-C mid-save must not leave temp files behind.
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(directory)
+    return digest

@@ -1,0 +1,231 @@
+"""Reading a sharded checkpoint's ``index.json`` without trusting it.
+
+:mod:`ckpt_lesson.files.sharded` writes a directory of shards plus ``meta.pt`` plus
+``index.json``, the index last. Before a single byte of a shard is unpickled,
+the reader here answers three questions from the index and the directory alone:
+
+* **Did the save finish?** No ``index.json`` means the writer died before its
+  commit point; a listed file that is missing means the copy is incomplete.
+* **Is the index what the writer wrote?** Its structure, schema, shard count,
+  sizes and sha256 strings are all checked, and no key may be listed twice;
+  a damaged or hand-edited index is refused, naming what is wrong.
+* **Can it only point inside the directory?** An index is data from disk, and
+  a checkpoint may come from someone else. A name like ``../../.ssh/id_rsa``,
+  an absolute path or a symlink leading out would make the loader read (and
+  hash, and report on) a file that is not part of the checkpoint, so every
+  name is resolved and must stay inside the checkpoint directory.
+
+:func:`verify_sharded_checkpoint` then hashes every file against the index,
+loading nothing: the same check ``scan`` and the manager rely on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
+
+from ckpt_lesson.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    SchemaError,
+    UnsafeCheckpointError,
+)
+from ckpt_lesson.files.integrity import FileDigest, verify_footer
+from ckpt_lesson.files.schema import KNOWN_SCHEMAS
+
+__all__ = [
+    "INDEX_NAME",
+    "LAYOUTS",
+    "META_NAME",
+    "SHARDED_SCHEMA",
+    "read_shard_index",
+    "verify_sharded_checkpoint",
+]
+
+SHARDED_SCHEMA = "ckpt.sharded.v1"
+INDEX_NAME = "index.json"
+META_NAME = "meta.pt"
+#: ``round_robin``: key i goes to shard i % N. ``param_group``: weights and
+#: biases/buffers in separate groups of shards, balanced by bytes.
+LAYOUTS = ("round_robin", "param_group")
+# The names sharded._shard_name gives; one present but not listed means the folder is not what was saved.
+_SHARD_RE = re.compile(r"^model\.shard-\d{3,}\.pt$")
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _bad(ckpt_dir: Path, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{ckpt_dir / INDEX_NAME}: {what}; the index was damaged or edited after the save. "
+        "Restore an older checkpoint."
+    )
+
+
+def _check_entry(ckpt_dir: Path, entry: Any, where: str, *, with_keys: bool) -> None:
+    if not isinstance(entry, dict):
+        raise _bad(ckpt_dir, f"{where} is not an object")
+    if not isinstance(entry.get("file"), str):
+        raise _bad(ckpt_dir, f"{where} has no 'file' name")
+    size = entry.get("bytes")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise _bad(ckpt_dir, f"{where} has no valid 'bytes' (got {size!r})")
+    if not isinstance(entry.get("sha256"), str) or not _SHA_RE.match(entry["sha256"]):
+        raise _bad(ckpt_dir, f"{where} has no valid 'sha256'")
+    if with_keys:
+        keys = entry.get("keys")
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise _bad(ckpt_dir, f"{where} has no 'keys' list of strings")
+
+
+def _safe_path(root: Path, name: str) -> Path:
+    """Resolve an index entry's file name, refusing anything that could leave ``root``."""
+    parts = re.split(r"[/\\]", name)
+    if (
+        PurePosixPath(name).is_absolute()
+        or PureWindowsPath(name).is_absolute()
+        or PureWindowsPath(name).drive
+        or "\\" in name
+        or "\x00" in name
+        or any(p in ("", ".", "..") for p in parts)
+    ):
+        raise UnsafeCheckpointError(
+            f"{root / INDEX_NAME}: file name {name!r} is not a plain relative path inside the "
+            "checkpoint directory. Do not load it; an index from an untrusted source can point anywhere."
+        )
+    try:
+        path = (root / name).resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop: nothing trustworthy at the end of it
+        raise UnsafeCheckpointError(
+            f"{root / name}: cannot be resolved ({exc}); refusing to read it."
+        ) from exc
+    try:
+        path.relative_to(root)
+    except ValueError:
+        raise UnsafeCheckpointError(
+            f"{root / name}: resolves to {path}, outside the checkpoint directory {root} (a symlink "
+            "leaving it). Refusing to read it; copy the real files into the directory instead."
+        ) from None
+    return path
+
+
+def _files(ckpt_dir: Path, index: dict[str, Any]) -> list[tuple[Path, dict[str, Any]]]:
+    """Every (path, entry) of the index, shards first then meta, each checked to exist."""
+    out = []
+    for entry in [*index["shards"], index["meta"]]:
+        path = _safe_path(ckpt_dir, entry["file"])
+        if not path.is_file():
+            raise IncompleteCheckpointError(
+                f"{ckpt_dir / entry['file']}: listed in {INDEX_NAME} but missing; the checkpoint is "
+                "incomplete (a file was deleted or never copied). Restore an older checkpoint."
+            )
+        out.append((path, entry))
+    if len({p for p, _ in out}) != len(out):
+        raise _bad(ckpt_dir, "two entries name the same file")
+    return out
+
+
+def read_shard_index(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and validate ``index.json`` and the directory around it, reading no shard.
+
+    Checks the structure, that no file name can leave the directory (absolute
+    paths, ``..``, escaping symlinks), that no key is listed twice, that the
+    shard count agrees with ``num_shards`` and with the shard files present,
+    and that every listed file exists.
+
+    Returns:
+        The index as parsed from JSON.
+
+    Raises:
+        IncompleteCheckpointError: No index (the save never finished) or a listed file is missing.
+        CorruptCheckpointError: Unreadable or inconsistent index, or unlisted shard files.
+        UnsafeCheckpointError: A file name or symlink leads outside ``ckpt_dir``.
+        SchemaError: Not a ``ckpt.sharded.v1`` index.
+
+    Example:
+        >>> read_shard_index("ckpt/step-12")["num_shards"]  # doctest: +SKIP
+        4
+    """
+    root = Path(ckpt_dir).resolve()
+    if not root.is_dir():
+        raise CheckpointError(f"{ckpt_dir}: no such checkpoint directory; check the path.")
+    if not (root / INDEX_NAME).exists():
+        raise IncompleteCheckpointError(
+            f"{ckpt_dir}: no {INDEX_NAME}; the save never finished (the index is written last). "
+            "Resume from an older checkpoint."
+        )
+    index_path = _safe_path(root, INDEX_NAME)
+    try:
+        index = json.loads(index_path.read_bytes().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _bad(root, f"not valid JSON ({exc})") from exc
+    if not isinstance(index, dict):
+        raise _bad(root, "not a JSON object")
+    if index.get("schema") != SHARDED_SCHEMA:
+        raise SchemaError(
+            f"{index_path}: schema {index.get('schema')!r} is not {SHARDED_SCHEMA!r}; "
+            "this is not a sharded checkpoint this code can read."
+        )
+    if index.get("payload_schema") not in KNOWN_SCHEMAS:
+        # Refused before reading a single shard: the payload inside is a layout this code cannot restore.
+        raise SchemaError(
+            f"{index_path}: payload schema {index.get('payload_schema')!r} is not one of {KNOWN_SCHEMAS}; "
+            "a newer ckpt_lesson wrote it, or it is not a ckpt_lesson checkpoint. Upgrade to read it."
+        )
+    if index.get("layout") not in LAYOUTS:
+        raise _bad(root, f"unknown layout {index.get('layout')!r}")
+    n, shards = index.get("num_shards"), index.get("shards")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or not isinstance(shards, list):
+        raise _bad(root, "'num_shards' or 'shards' is missing or invalid")
+    if len(shards) != n:
+        raise _bad(root, f"'num_shards' is {n} but {len(shards)} shards are listed")
+    for i, entry in enumerate(shards):
+        _check_entry(root, entry, f"shard {i}", with_keys=True)
+    _check_entry(root, index.get("meta"), "'meta'", with_keys=False)
+    seen: dict[str, int] = {}
+    for i, entry in enumerate(shards):
+        for key in entry["keys"]:
+            if key in seen:
+                raise _bad(root, f"key {key!r} is listed in shard {seen[key]} and shard {i}")
+            seen[key] = i
+    _files(root, index)
+    listed = {e["file"] for e in shards}
+    unlisted = sorted(p.name for p in root.iterdir() if _SHARD_RE.match(p.name) and p.name not in listed)
+    if unlisted:
+        raise _bad(root, f"the directory holds shard files the index does not list: {unlisted[:5]}")
+    return index
+
+
+def verify_sharded_checkpoint(ckpt_dir: str | os.PathLike[str]) -> list[FileDigest]:
+    """Check every file's size and sha256 against the index, loading nothing.
+
+    Returns:
+        One digest per shard (index order), then one for ``meta.pt``.
+
+    Raises:
+        CheckpointError: As :func:`read_shard_index`; ``CorruptCheckpointError``
+            for a size or hash mismatch.
+
+    Example:
+        >>> [d.size for d in verify_sharded_checkpoint("ckpt/step-12")]  # doctest: +SKIP
+    """
+    root = Path(ckpt_dir).resolve()
+    digests = []
+    for path, entry in _files(root, read_shard_index(root)):
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != entry["bytes"]:
+                raise CorruptCheckpointError(
+                    f"{path}: {size} bytes on disk but {entry['bytes']} in the index; truncated or "
+                    "replaced after the save. Restore an older checkpoint."
+                )
+            digest = verify_footer(f, name=path)
+        if digest.sha256 != entry["sha256"]:
+            raise CorruptCheckpointError(
+                f"{path}: sha256 {digest.sha256[:12]}... differs from the index's {entry['sha256'][:12]}...; "
+                "the file changed after the save. Restore an older checkpoint."
+            )
+        digests.append(digest)
+    return digests

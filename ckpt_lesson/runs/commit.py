@@ -1,0 +1,266 @@
+"""The on-disk commit protocol behind :class:`~ckpt_lesson.runs.manager.CheckpointManager`.
+
+Everything here is about *folders*, never tensors: how a save gets a private
+place to be written in, how it becomes visible in one atomic step, and how a
+save (or the wreck of one) goes away without ever looking like a save halfway
+through. The manager decides *what* to write and *when*; these functions make
+each change to the run directory safe against a crash at any instant.
+
+The life of one save, as folder names in ``RUN_DIR``::
+
+    .staging-step-00000240-<pid>-<hex8>/   written here, with .lock held (open_staging)
+    step-00000240/                         one os.replace publishes it (publish)
+    .deleting-step-00000240-<hex8>/        retention renames it first ... (delete_save)
+                                           ... then removes it
+
+Two rules carry the whole design:
+
+* **Only a rename changes what a reader sees.** ``os.replace`` of a folder is
+  atomic, so a reader finds the old name or the new one, never a mix. Writing
+  and removing happen under names no reader mistakes for a save.
+* **A lock, not a pid, says who is alive.** The writer holds an exclusive
+  ``flock`` on ``.lock`` for the whole save. The kernel drops it when the
+  process dies, even by ``SIGKILL``, so "can I take the lock?" tells exactly
+  whether a staging folder's writer is gone (:func:`writer_is_dead`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ckpt_lesson.files.atomic import fsync_dir
+from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.runs.scan import STAGING_PREFIX, inspect_save, step_of
+
+__all__ = [
+    "DELETING_PREFIX",
+    "LOCK_NAME",
+    "QUARANTINE_PREFIX",
+    "STALE_UNLOCKED_SECONDS",
+    "clean_stale",
+    "delete_save",
+    "open_staging",
+    "publish",
+    "staging_name",
+    "writer_is_dead",
+]
+
+# These messages are the manager's: users (and the notebooks) filter and print them under that
+# logger name, so moving the code into this module must not rename where they come from.
+log = logging.getLogger("ckpt_lesson.runs.manager")
+
+LOCK_NAME = ".lock"
+DELETING_PREFIX = ".deleting-"
+QUARANTINE_PREFIX = ".quarantine-"
+#: A staging folder with no ``.lock`` this old lost its writer between mkdir and lock creation.
+STALE_UNLOCKED_SECONDS = 10.0
+
+
+def staging_name(step: int) -> str:
+    """A staging folder name no other writer (or earlier attempt) can collide with.
+
+    Example:
+        >>> staging_name(240).startswith(".staging-step-00000240-")
+        True
+    """
+    return f"{STAGING_PREFIX}{step:08d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _aside_name(prefix: str, name: str) -> str:
+    # A random suffix: the same step can be quarantined or deleted more than once in a run's life.
+    return f"{prefix}{name}-{uuid.uuid4().hex[:8]}"
+
+
+def _make_staging(run_dir: Path, step: int) -> tuple[Path, int]:
+    staging = run_dir / staging_name(step)
+    staging.mkdir()
+    # Create and lock .lock right after mkdir: a staging folder without a lock is
+    # treated as abandoned once it is STALE_UNLOCKED_SECONDS old.
+    try:
+        fd = os.open(staging / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return staging, fd
+
+
+@contextmanager
+def open_staging(run_dir: Path, step: int) -> Iterator[Path]:
+    """A fresh staging folder for ``step``, its ``.lock`` held until the block ends.
+
+    If the block raises anything (an error, Ctrl-C), the staging folder is
+    removed: it is garbage, never a save. The lock is released either way.
+
+    Args:
+        run_dir: The run directory (must exist).
+        step: The step being saved; it goes into the folder's name.
+
+    Yields:
+        The staging folder's path.
+
+    Raises:
+        OSError: The folder or its lock cannot be created (nothing is left behind).
+
+    Example:
+        >>> with open_staging(run_dir, 240) as staging:  # doctest: +SKIP
+        ...     write_parts(staging)
+        ...     publish(staging, run_dir / "step-00000240")
+    """
+    staging, lock_fd = _make_staging(run_dir, step)
+    try:
+        yield staging
+    except BaseException:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        os.close(lock_fd)  # releases the flock
+
+
+def publish(staging: Path, final: Path, *, on_quarantined: Callable[[Path], None] | None = None) -> Path:
+    """Make a finished staging folder the save ``final`` with one atomic rename.
+
+    A folder already at ``final`` that verifies is never replaced. One that does
+    not (corrupt or incomplete) is renamed aside to ``.quarantine-...`` first,
+    kept for inspection rather than deleted, and ``on_quarantined(aside)`` is called.
+    After the rename the parent directory is fsynced, so the save survives a
+    power loss, and the no longer needed ``.lock`` file is removed (the
+    caller's descriptor still holds the lock until it closes it).
+
+    Args:
+        staging: The complete staging folder (parts and manifest written and fsynced).
+        final: Where the save goes, e.g. ``RUN_DIR/step-00000240``.
+        on_quarantined: Called with the quarantine path when a damaged save was moved aside.
+
+    Returns:
+        ``final``.
+
+    Raises:
+        CheckpointError: A good save of that step already exists (another writer made it).
+
+    Example:
+        >>> publish(staging, run_dir / "step-00000240")  # doctest: +SKIP
+    """
+    run_dir = final.parent
+    if final.exists():
+        if inspect_save(final)[0].ok:
+            raise CheckpointError(
+                f"step {step_of(final.name)} was saved by another writer meanwhile ({final}); "
+                "not replacing it."
+            )
+        aside = run_dir / _aside_name(QUARANTINE_PREFIX, final.name)
+        os.replace(final, aside)
+        log.warning(
+            "%s was corrupt or incomplete; moved it aside to %s, publishing the new save",
+            final,
+            aside.name,
+        )
+        if on_quarantined is not None:
+            on_quarantined(aside)
+    os.replace(staging, final)
+    fsync_dir(run_dir)
+    (final / LOCK_NAME).unlink(missing_ok=True)  # still held via the caller's fd; no longer needed
+    return final
+
+
+def delete_save(src: Path) -> bool:
+    """Remove one published save: rename it out of sight first, then delete the files.
+
+    The rename is atomic, so a kill during the (slow) ``rmtree`` leaves a
+    ``.deleting-`` folder for :func:`clean_stale`, never a half-deleted folder
+    that still looks like a save. Failures are logged, not raised: a save that
+    cannot be deleted must not stop training.
+
+    Returns:
+        True once the save is no longer visible (even if removing its files failed).
+
+    Example:
+        >>> delete_save(run_dir / "step-00000040")  # doctest: +SKIP
+        True
+    """
+    run_dir = src.parent
+    doomed = run_dir / _aside_name(DELETING_PREFIX, src.name)
+    try:
+        os.replace(src, doomed)
+    except OSError as exc:
+        log.warning("could not delete %s (%s); training goes on, retention will retry", src.name, exc)
+        return False
+    try:
+        fsync_dir(run_dir)
+        shutil.rmtree(doomed)
+    except OSError as exc:
+        log.warning("could not remove %s (%s); training goes on; delete it by hand", doomed.name, exc)
+    return True
+
+
+def clean_stale(run_dir: Path) -> list[str]:
+    """Remove staging folders of dead writers and leftover ``.deleting-`` folders.
+
+    A staging folder is stale only if its ``.lock`` can be locked (its writer
+    is dead), or it has no ``.lock`` and is older than
+    :data:`STALE_UNLOCKED_SECONDS`. A folder a live writer holds is never touched.
+
+    Returns:
+        Names of the folders removed.
+
+    Example:
+        >>> clean_stale(run_dir)  # doctest: +SKIP
+        ['.staging-step-00000280-4242-0f3a9c1e']
+    """
+    removed = []
+    for entry in sorted(run_dir.iterdir()):
+        if not entry.is_dir() or entry.is_symlink():
+            continue
+        if entry.name.startswith(DELETING_PREFIX):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+        elif entry.name.startswith(STAGING_PREFIX) and writer_is_dead(entry):
+            doomed = run_dir / f"{DELETING_PREFIX}{entry.name.lstrip('.')}"
+            try:
+                os.replace(entry, doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
+            except OSError as exc:
+                log.warning("could not remove stale %s (%s)", entry.name, exc)
+                continue
+            log.info("removed %s: its writer is gone (an interrupted save)", entry.name)
+            removed.append(entry.name)
+    return removed
+
+
+def writer_is_dead(staging: Path) -> bool:
+    """True if nobody holds ``staging/.lock`` (or there is no lock and the folder is old).
+
+    Example:
+        >>> writer_is_dead(run_dir / ".staging-step-00000280-4242-0f3a9c1e")  # doctest: +SKIP
+        True
+    """
+    try:
+        fd = os.open(staging / LOCK_NAME, os.O_RDWR)
+    except FileNotFoundError:
+        try:
+            return time.time() - staging.stat().st_mtime > STALE_UNLOCKED_SECONDS
+        except FileNotFoundError:
+            return False
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # BlockingIOError: a live process holds it
+        return False
+    finally:
+        os.close(fd)
+    return True

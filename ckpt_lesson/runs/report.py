@@ -1,0 +1,278 @@
+"""Recovery reports: what each restore chose, skipped, redid and cost.
+
+"It resumed" is not a measurement. Every restore appends one JSON line to
+``RUN_DIR/recovery.jsonl`` with:
+
+* the chosen save (step, save id) and every newer save skipped, with why;
+* **steps redone**: the last step the crashed process executed minus the
+  restored step. The last executed step comes from ``progress.json``, a tiny
+  heartbeat rewritten after every step with ``os.replace`` but *without*
+  fsync: it survives a killed process (the page cache outlives it), not a
+  power cut, which is fine for a statistic and is why it is never used to
+  *choose* a save. Without a heartbeat the field is ``null``, not a guess;
+* **recovery time**: from the process start to the end of its first step
+  after the restore, i.e. everything a restart costs (interpreter and torch
+  import, scanning, verifying, loading, the first step);
+* the **age of the last good save** at restore time, and the **code version**
+  (``git rev-parse HEAD`` of the package's checkout, or ``null``).
+
+``python -m ckpt_lesson report RUN_DIR [--json]`` summarises the log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from ckpt_lesson.errors import CheckpointError
+
+__all__ = [
+    "PROGRESS_NAME",
+    "RECOVERY_LOG",
+    "RecoveryRecorder",
+    "RecoverySummary",
+    "append_recovery_record",
+    "build_recovery_record",
+    "code_version",
+    "process_start_time",
+    "read_progress",
+    "read_recovery_log",
+    "record_progress",
+    "summarize_recoveries",
+]
+
+RECOVERY_LOG = "recovery.jsonl"
+PROGRESS_NAME = "progress.json"
+_IMPORTED_AT = time.time()
+
+
+def record_progress(run_dir: str | os.PathLike[str], step: int) -> None:
+    """Note that ``step`` finished (cheap: a tiny write and a rename, no fsync)."""
+    run_dir = Path(run_dir)
+    tmp = run_dir / f".{PROGRESS_NAME}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps({"step": int(step), "wall": time.time()}), encoding="utf-8")
+    os.replace(tmp, run_dir / PROGRESS_NAME)
+
+
+def read_progress(run_dir: str | os.PathLike[str]) -> int | None:
+    """The last step recorded by :func:`record_progress`, or ``None``."""
+    try:
+        data = json.loads((Path(run_dir) / PROGRESS_NAME).read_text(encoding="utf-8"))
+        step = data["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def process_start_time() -> float:
+    """Wall-clock time this process started (Linux ``/proc``), else when this module was imported.
+
+    The age comes from ``/proc/uptime`` minus the process's start tick, both
+    counted from boot at 10 ms resolution (``btime`` is rounded to whole
+    seconds, so it is not used).
+    """
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # stat(5) field 22: starttime in ticks
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - max(0.0, uptime - started)
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED_AT
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str | None:
+    """``git rev-parse HEAD`` of the checkout this package runs from, or ``None``."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    head = out.stdout.strip()
+    return head if out.returncode == 0 and len(head) == 40 else None
+
+
+def build_recovery_record(
+    last_restore: dict[str, Any],
+    *,
+    last_executed_step: int | None,
+    started_at: float,
+    first_step_at: float | None,
+    now: float | None = None,
+    version: str | None = None,
+) -> dict[str, Any]:
+    """One recovery-log line from a manager's ``last_restore`` and the timings.
+
+    Args:
+        last_restore: ``CheckpointManager.last_restore`` after a restore.
+        last_executed_step: From :func:`read_progress` *before* training
+            overwrote it; ``None`` when unknown.
+        started_at: :func:`process_start_time`.
+        first_step_at: Wall time the first step after the restore ended.
+        now: Wall time of the restore (defaults to ``time.time()``).
+        version: Code version (defaults to :func:`code_version`).
+    """
+    now = time.time() if now is None else now
+    step = last_restore.get("step")
+    manifest = last_restore.get("manifest") or {}
+    skipped = [
+        {"step": s.get("step"), "status": s.get("status"), "reason": s.get("reason")}
+        for s in last_restore.get("skipped", [])
+    ]
+    redone = None
+    if last_executed_step is not None and step is not None:
+        redone = max(0, last_executed_step - step)
+    created = manifest.get("created_at")
+    return {
+        "schema": "ckpt.recovery.v1",
+        "at": now,
+        "chosen": {"step": step, "save_id": last_restore.get("save_id")},
+        "skipped": skipped,
+        "fallback": bool(skipped),
+        "incomplete_saves": sum(1 for s in skipped if s["status"] == "incomplete"),
+        "corrupt_saves": sum(1 for s in skipped if s["status"] == "corrupt"),
+        "last_executed_step": last_executed_step,
+        "steps_redone": redone,
+        "recovery_seconds": None if first_step_at is None else first_step_at - started_at,
+        "last_good_save_age_seconds": None if created is None else now - float(created),
+        "code_version": code_version() if version is None else version,
+    }
+
+
+def append_recovery_record(run_dir: str | os.PathLike[str], record: dict[str, Any]) -> None:
+    """Append ``record`` as one line of ``recovery.jsonl`` (flushed and fsynced)."""
+    line = json.dumps(record, sort_keys=True, allow_nan=False) + "\n"
+    with open(Path(run_dir) / RECOVERY_LOG, "a", encoding="utf-8") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_recovery_log(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every complete record of ``recovery.jsonl``; a torn last line (a crash mid-append) is ignored.
+
+    Raises:
+        CheckpointError: ``run_dir`` is not a directory.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise CheckpointError(f"{run_dir}: not a run directory; pass the folder that holds step-* saves.")
+    path = run_dir / RECOVERY_LOG
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            records.append(rec)
+    return records
+
+
+@dataclass(frozen=True)
+class RecoverySummary:
+    """Totals over a run's recovery log."""
+
+    restores: int
+    fallbacks: int
+    incomplete_saves: int
+    corrupt_saves: int
+    steps_redone_total: int | None
+    steps_redone_max: int | None
+    recovery_seconds_median: float | None
+    recovery_seconds_max: float | None
+    save_age_seconds_max: float | None
+
+    def format(self) -> str:
+        def num(x: float | None, unit: str = "") -> str:
+            return "unknown" if x is None else f"{x:.2f}{unit}" if isinstance(x, float) else f"{x}{unit}"
+
+        med = num(self.recovery_seconds_median, " s")
+        rows = [
+            ("restores", str(self.restores)),
+            ("fallbacks", f"{self.fallbacks} (a newer save was skipped)"),
+            ("incomplete saves", str(self.incomplete_saves)),
+            ("corrupt saves", str(self.corrupt_saves)),
+            ("steps redone", f"{num(self.steps_redone_total)} total, {num(self.steps_redone_max)} max"),
+            ("recovery time", f"median {med}, max {num(self.recovery_seconds_max, ' s')}"),
+            ("last good save age", f"max {num(self.save_age_seconds_max, ' s')}"),
+        ]
+        return "\n".join(f"{k:<20}{v}" for k, v in rows)
+
+
+def summarize_recoveries(records: list[dict[str, Any]]) -> RecoverySummary:
+    """Totals, medians and maxima over recovery records (unknown values are left out)."""
+
+    def known(key: str) -> list[Any]:
+        return [r[key] for r in records if r.get(key) is not None]
+
+    redone, secs, ages = known("steps_redone"), known("recovery_seconds"), known("last_good_save_age_seconds")
+    return RecoverySummary(
+        restores=len(records),
+        fallbacks=sum(1 for r in records if r.get("fallback")),
+        incomplete_saves=sum(int(r.get("incomplete_saves") or 0) for r in records),
+        corrupt_saves=sum(int(r.get("corrupt_saves") or 0) for r in records),
+        steps_redone_total=sum(redone) if redone else None,
+        steps_redone_max=max(redone) if redone else None,
+        recovery_seconds_median=float(statistics.median(secs)) if secs else None,
+        recovery_seconds_max=float(max(secs)) if secs else None,
+        save_age_seconds_max=float(max(ages)) if ages else None,
+    )
+
+
+class RecoveryRecorder:
+    """Glue for a training loop: heartbeat every step, one record after the first resumed step.
+
+    Example:
+        >>> rec = RecoveryRecorder(run_dir)                 # doctest: +SKIP
+        >>> state = mgr.restore_latest(model, opt, sched)   # doctest: +SKIP
+        >>> rec.restored(mgr.last_restore)                  # doctest: +SKIP
+        >>> # in after_step: rec.step_done(state.step)
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str], *, started_at: float | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.started_at = process_start_time() if started_at is None else started_at
+        # Read before this process overwrites it: the crashed process's last step.
+        self.last_executed_step = read_progress(self.run_dir)
+        self._pending: dict[str, Any] | None = None
+        self._restored_at: float | None = None
+        self.record: dict[str, Any] | None = None
+
+    def restored(self, last_restore: dict[str, Any] | None) -> None:
+        """Call right after a restore that found a save (not after a fresh start)."""
+        if last_restore and last_restore.get("step") is not None:
+            self._pending = last_restore
+            self._restored_at = time.time()
+
+    def step_done(self, step: int) -> dict[str, Any] | None:
+        """Call after every step; returns the recovery record when it was just written."""
+        record_progress(self.run_dir, step)
+        if self._pending is None:
+            return None
+        self.record = build_recovery_record(
+            self._pending,
+            last_executed_step=self.last_executed_step,
+            started_at=self.started_at,
+            first_step_at=time.time(),
+            now=self._restored_at,
+        )
+        append_recovery_record(self.run_dir, self.record)
+        self._pending = None
+        return self.record

@@ -1,0 +1,188 @@
+"""Loading one managed save: check everything that is cheap before anything that is not.
+
+:meth:`~ckpt_lesson.runs.manager.CheckpointManager.restore_latest` walks the saves
+newest first and hands each candidate folder to :func:`load_save`. The order of
+the checks inside is the lesson:
+
+1. the manifest parses and names the right step (a few hundred bytes);
+2. the resume contract passes, from the manifest alone: same data, model,
+   config and environment, every bucket covered (nothing loaded yet);
+3. every part exists with its recorded size (a ``stat`` each, no reading);
+4. every part hashes to its recorded sha256, and only then is the payload
+   unpickled (safely, ``weights_only``) and applied.
+
+Damage (``CorruptCheckpointError``, ``IncompleteCheckpointError``) makes the
+manager try the next older save. Anything else (a contract that does not match,
+a model that does not fit, an unknown schema) is raised as it is: an older save
+of the same run would be refused the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, apply_payload, read_checkpoint
+from ckpt_lesson.runs.contract import ResumeReport, check_contract, resume_report
+from ckpt_lesson.errors import CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
+from ckpt_lesson.runs.scan import read_manifest, verify_part
+from ckpt_lesson.files.schema import current_env
+from ckpt_lesson.files.sharded import INDEX_NAME, load_sharded_checkpoint
+
+__all__ = ["check_resume_contract", "index_parts", "load_save", "verify_other_parts"]
+
+# The manager's messages, under the manager's logger name (see ckpt_lesson.runs.commit for why).
+log = logging.getLogger("ckpt_lesson.runs.manager")
+
+#: ``check(target, manifest)``: raises when the save must not be resumed; see :func:`check_resume_contract`.
+ContractCheck = Callable[[Path, dict[str, Any]], None]
+
+
+def load_save(
+    target: Path,
+    step: int,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    *,
+    map_location: Any,
+    check_contract: ContractCheck,
+) -> tuple[dict[str, Any], TrainState]:
+    """Verify one published save folder and restore it into the live objects.
+
+    Args:
+        target: The ``step-XXXXXXXX`` folder.
+        step: The step its name promises; manifest and payload must agree.
+        model, optimizer, scheduler: Restored in place.
+        map_location: As for ``torch.load``.
+        check_contract: Called with ``(target, manifest)`` before any part is
+            read; it raises to refuse the save.
+
+    Returns:
+        ``(manifest, state)``.
+
+    Raises:
+        IncompleteCheckpointError: A part is missing.
+        CorruptCheckpointError: Wrong step, size or sha256, or an unreadable part.
+        CheckpointError: Whatever ``check_contract`` or the loaders raise.
+
+    Example:
+        >>> no_contract = lambda target, manifest: None
+        >>> manifest, state = load_save(  # doctest: +SKIP
+        ...     run / "step-00000240", 240, model, opt, sched, map_location="cpu", check_contract=no_contract)
+    """
+    manifest = read_manifest(target)
+    if manifest["step"] != step:
+        raise CorruptCheckpointError(f"{target.name}: manifest records step {manifest['step']}")
+    check_contract(target, manifest)
+    for part in manifest["parts"]:  # presence and size first: free, and names a missing part exactly
+        path = target / part["file"]
+        if not path.is_file() or path.is_symlink():
+            raise IncompleteCheckpointError(f"{target.name}: part {part['file']} is missing")
+        if path.stat().st_size != part["bytes"]:
+            size = path.stat().st_size
+            raise CorruptCheckpointError(
+                f"{target.name}: {part['file']}: size {size} != recorded {part['bytes']}"
+            )
+    if manifest["layout"] == "single":
+        by_name = {p["file"]: p for p in manifest["parts"]}
+        verify_other_parts(target, manifest, skip={"checkpoint.pt"})
+        # One pass: load_verified_file checks footer and the manifest's sha256 while hashing.
+        path = target / "checkpoint.pt"
+        sha = by_name["checkpoint.pt"]["sha256"]
+        payload = read_checkpoint(path, map_location=map_location, expected_sha256=sha)
+        saved = TrainState.from_dict(payload["state"], source=str(path))
+        if saved.step != step:
+            raise CorruptCheckpointError(f"{target.name}: payload holds step {saved.step}")
+        return manifest, apply_payload(payload, model, optimizer, scheduler, source=str(path))
+    # Sharded: pin index.json to the manifest; the loader checks every shard against the index.
+    verify_other_parts(target, manifest, skip=set())
+    state = load_sharded_checkpoint(target, model, optimizer, scheduler, map_location=map_location)
+    if state.step != step:
+        # Everything was applied already; the next (older) candidate replaces all five buckets.
+        raise CorruptCheckpointError(f"{target.name}: payload holds step {state.step}")
+    return manifest, state
+
+
+def check_resume_contract(
+    target: Path,
+    manifest: dict[str, Any],
+    *,
+    expect: dict[str, Any],
+    env_policy: str,
+    emit: Callable[..., None],
+) -> tuple[ResumeReport, list[str]]:
+    """The resume contract, from the manifest alone: nothing is loaded before it passes.
+
+    Not damage, so never skipped in favour of an older save: a save that
+    covers fewer buckets, or belongs to other data, another model, config
+    or environment, is refused, and older saves of the same run would be refused alike.
+
+    Args:
+        target: The save folder (for messages).
+        manifest: Its parsed manifest.
+        expect: What the resume must match (``data``, ``config_fingerprint``, ...).
+        env_policy: ``"refuse"``, ``"warn"`` or ``"allow"`` an environment change.
+        emit: ``emit(name, **info)``; called once with ``"resume_contract"``.
+
+    Returns:
+        The report (also logged) and the warnings :func:`~ckpt_lesson.runs.contract.check_contract` returned.
+
+    Raises:
+        StateMismatchError: The save does not cover every bucket.
+        ContractMismatchError: Data, model, config or (per ``env_policy``) environment differ.
+
+    Example:
+        >>> report, warnings = check_resume_contract(  # doctest: +SKIP
+        ...     target, manifest, expect={}, env_policy="refuse", emit=lambda name, **info: None)
+    """
+    covers = manifest.get("covers") if isinstance(manifest.get("covers"), list) else []
+    missing = [b for b in BUCKETS if b not in covers]
+    if missing:
+        raise StateMismatchError(
+            f"{target.name}: this save does not cover {missing}; a resume needs every bucket. "
+            "Use warm_start_from() to start a new experiment from its weights."
+        )
+    report = resume_report(manifest, current={**expect, "env": current_env()})
+    log.info("%s", report.format())
+    emit("resume_contract", step=manifest["step"], save_id=manifest.get("save_id"), report=report)
+    return report, check_contract(report, env_policy=env_policy)
+
+
+def verify_other_parts(target: Path, manifest: dict[str, Any], *, skip: set[str]) -> None:
+    """Hash every manifest part except ``skip`` (and, when sharded, the files the index covers).
+
+    Raises:
+        CorruptCheckpointError: A part's size or sha256 differs from the manifest.
+
+    Example:
+        >>> verify_other_parts(target, manifest, skip={"checkpoint.pt"})  # doctest: +SKIP
+    """
+    if manifest["layout"] == "sharded":
+        index = {p["file"] for p in index_parts(target)}
+        skip = skip | index  # verified by the sharded loader, against the index pinned below
+    for part in manifest["parts"]:
+        if part["file"] in skip:
+            continue
+        problem = verify_part(target / part["file"], size=part["bytes"], sha256=part["sha256"])
+        if problem:
+            raise CorruptCheckpointError(f"{target.name}: {problem}")
+
+
+def index_parts(target: Path) -> list[dict[str, Any]]:
+    """Files the sharded index lists (shards + meta); read only after index.json itself is verified.
+
+    An unreadable index yields ``[]``: every part is then hashed against the manifest instead.
+
+    Example:
+        >>> [p["file"] for p in index_parts(target)]  # doctest: +SKIP
+        ['model.shard-000.pt', 'model.shard-001.pt', 'meta.pt']
+    """
+    try:
+        index = json.loads((target / INDEX_NAME).read_text(encoding="utf-8"))
+        return [*index["shards"], index["meta"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []

@@ -1,0 +1,311 @@
+"""Scan a run directory: which saves are good, which are damaged, which never finished.
+
+A run directory written by :class:`~ckpt_lesson.runs.manager.CheckpointManager`
+looks like this::
+
+    RUN_DIR/
+      step-00000240/          a published save
+        checkpoint.pt         (or model.shard-NNN.pt + meta.pt + index.json)
+        manifest.json         the commit record: every part's size and sha256
+      .staging-step-00000280-<pid>-<hex8>/   a save in progress (or abandoned)
+
+A save is *ok* only if its ``manifest.json`` exists and every part it lists
+has the recorded size and sha256 (and, for ``.pt`` files, matches its own
+in-file footer). A step folder without a manifest is *incomplete*; one whose
+bytes differ is *corrupt*. Nothing here loads a tensor: a scan costs one read
+of every byte (about 1.4 GB/s of sha256 on the course machine), no unpickling.
+
+``python -m ckpt_lesson scan RUN_DIR [--json]`` prints the same table; it
+exits 0 when every save is ok, 1 when something is corrupt or incomplete, and
+2 when RUN_DIR is missing or not a directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import string
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpt_lesson.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    SchemaError,
+    UnsafeCheckpointError,
+)
+from ckpt_lesson.files.integrity import file_digest
+from ckpt_lesson.files.schema import MANIFEST_NAME, MANIFEST_SCHEMA
+
+__all__ = [
+    "LAYOUTS",
+    "MANIFEST_NAME",
+    "MANIFEST_SCHEMA",
+    "STAGING_PREFIX",
+    "ScanResult",
+    "inspect_save",
+    "read_manifest",
+    "scan_checkpoints",
+    "step_dir_name",
+    "step_of",
+    "verify_part",
+]
+
+LAYOUTS = ("single", "sharded")
+#: Prefix of a save in progress: ``.staging-step-00000280-<pid>-<hex8>``.
+STAGING_PREFIX = ".staging-step-"
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+_STAGING_RE = re.compile(r"^\.staging-step-(\d{8,})-")
+_HEX = set(string.hexdigits.lower())
+
+
+def step_dir_name(step: int) -> str:
+    """``step-00000240``: zero-padded so that text order equals numeric order."""
+    return f"step-{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a published save folder's name, or ``None`` for any other name."""
+    found = _STEP_RE.match(name)
+    return int(found.group(1)) if found else None
+
+
+@dataclass(frozen=True)
+class ScanResult:
+    """One save found in a run directory.
+
+    Attributes:
+        path: The save's folder.
+        step: Its step number (from the folder name).
+        status: ``"ok"``, ``"corrupt"`` or ``"incomplete"``.
+        reason: Why it is not ok (file names only, no directories); ``""`` when ok.
+    """
+
+    path: Path
+    step: int
+    status: str
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def read_manifest(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and validate a save's ``manifest.json`` (structure only, no hashing).
+
+    Args:
+        step_dir: A published save folder (or a staging folder).
+
+    Returns:
+        The manifest dict; ``parts`` is a list of ``{"file", "bytes", "sha256"}``.
+
+    Raises:
+        IncompleteCheckpointError: There is no manifest: the save never finished.
+        CorruptCheckpointError: Not JSON, or a field is missing or malformed.
+        SchemaError: A manifest schema this code does not know.
+        UnsafeCheckpointError: A part's name would leave the folder.
+
+    Example:
+        >>> manifest = read_manifest("run/step-00000240")  # doctest: +SKIP
+        >>> [p["file"] for p in manifest["parts"]]  # doctest: +SKIP
+        ['checkpoint.pt']
+    """
+    step_dir = Path(step_dir)
+    where = f"{step_dir.name}/{MANIFEST_NAME}"
+    try:
+        text = (step_dir / MANIFEST_NAME).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(
+            f"{step_dir.name}: no {MANIFEST_NAME}; the save never finished (the manifest is written "
+            "last). Restore an older save."
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpointError(
+            f"{where}: unreadable ({type(exc).__name__}); restore an older save."
+        ) from exc
+    try:
+        manifest = json.loads(text)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({exc}); restore an older save.") from exc
+    if not isinstance(manifest, dict):
+        raise CorruptCheckpointError(f"{where}: expected a JSON object; restore an older save.")
+    schema = manifest.get("schema")
+    if not isinstance(schema, str):
+        raise CorruptCheckpointError(f"{where}: no 'schema' field; restore an older save.")
+    if schema != MANIFEST_SCHEMA:
+        raise SchemaError(f"{where}: unknown manifest schema {schema!r}; upgrade ckpt_lesson to read it.")
+    step = manifest.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CorruptCheckpointError(f"{where}: 'step' must be an int >= 0, got {step!r}.")
+    if manifest.get("layout") not in LAYOUTS:
+        found = manifest.get("layout")
+        raise CorruptCheckpointError(f"{where}: 'layout' must be one of {LAYOUTS}, got {found!r}.")
+    parts = manifest.get("parts")
+    if not isinstance(parts, list) or not parts:
+        raise CorruptCheckpointError(f"{where}: 'parts' must be a non-empty list.")
+    seen: set[str] = set()
+    for part in parts:
+        _check_part_entry(part, where)
+        if part["file"] in seen:
+            raise CorruptCheckpointError(f"{where}: part {part['file']!r} is listed twice.")
+        seen.add(part["file"])
+    if manifest["layout"] == "single" and "checkpoint.pt" not in seen:
+        raise CorruptCheckpointError(f"{where}: a single-file save must list 'checkpoint.pt' as a part.")
+    return manifest
+
+
+def _check_part_entry(part: Any, where: str) -> None:
+    if not isinstance(part, dict):
+        raise CorruptCheckpointError(f"{where}: every part must be an object with file, bytes, sha256.")
+    name = part.get("file")
+    if not isinstance(name, str) or not name:
+        raise CorruptCheckpointError(f"{where}: a part has no 'file' name.")
+    # A manifest is data, and data can be hostile: a part name may only name a file in this folder.
+    if "/" in name or "\\" in name or name in (".", "..") or name == MANIFEST_NAME or "\x00" in name:
+        raise UnsafeCheckpointError(
+            f"{where}: part name {name!r} is not a plain file name in the save folder."
+        )
+    size = part.get("bytes")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise CorruptCheckpointError(f"{where}: part {name!r} has no valid 'bytes' count.")
+    digest = part.get("sha256")
+    if not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _HEX:
+        raise CorruptCheckpointError(f"{where}: part {name!r} has no valid 'sha256'.")
+
+
+def verify_part(path: Path, *, size: int, sha256: str) -> str | None:
+    """Check one file against its recorded size and sha256.
+
+    The size is checked first (a ``stat``, free); only then is the file read,
+    once, to compute its sha256 and check its in-file footer when it has one.
+
+    Args:
+        path: The file.
+        size: Recorded byte count.
+        sha256: Recorded hex sha256 of the whole file.
+
+    Returns:
+        ``None`` if the file matches, else a short reason naming the file,
+        e.g. ``"checkpoint.pt: size 100 != recorded 200"``.
+
+    Example:
+        >>> verify_part(Path("run/step-00000240/checkpoint.pt"), size=1, sha256="0" * 64)  # doctest: +SKIP
+        'checkpoint.pt: size 35210 != recorded 1'
+    """
+    path = Path(path)
+    name = path.name
+    if path.is_symlink():
+        return f"{name}: is a symlink; parts must be regular files inside the save folder"
+    if not path.exists():
+        return f"{name}: missing"
+    if not path.is_file():
+        return f"{name}: not a regular file"
+    actual = path.stat().st_size
+    if actual != size:
+        return f"{name}: size {actual} != recorded {size}"
+    try:
+        digest = file_digest(path)
+    except CorruptCheckpointError:
+        return f"{name}: contents do not match the file's own integrity footer"
+    except OSError as exc:
+        return f"{name}: unreadable ({type(exc).__name__}: {exc.strerror or exc})"
+    if digest.sha256 != sha256:
+        return f"{name}: sha256 {digest.sha256[:12]}... != recorded {sha256[:12]}..."
+    return None
+
+
+def inspect_save(
+    step_dir: str | os.PathLike[str], *, hash_parts: bool = True
+) -> tuple[ScanResult, dict[str, Any] | None]:
+    """Classify one published save folder; returns its result and manifest (if readable).
+
+    Args:
+        step_dir: A ``step-XXXXXXXX`` folder.
+        hash_parts: ``False`` checks only presence and sizes (a cheap ``stat``
+            per part), for callers that verified the bytes earlier.
+
+    Raises:
+        SchemaError: The manifest has a schema this code does not know (not a
+            damaged save, so not silently classified as one).
+    """
+    step_dir = Path(step_dir)
+    step = step_of(step_dir.name)
+    if step is None:
+        raise CheckpointError(f"{step_dir.name}: not a save folder name (expected step-XXXXXXXX).")
+    try:
+        manifest = read_manifest(step_dir)
+    except IncompleteCheckpointError:
+        return ScanResult(step_dir, step, "incomplete", f"no {MANIFEST_NAME} (save never finished)"), None
+    except (CorruptCheckpointError, UnsafeCheckpointError) as exc:
+        return ScanResult(step_dir, step, "corrupt", str(exc)), None
+    if manifest["step"] != step:
+        reason = f"{MANIFEST_NAME} records step {manifest['step']}, folder says {step}"
+        return ScanResult(step_dir, step, "corrupt", reason), manifest
+    problems = []
+    for part in manifest["parts"]:
+        path = step_dir / part["file"]
+        if hash_parts:
+            problem = verify_part(path, size=part["bytes"], sha256=part["sha256"])
+        elif not path.is_file() or path.is_symlink():
+            problem = f"{part['file']}: missing"
+        elif path.stat().st_size != part["bytes"]:
+            problem = f"{part['file']}: size {path.stat().st_size} != recorded {part['bytes']}"
+        else:
+            problem = None
+        if problem:
+            problems.append(problem)
+    if problems:
+        missing_only = all(p.endswith(": missing") for p in problems)
+        status = "incomplete" if missing_only else "corrupt"
+        return ScanResult(step_dir, step, status, "; ".join(problems)), manifest
+    return ScanResult(step_dir, step, "ok", ""), manifest
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    if not run_dir.exists():
+        raise CheckpointError(f"{run_dir}: no such run directory; check the path.")
+    if not run_dir.is_dir():
+        raise CheckpointError(
+            f"{run_dir}: not a directory; pass the run directory that holds the step-XXXXXXXX folders."
+        )
+
+
+def scan_checkpoints(run_dir: str | os.PathLike[str]) -> list[ScanResult]:
+    """Verify every save in ``run_dir`` without loading any tensor.
+
+    Args:
+        run_dir: A manager's run directory.
+
+    Returns:
+        One :class:`ScanResult` per published save folder and per staging
+        folder (``incomplete``, reason ``"unpublished save (staging)"``), sorted
+        by step.
+
+    Raises:
+        CheckpointError: ``run_dir`` does not exist or is not a directory.
+
+    Example:
+        >>> [(r.step, r.status) for r in scan_checkpoints("run")]  # doctest: +SKIP
+        [(240, 'ok'), (280, 'corrupt')]
+    """
+    run_dir = Path(run_dir)
+    _check_run_dir(run_dir)
+    results = []
+    for entry in run_dir.iterdir():
+        if not entry.is_dir() or entry.is_symlink():
+            continue
+        staged = _STAGING_RE.match(entry.name)
+        if staged:
+            step = int(staged.group(1))
+            results.append(ScanResult(entry, step, "incomplete", "unpublished save (staging)"))
+        elif step_of(entry.name) is not None:
+            try:
+                results.append(inspect_save(entry)[0])
+            except SchemaError as exc:
+                results.append(ScanResult(entry, step_of(entry.name) or 0, "corrupt", str(exc)))
+    return sorted(results, key=lambda r: (r.step, r.path.name.startswith("."), r.path.name))

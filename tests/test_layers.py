@@ -1,0 +1,92 @@
+"""The package's layers import only downward: cli -> course -> runs -> files -> base.
+
+The folder a module sits in says what it is for; this test keeps that true.
+It reads every module's source (nothing is imported), so a lazy import inside
+a function counts exactly like one at the top.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ckpt_lesson"
+
+#: Lower number = lower layer. A module may import its own layer and any lower one.
+LAYERS = {
+    "base": 0,  # errors.py, _version_check.py
+    "files": 1,
+    "runs": 2,
+    "distributed": 3,
+    "integrations": 3,
+    "course": 4,
+    "cli": 5,
+}
+
+
+def layer_of_module(dotted: str) -> str | None:
+    """``ckpt_lesson.runs.scan`` -> ``runs``; top-level modules are ``base``; others None."""
+    parts = dotted.split(".")
+    if parts[0] != "ckpt_lesson" or len(parts) == 1:
+        return None  # outside the package, or the public namespace itself
+    if parts[1] in LAYERS:
+        return parts[1]
+    return "base"
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """Every ``ckpt_lesson...`` module that ``path`` imports, with its line number."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = ".".join(("ckpt_lesson", *path.relative_to(PACKAGE).with_suffix("").parts[:-1]))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            found.append((node.lineno, module))
+            # ``from ckpt_lesson.files import schema`` names a module too
+            found += [(node.lineno, f"{module}.{a.name}") for a in node.names if module.count(".") == 1]
+    return [(line, m) for line, m in found if m.startswith("ckpt_lesson")]
+
+
+def package_modules() -> list[Path]:
+    return sorted(
+        p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py" and p.name != "__main__.py"
+    )
+
+
+@pytest.mark.parametrize("path", package_modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_module_imports_only_its_own_layer_or_lower(path: Path) -> None:
+    own = layer_of_module(".".join(("ckpt_lesson", *path.relative_to(PACKAGE).with_suffix("").parts)))
+    upward = []
+    for line, module in imported_modules(path):
+        if module == "ckpt_lesson":
+            upward.append(f"line {line}: imports the public namespace (import the module instead)")
+            continue
+        target = layer_of_module(module)
+        if target is not None and LAYERS[target] > LAYERS[own]:
+            upward.append(f"line {line}: {own} imports {module} ({target})")
+    assert not upward, f"{path.relative_to(PACKAGE)} imports upward:\n" + "\n".join(upward)
+
+
+def test_every_subpackage_is_a_known_layer() -> None:
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))}
+    assert folders <= set(LAYERS), f"unknown layer folders: {sorted(folders - set(LAYERS))}"
+
+
+def test_layer_check_catches_an_upward_import(tmp_path: Path) -> None:
+    # The checker itself must be able to fail: a files-layer module importing runs.
+    fake = PACKAGE / "files" / "_probe_upward.py"
+    fake.write_text("from ckpt_lesson.runs.scan import step_of\n", encoding="utf-8")
+    try:
+        with pytest.raises(AssertionError, match="files imports ckpt_lesson.runs.scan"):
+            test_module_imports_only_its_own_layer_or_lower(fake)
+    finally:
+        fake.unlink()
