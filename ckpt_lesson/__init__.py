@@ -82,7 +82,8 @@ from .runs.cost import (  # noqa: E402
     expected_wall_time,
     young_interval,
 )
-from .runs.manager import CheckpointManager, ManagerConfig  # noqa: E402
+from .runs.manager import CheckpointManager  # noqa: E402
+from .runs.manager_config import ManagerConfig  # noqa: E402
 from .runs.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler  # noqa: E402
 from .runs.report import RecoveryRecorder, read_recovery_log, summarize_recoveries  # noqa: E402
 from .runs.retention import KeepBest, KeepLastK, keep_last_k  # noqa: E402

@@ -37,7 +37,8 @@ from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.runs.contract import config_fingerprint as _contract_config_fingerprint
 from ckpt_lesson.runs.contract import model_fingerprint
-from ckpt_lesson.runs.manager import CheckpointManager, EventHook
+from ckpt_lesson.runs.manager import CheckpointManager
+from ckpt_lesson.runs.manager_config import EventHook
 from ckpt_lesson.runs.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
 from ckpt_lesson.runs.report import RecoveryRecorder
 from ckpt_lesson.runs.scan import step_of

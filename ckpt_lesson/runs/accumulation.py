@@ -28,15 +28,20 @@ fast-forward as the plain loop.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import nn
 
-from ckpt_lesson.files.checkpoint import REQUIRES_KEY, TrainState, apply_payload, read_checkpoint, save_checkpoint
 from ckpt_lesson.errors import StateMismatchError
+from ckpt_lesson.files.checkpoint import (
+    REQUIRES_KEY,
+    TrainState,
+    apply_payload,
+    read_checkpoint,
+    save_checkpoint,
+)
 from ckpt_lesson.files.integrity import FileDigest
 
 __all__ = [

@@ -67,10 +67,10 @@ from typing import Any
 
 import torch
 
-from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.runs.manager import CheckpointManager
+from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.rng import capture_rng_state
+from ckpt_lesson.runs.manager import CheckpointManager
 
 __all__ = ["AsyncCheckpointer", "TrainingSnapshot"]
 

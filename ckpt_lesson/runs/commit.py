@@ -36,8 +36,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ckpt_lesson.files.atomic import fsync_dir
 from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.atomic import fsync_dir
 from ckpt_lesson.runs.scan import STAGING_PREFIX, inspect_save, step_of
 
 __all__ = [

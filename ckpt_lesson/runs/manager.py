@@ -21,123 +21,46 @@ part it lists has the recorded size and sha256.
 
 Why ``flock`` and not a pid file: the kernel releases a ``flock`` when its
 owner dies, even by ``SIGKILL``, so "can I take the lock?" is an exact test of
-"is the writer dead?". A pid can be reused; a lock cannot lie.
+"is the writer dead?". A pid can be reused; a lock cannot lie. One writer per
+run directory (readers, scans and restores may be many).
 
-What ``verify_on_save`` costs and buys: one extra read of every byte written
-(about 1.4 GB/s here, so roughly +50% on a save's time). It catches writer
-bugs (a part written twice, a wrong name, a buffer not flushed), not later disk
-faults; those are caught at restore, which always verifies.
-
-One writer per run directory: two managers saving into the same folder is not
-supported (readers, scans and restores are fine).
-
-This module decides *what* is saved and *when*; the folder moves of steps 1, 5
-and of deletion live in :mod:`ckpt_lesson.runs.commit`, and the checks a restore runs
-on each candidate in :mod:`ckpt_lesson.runs.restore`.
+This class reads as the protocol; each step is a small function elsewhere:
+the folder moves (stage, publish, delete) in :mod:`~ckpt_lesson.runs.commit`,
+writing and describing the parts in :mod:`~ckpt_lesson.runs.save_parts`, the
+settings in :mod:`~ckpt_lesson.runs.manager_config`, and the checks a restore
+runs on each candidate in :mod:`~ckpt_lesson.runs.restore`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
-import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.atomic import atomic_write_json, fsync_dir
-from ckpt_lesson.runs.cadence import SaveCadence, validate_cadence
-from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, save_checkpoint
+from ckpt_lesson.files.checkpoint import TrainState
+from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale, delete_save, open_staging, publish
 from ckpt_lesson.runs.contract import ENV_POLICIES
-from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from ckpt_lesson.runs.restore import check_resume_contract, load_save
-from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
+from ckpt_lesson.runs.manager_config import EventHook, ManagerConfig
+from ckpt_lesson.runs.restore import check_resume_contract, load_newest_good
+from ckpt_lesson.runs.retention import RetentionPolicy
+from ckpt_lesson.runs.save_parts import build_manifest, refuse_if_already_saved, verify_staged, write_parts
 from ckpt_lesson.runs.scan import (
     MANIFEST_NAME,
-    MANIFEST_SCHEMA,
     ScanResult,
     inspect_save,
-    read_manifest,
+    published_steps,
     step_dir_name,
-    step_of,
-    verify_part,
 )
-from ckpt_lesson.files.schema import CURRENT_SCHEMA, current_env
-from ckpt_lesson.files.sharded import INDEX_NAME, save_sharded_checkpoint
 
-__all__ = ["CheckpointManager", "EventHook", "ManagerConfig", "read_manifest"]
+__all__ = ["CheckpointManager"]
 
 log = logging.getLogger(__name__)
-
-#: ``on_event(name, info)``: called at each stage of a save (see :class:`CheckpointManager`).
-EventHook = Callable[[str, dict[str, Any]], None]
-
-
-def _plain_dict(value: Any, name: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise CheckpointError(f"{name} must be a dict or None, got {type(value).__name__}.")
-    out = dict(value)
-    try:  # fail now, in the constructor, not halfway through the first save
-        json.dumps(out, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(
-            f"{name} must hold only JSON values (str, int, float, bool, list, dict): {exc}"
-        ) from exc
-    return out
-
-
-@dataclass(frozen=True, kw_only=True)
-class ManagerConfig:
-    """Validated, immutable settings of a :class:`CheckpointManager`.
-
-    Raises:
-        CheckpointError: ``keep_last < 1``; ``every_steps < 1``; ``every_seconds <= 0``;
-            neither cadence set; ``num_shards < 1``; ``data``/``metadata`` not JSON dicts.
-
-    Example:
-        >>> ManagerConfig(keep_last=2, every_steps=10).num_shards is None
-        True
-    """
-
-    keep_last: int = 3
-    every_steps: int | None = None
-    every_seconds: float | None = None
-    num_shards: int | None = None
-    shard_layout: str = "round_robin"
-    verify_on_save: bool = True
-    data: dict[str, Any] | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
-    retention: RetentionPolicy | None = None
-
-    def __post_init__(self) -> None:
-        keep = self.keep_last
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise CheckpointError(
-                f"keep_last must be an int >= 1 (keep at least one good save), got {keep!r}"
-            )
-        validate_cadence(self.every_steps, self.every_seconds)
-        shards = self.num_shards
-        if shards is not None and (isinstance(shards, bool) or not isinstance(shards, int) or shards < 1):
-            raise CheckpointError(f"num_shards must be None (one file) or an int >= 1, got {shards!r}.")
-        if self.retention is not None and not callable(getattr(self.retention, "to_delete", None)):
-            raise CheckpointError("retention needs a to_delete(steps, verified) method, e.g. KeepLastK(3).")
-        # Copies, so that a caller mutating its dict later cannot change what gets recorded.
-        object.__setattr__(self, "data", None if self.data is None else _plain_dict(self.data, "data"))
-        object.__setattr__(self, "metadata", _plain_dict(self.metadata, "metadata"))
-
-    @property
-    def layout(self) -> str:
-        return "single" if self.num_shards is None else "sharded"
-
-    @property
-    def policy(self) -> RetentionPolicy:
-        return self.retention if self.retention is not None else KeepLastK(self.keep_last)
 
 
 class CheckpointManager:
@@ -154,13 +77,8 @@ class CheckpointManager:
         data: Dataset description recorded in payload and manifest, e.g.
             ``{"fingerprint": ds.fingerprint(), "order_seed": 11}``.
         metadata: Caller's dict copied into every manifest (run id, config hash).
-        on_event: ``on_event(name, info)`` called at ``save_begin``,
-            ``part_begin``, ``part_written`` (info has ``file``),
-            ``parts_complete``, ``manifest_written``, ``verified``,
-            ``published``, ``retention_delete`` (before each delete; info has
-            ``step``), ``save_end``, and ``quarantined``. For the sharded layout
-            the writer makes every file in one call, so there is one
-            ``part_begin`` (``file="*"``) and then one ``part_written`` per file.
+        on_event: ``on_event(name, info)`` at each stage of a save (the
+            names are listed at :data:`~ckpt_lesson.runs.manager_config.EventHook`).
         retention: A policy object overriding ``keep_last`` (e.g. ``KeepBest``).
         expect: What a resume must match, checked from each candidate's
             manifest *before* any tensor is read: ``{"data": {...},
@@ -269,12 +187,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ discovery
 
     def _published(self) -> list[int]:
-        steps = []
-        for entry in self.run_dir.iterdir():
-            step = step_of(entry.name)
-            if step is not None and entry.is_dir() and not entry.is_symlink():
-                steps.append(step)
-        return sorted(steps)
+        return published_steps(self.run_dir)
 
     def all_steps(self) -> list[int]:
         """Published steps that have a manifest, ascending. Nothing is hashed."""
@@ -337,20 +250,30 @@ class CheckpointManager:
         if not isinstance(state, TrainState):
             raise CheckpointError(f"state must be a TrainState, got {type(state).__name__}.")
         step = state.step
-        self._refuse_if_already_saved(step)
+        refuse_if_already_saved(self.step_dir(step), step)
         started = time.perf_counter()
         # Ctrl-C or an error anywhere in this block: open_staging removes the staging folder
         # (garbage, never a save) and releases the lock, so the error surfaces with nothing half-made.
         with open_staging(self.run_dir, step) as staging:
             self._emit("save_begin", step=step, staging=staging.name)
-            parts = self._write_parts(staging, model, optimizer, scheduler, state, extras, rng)
+            parts = write_parts(
+                staging,
+                self.config,
+                model,
+                optimizer,
+                scheduler,
+                state,
+                extras=extras,
+                rng=rng,
+                emit=self._emit,
+            )
             self._emit("parts_complete", step=step, files=[p["file"] for p in parts])
-            manifest = self._manifest(state, parts)
+            manifest = build_manifest(self.config, state, parts)
             atomic_write_json(manifest, staging / MANIFEST_NAME)
             fsync_dir(staging)
             self._emit("manifest_written", step=step, save_id=manifest["save_id"])
             if self.config.verify_on_save:
-                self._verify_staged(staging, parts)
+                verify_staged(staging, parts)
                 self._emit("verified", step=step, save_id=manifest["save_id"])
             final = publish(
                 staging,
@@ -367,86 +290,6 @@ class CheckpointManager:
             self._emit("save_end", step=step, path=str(final), seconds=seconds, deleted=deleted)
         self.clean_stale()
         return final
-
-    def _refuse_if_already_saved(self, step: int) -> None:
-        target = self.step_dir(step)
-        if target.exists() and inspect_save(target)[0].ok:
-            raise CheckpointError(
-                f"step {step} is already saved in {target} and verifies; a save is never overwritten. "
-                "Save a later step, or delete that folder by hand if you really mean to replace it."
-            )
-
-    def _write_parts(
-        self,
-        staging: Path,
-        model: Any,
-        optimizer: Any,
-        scheduler: Any,
-        state: TrainState,
-        extras: Any,
-        rng: dict[str, Any] | None = None,
-    ) -> list[dict[str, Any]]:
-        step, data = state.step, self.config.data
-        if self.config.num_shards is None:
-            self._emit("part_begin", step=step, file="checkpoint.pt")
-            target = staging / "checkpoint.pt"
-            digest = save_checkpoint(
-                model, optimizer, scheduler, state, target, extras=extras, data=data, rng=rng
-            )
-            part = {"file": "checkpoint.pt", "bytes": digest.size, "sha256": digest.sha256}
-            self._emit("part_written", step=step, **part)
-            return [part]
-        self._emit("part_begin", step=step, file="*")
-        result = save_sharded_checkpoint(
-            model,
-            optimizer,
-            scheduler,
-            state,
-            staging,
-            num_shards=self.config.num_shards,
-            layout=self.config.shard_layout,
-            extras=extras,
-            data=data,
-            rng=rng,
-        )
-        # Digests come from the writer (taken while the bytes passed), never from a re-read.
-        parts = [{"file": f["name"], "bytes": f["bytes"], "sha256": f["sha256"]} for f in result.files]
-        meta = result.meta
-        parts.append({"file": meta["name"], "bytes": meta["bytes"], "sha256": meta["sha256"]})
-        parts.append({"file": INDEX_NAME, "bytes": result.index.size, "sha256": result.index.sha256})
-        for part in parts:
-            self._emit("part_written", step=step, **part)
-        return parts
-
-    def _manifest(self, state: TrainState, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        manifest = {
-            "schema": MANIFEST_SCHEMA,
-            "save_id": uuid.uuid4().hex,
-            "step": state.step,
-            "payload_schema": CURRENT_SCHEMA,
-            "layout": self.config.layout,
-            "parts": parts,
-            "covers": list(BUCKETS),
-            "state": {"step": state.step, "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch},
-            "env": current_env(),
-            "data": dict(self.config.data or {}),
-            "metadata": dict(self.config.metadata),
-            "created_at": time.time(),
-        }
-        if self.config.num_shards is not None:
-            manifest["num_shards"] = self.config.num_shards
-        return manifest
-
-    def _verify_staged(self, staging: Path, parts: list[dict[str, Any]]) -> None:
-        problems = [verify_part(staging / p["file"], size=p["bytes"], sha256=p["sha256"]) for p in parts]
-        found = [p for p in problems if p]
-        if found:
-            raise CorruptCheckpointError(
-                f"save of {staging.name} re-read differently from what was written: {'; '.join(found)}. "
-                "Nothing was published; check the disk and the code that writes the parts."
-            )
-        # The manifest itself is parsed back too: a save whose commit record cannot be read is no save.
-        read_manifest(staging)
 
     # ------------------------------------------------------------------ retention and cleanup
 
@@ -520,50 +363,34 @@ class CheckpointManager:
         if not steps:
             log.info("%s: no saves; starting fresh", self.run_dir)
             return None
-        for step in reversed(steps):
-            target = self.step_dir(step)
-            try:
-                manifest, state = load_save(
-                    target,
-                    step,
-                    model,
-                    optimizer,
-                    scheduler,
-                    map_location=map_location,
-                    check_contract=self._check_contract,
-                )
-            except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
-                status = "incomplete" if isinstance(exc, IncompleteCheckpointError) else "corrupt"
-                skipped.append({"step": step, "status": status, "reason": str(exc)})
-                self._verified.discard(step)
-                log.warning("restore: skipping %s (%s): %s", target.name, status, exc)
-                continue
-            self._verified.add(step)
-            self._cadence.mark_saved(step)
-            self.last_restore.update(
-                step=step,
-                save_id=manifest.get("save_id"),
-                path=str(target),
-                layout=manifest["layout"],
-                manifest=manifest,
-                seconds=time.perf_counter() - started,
-                contract=self._contract[0].to_dict() if self._contract else None,
-                contract_warnings=self._contract[1] if self._contract else [],
-            )
-            if skipped:
-                log.warning("restored step %d after skipping %d newer save(s)", step, len(skipped))
-            else:
-                log.info("restored step %d from %s", step, target.name)
-            return state
-        lines = "\n".join(f"  step {s['step']}: {s['status']}: {s['reason']}" for s in skipped)
-        raise CheckpointError(
-            f"{self.run_dir}: {len(skipped)} save(s) found but none is usable:\n{lines}\n"
-            "Nothing was restored. Copy the folder for inspection; "
-            "'python -m ckpt_lesson scan DIR' shows the same list."
+        found = load_newest_good(
+            self.run_dir,
+            steps,
+            model,
+            optimizer,
+            scheduler,
+            map_location=map_location,
+            check_contract=self._check_contract,
+            skipped=skipped,
         )
+        self._verified.difference_update(s["step"] for s in skipped)
+        step, target, manifest, state = found
+        self._verified.add(step)
+        self._cadence.mark_saved(step)
+        self.last_restore.update(
+            step=step,
+            save_id=manifest.get("save_id"),
+            path=str(target),
+            layout=manifest["layout"],
+            manifest=manifest,
+            seconds=time.perf_counter() - started,
+            contract=self._contract[0].to_dict() if self._contract else None,
+            contract_warnings=self._contract[1] if self._contract else [],
+        )
+        return state
 
     def _check_contract(self, target: Path, manifest: dict[str, Any]) -> None:
-        """Refuse a save this run must not resume (see :func:`~ckpt_lesson.runs.restore.check_resume_contract`)."""
+        """Refuse a save this run must not resume (see ``restore.check_resume_contract``)."""
         self._contract = check_resume_contract(
             target, manifest, expect=self.expect, env_policy=self.env_policy, emit=self._emit
         )

@@ -32,13 +32,10 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Generic, TypeVar
 
-from torch import nn
-
-from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.errors import CheckpointError
 
 __all__ = [

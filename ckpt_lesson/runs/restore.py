@@ -25,14 +25,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ckpt_lesson.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StateMismatchError,
+)
 from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, apply_payload, read_checkpoint
-from ckpt_lesson.runs.contract import ResumeReport, check_contract, resume_report
-from ckpt_lesson.errors import CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
-from ckpt_lesson.runs.scan import read_manifest, verify_part
 from ckpt_lesson.files.schema import current_env
 from ckpt_lesson.files.sharded import INDEX_NAME, load_sharded_checkpoint
+from ckpt_lesson.runs.contract import ResumeReport, check_contract, resume_report
+from ckpt_lesson.runs.scan import read_manifest, step_dir_name, verify_part
 
-__all__ = ["check_resume_contract", "index_parts", "load_save", "verify_other_parts"]
+__all__ = ["check_resume_contract", "index_parts", "load_newest_good", "load_save", "verify_other_parts"]
 
 # The manager's messages, under the manager's logger name (see ckpt_lesson.runs.commit for why).
 log = logging.getLogger("ckpt_lesson.runs.manager")
@@ -186,3 +191,55 @@ def index_parts(target: Path) -> list[dict[str, Any]]:
         return [*index["shards"], index["meta"]]
     except (OSError, ValueError, KeyError, TypeError):
         return []
+
+
+def load_newest_good(
+    run_dir: Path,
+    steps: list[int],
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    *,
+    map_location: Any,
+    check_contract: Callable[[Path, dict[str, Any]], None],
+    skipped: list[dict[str, Any]],
+) -> tuple[int, Path, dict[str, Any], TrainState]:
+    """Try the saves newest first; load the first that verifies, skipping (and logging) damage.
+
+    Args:
+        run_dir: The run directory; ``steps`` are its published steps, ascending.
+        model, optimizer, scheduler, map_location, check_contract: As for :func:`load_save`.
+        skipped: A list this function appends ``{"step", "status", "reason"}`` to,
+            one per damaged or incomplete save passed over (the caller keeps it
+            for its report even when this raises).
+
+    Returns:
+        ``(step, folder, manifest, state)`` of the save that was loaded.
+
+    Raises:
+        CheckpointError: No save is usable (the message lists each one's
+            reason), or an error that is not damage (an older save would not fix it).
+    """
+    for step in reversed(steps):
+        target = run_dir / step_dir_name(step)
+        try:
+            manifest, state = load_save(
+                target, step, model, optimizer, scheduler,
+                map_location=map_location, check_contract=check_contract,
+            )  # fmt: skip
+        except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
+            status = "incomplete" if isinstance(exc, IncompleteCheckpointError) else "corrupt"
+            skipped.append({"step": step, "status": status, "reason": str(exc)})
+            log.warning("restore: skipping %s (%s): %s", target.name, status, exc)
+            continue
+        if skipped:
+            log.warning("restored step %d after skipping %d newer save(s)", step, len(skipped))
+        else:
+            log.info("restored step %d from %s", step, target.name)
+        return step, target, manifest, state
+    lines = "\n".join(f"  step {s['step']}: {s['status']}: {s['reason']}" for s in skipped)
+    raise CheckpointError(
+        f"{run_dir}: {len(skipped)} save(s) found but none is usable:\n{lines}\n"
+        "Nothing was restored. Copy the folder for inspection; "
+        "'python -m ckpt_lesson scan DIR' shows the same list."
+    )

@@ -22,12 +22,11 @@ exits 0 when every save is ok, 1 when something is corrupt or incomplete, and
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import string
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +47,7 @@ __all__ = [
     "STAGING_PREFIX",
     "ScanResult",
     "inspect_save",
+    "published_steps",
     "read_manifest",
     "scan_checkpoints",
     "step_dir_name",
@@ -66,6 +66,16 @@ _HEX = set(string.hexdigits.lower())
 def step_dir_name(step: int) -> str:
     """``step-00000240``: zero-padded so that text order equals numeric order."""
     return f"step-{step:08d}"
+
+
+def published_steps(run_dir: Path) -> list[int]:
+    """Steps of the ``step-XXXXXXXX`` folders in ``run_dir`` (no links), ascending. Nothing is read."""
+    steps = []
+    for entry in run_dir.iterdir():
+        step = step_of(entry.name)
+        if step is not None and entry.is_dir() and not entry.is_symlink():
+            steps.append(step)
+    return sorted(steps)
 
 
 def step_of(name: str) -> int | None:

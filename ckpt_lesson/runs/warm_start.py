@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
+from ckpt_lesson.errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
 from ckpt_lesson.files.atomic import atomic_write_json
 from ckpt_lesson.files.checkpoint import check_model_state, load_verified_file
 from ckpt_lesson.runs.contract import model_fingerprint
-from ckpt_lesson.errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
 from ckpt_lesson.runs.scan import MANIFEST_NAME, read_manifest
 
 __all__ = ["WARM_START_NAME", "WarmStartRecord", "read_warm_start", "warm_start_from"]

@@ -1,0 +1,91 @@
+"""The settings of a :class:`~ckpt_lesson.runs.manager.CheckpointManager`, validated once.
+
+A frozen, keyword-only dataclass checked in ``__post_init__``: a bad setting
+fails when the manager is built, not halfway through the first save hours
+into a run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.runs.cadence import validate_cadence
+from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
+
+__all__ = ["EventHook", "ManagerConfig"]
+
+#: ``on_event(name, info)``: called at each stage of a save, in this order:
+#: ``save_begin``, ``part_begin``, ``part_written`` (info has ``file``),
+#: ``parts_complete``, ``manifest_written``, ``verified``, ``published``,
+#: ``retention_delete`` (before each delete; info has ``step``), ``save_end``;
+#: and ``quarantined`` when publishing moved a damaged folder aside. For the
+#: sharded layout the writer makes every file in one call, so there is one
+#: ``part_begin`` (``file="*"``) and then one ``part_written`` per file.
+EventHook = Callable[[str, dict[str, Any]], None]
+
+
+def _plain_dict(value: Any, name: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise CheckpointError(f"{name} must be a dict or None, got {type(value).__name__}.")
+    out = dict(value)
+    try:  # fail now, in the constructor, not halfway through the first save
+        json.dumps(out, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"{name} must hold only JSON values (str, int, float, bool, list, dict): {exc}"
+        ) from exc
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManagerConfig:
+    """Validated, immutable settings of a :class:`CheckpointManager`.
+
+    Raises:
+        CheckpointError: ``keep_last < 1``; ``every_steps < 1``; ``every_seconds <= 0``;
+            neither cadence set; ``num_shards < 1``; ``data``/``metadata`` not JSON dicts.
+
+    Example:
+        >>> ManagerConfig(keep_last=2, every_steps=10).num_shards is None
+        True
+    """
+
+    keep_last: int = 3
+    every_steps: int | None = None
+    every_seconds: float | None = None
+    num_shards: int | None = None
+    shard_layout: str = "round_robin"
+    verify_on_save: bool = True
+    data: dict[str, Any] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    retention: RetentionPolicy | None = None
+
+    def __post_init__(self) -> None:
+        keep = self.keep_last
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise CheckpointError(
+                f"keep_last must be an int >= 1 (keep at least one good save), got {keep!r}"
+            )
+        validate_cadence(self.every_steps, self.every_seconds)
+        shards = self.num_shards
+        if shards is not None and (isinstance(shards, bool) or not isinstance(shards, int) or shards < 1):
+            raise CheckpointError(f"num_shards must be None (one file) or an int >= 1, got {shards!r}.")
+        if self.retention is not None and not callable(getattr(self.retention, "to_delete", None)):
+            raise CheckpointError("retention needs a to_delete(steps, verified) method, e.g. KeepLastK(3).")
+        # Copies, so that a caller mutating its dict later cannot change what gets recorded.
+        object.__setattr__(self, "data", None if self.data is None else _plain_dict(self.data, "data"))
+        object.__setattr__(self, "metadata", _plain_dict(self.metadata, "metadata"))
+
+    @property
+    def layout(self) -> str:
+        return "single" if self.num_shards is None else "sharded"
+
+    @property
+    def policy(self) -> RetentionPolicy:
+        return self.retention if self.retention is not None else KeepLastK(self.keep_last)

@@ -1,0 +1,124 @@
+"""The middle of a managed save: write the parts, describe them, check them.
+
+:meth:`CheckpointManager.save <ckpt_lesson.runs.manager.CheckpointManager.save>`
+reads as the protocol (stage, write parts, manifest, verify, publish, retain);
+the three steps that touch the payload live here as small functions:
+
+* :func:`write_parts` writes the checkpoint file (or the shards, ``meta.pt`` and
+  ``index.json``) into the staging folder and returns each part's size and
+  digest, taken *while* the bytes were written, never from a re-read;
+* :func:`build_manifest` turns those parts into the commit record;
+* :func:`verify_staged` optionally re-reads every part before publishing.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
+from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, save_checkpoint
+from ckpt_lesson.files.schema import CURRENT_SCHEMA, MANIFEST_SCHEMA, current_env
+from ckpt_lesson.files.sharded import INDEX_NAME, save_sharded_checkpoint
+from ckpt_lesson.runs.manager_config import ManagerConfig
+from ckpt_lesson.runs.scan import inspect_save, read_manifest, verify_part
+
+__all__ = ["build_manifest", "refuse_if_already_saved", "verify_staged", "write_parts"]
+
+#: ``emit(name, **info)``: the manager's event hook, bound to its ``on_event``.
+Emit = Callable[..., None]
+
+
+def refuse_if_already_saved(target: Path, step: int) -> None:
+    """Raise if ``target`` (the published folder of ``step``) already holds a save that verifies."""
+    if target.exists() and inspect_save(target)[0].ok:
+        raise CheckpointError(
+            f"step {step} is already saved in {target} and verifies; a save is never overwritten. "
+            "Save a later step, or delete that folder by hand if you really mean to replace it."
+        )
+
+
+def write_parts(
+    staging: Path,
+    config: ManagerConfig,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    state: TrainState,
+    *,
+    extras: Any,
+    rng: dict[str, Any] | None,
+    emit: Emit,
+) -> list[dict[str, Any]]:
+    """Write one save's files into ``staging``; returns ``[{"file", "bytes", "sha256"}, ...]``."""
+    step, data = state.step, config.data
+    if config.num_shards is None:
+        emit("part_begin", step=step, file="checkpoint.pt")
+        digest = save_checkpoint(
+            model, optimizer, scheduler, state, staging / "checkpoint.pt", extras=extras, data=data, rng=rng
+        )
+        part = {"file": "checkpoint.pt", "bytes": digest.size, "sha256": digest.sha256}
+        emit("part_written", step=step, **part)
+        return [part]
+    emit("part_begin", step=step, file="*")
+    result = save_sharded_checkpoint(
+        model,
+        optimizer,
+        scheduler,
+        state,
+        staging,
+        num_shards=config.num_shards,
+        layout=config.shard_layout,
+        extras=extras,
+        data=data,
+        rng=rng,
+    )
+    parts = [{"file": f["name"], "bytes": f["bytes"], "sha256": f["sha256"]} for f in result.files]
+    meta = result.meta
+    parts.append({"file": meta["name"], "bytes": meta["bytes"], "sha256": meta["sha256"]})
+    parts.append({"file": INDEX_NAME, "bytes": result.index.size, "sha256": result.index.sha256})
+    for part in parts:
+        emit("part_written", step=step, **part)
+    return parts
+
+
+def build_manifest(config: ManagerConfig, state: TrainState, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The commit record of one save: its parts, what it covers, and what a resume must match."""
+    manifest = {
+        "schema": MANIFEST_SCHEMA,
+        "save_id": uuid.uuid4().hex,
+        "step": state.step,
+        "payload_schema": CURRENT_SCHEMA,
+        "layout": config.layout,
+        "parts": parts,
+        "covers": list(BUCKETS),
+        "state": {"step": state.step, "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch},
+        "env": current_env(),
+        "data": dict(config.data or {}),
+        "metadata": dict(config.metadata),
+        "created_at": time.time(),
+    }
+    if config.num_shards is not None:
+        manifest["num_shards"] = config.num_shards
+    return manifest
+
+
+def verify_staged(staging: Path, parts: list[dict[str, Any]]) -> None:
+    """Re-read every part and the manifest before publishing.
+
+    Raises:
+        CorruptCheckpointError: A part's bytes differ from what was written,
+            or the manifest does not parse back (nothing is published then).
+    """
+    problems = [verify_part(staging / p["file"], size=p["bytes"], sha256=p["sha256"]) for p in parts]
+    found = [p for p in problems if p]
+    if found:
+        raise CorruptCheckpointError(
+            f"save of {staging.name} re-read differently from what was written: {'; '.join(found)}. "
+            "Nothing was published; check the disk and the code that writes the parts."
+        )
+    # The manifest itself is parsed back too: a save whose commit record cannot be read is no save.
+    read_manifest(staging)
