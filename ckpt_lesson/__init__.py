@@ -12,6 +12,7 @@ check_torch_version()
 
 from .cli.chaos import CampaignResult, run_campaign  # noqa: E402
 from .cli.faults import KillPlan  # noqa: E402
+from .cli.lesson_demo import main, parse_args  # noqa: E402
 from .course.accumulating import MicroStepRecord, train_accumulating  # noqa: E402
 from .course.demo import run_full_demo, run_negative_control, run_resume_demo  # noqa: E402
 from .course.demo_artifacts import write_demo_artifacts  # noqa: E402
@@ -22,6 +23,7 @@ from .course.exercises import (  # noqa: E402
     check_migration,
     check_verify_part,
 )
+from .course.lesson_loop import step_one, synthetic_loader, train_until  # noqa: E402
 from .course.managed import run_managed_training  # noqa: E402
 from .course.preemptible import train_until_preempted  # noqa: E402
 from .course.skill import render_skill_markdown, write_skill_markdown  # noqa: E402
@@ -49,11 +51,18 @@ from .files.checkpoint import (  # noqa: E402
     read_checkpoint,
     save_checkpoint,
 )
-from .files.integrity import FileDigest, file_digest  # noqa: E402
+from .files.integrity import FileDigest, file_digest, file_sha256  # noqa: E402
 from .files.migrate import MigrationResult, migrate_file, write_legacy_v1_checkpoint  # noqa: E402
-from .files.rng import capture_rng_state, restore_rng_state  # noqa: E402
-from .files.schema import CURRENT_SCHEMA, SCHEMA_V1, SCHEMA_V2, migrate_v1_to_v2  # noqa: E402
+from .files.rng import capture_rng_state, restore_rng_state, tuple_from_nested  # noqa: E402
+from .files.schema import (  # noqa: E402
+    CHECKPOINT_SCHEMA,
+    CURRENT_SCHEMA,
+    SCHEMA_V1,
+    SCHEMA_V2,
+    migrate_v1_to_v2,
+)
 from .files.sharded import (  # noqa: E402
+    SHARD_SCHEMA,
     ShardedSaveResult,
     load_sharded_checkpoint,
     plan_shards,
@@ -96,6 +105,7 @@ __all__ = [
     "AccumulationState",
     "AsyncCheckpointer",
     "BUCKETS",
+    "CHECKPOINT_SCHEMA",
     "CURRENT_SCHEMA",
     "CampaignResult",
     "CheckpointError",
@@ -117,6 +127,7 @@ __all__ = [
     "ResumeReport",
     "SCHEMA_V1",
     "SCHEMA_V2",
+    "SHARD_SCHEMA",
     "SaveCadence",
     "ScanResult",
     "SchemaError",
@@ -146,16 +157,19 @@ __all__ = [
     "daly_interval",
     "expected_wall_time",
     "file_digest",
+    "file_sha256",
     "fsync_dir",
     "keep_last_k",
     "load_accumulating",
     "load_checkpoint",
     "load_sharded_checkpoint",
+    "main",
     "make_model",
     "make_optimizer_and_scheduler",
     "migrate_file",
     "migrate_v1_to_v2",
     "model_fingerprint",
+    "parse_args",
     "plan_shards",
     "read_checkpoint",
     "read_manifest",
@@ -176,10 +190,14 @@ __all__ = [
     "seed_everything",
     "shard_keys_by_prefix",
     "should_save",
+    "step_one",
     "summarize_recoveries",
+    "synthetic_loader",
     "train",
     "train_accumulating",
+    "train_until",
     "train_until_preempted",
+    "tuple_from_nested",
     "verify_part",
     "verify_sharded_checkpoint",
     "warm_start_from",

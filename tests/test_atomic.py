@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files import atomic
 from ckpt_lesson.files.atomic import (
     atomic_save,
     atomic_write_bytes,
@@ -272,11 +273,25 @@ def test_fsync_hits_the_file_then_replace_then_the_directory(tmp_path, monkeypat
     assert sizes_at_fsync == [path.stat().st_size]
 
 
-def test_a_missing_directory_is_a_checkpoint_error_and_writes_nothing(tmp_path):
-    with pytest.raises(CheckpointError, match="does not exist") as info:
-        atomic_save({"w": torch.ones(2)}, tmp_path / "nope" / "ckpt.pt")
-    assert "ckpt.pt" in str(info.value)
-    assert list(tmp_path.iterdir()) == []
+def test_missing_parent_directories_are_created_and_each_new_one_is_fsynced_in_its_parent(
+    tmp_path, monkeypatch
+):
+    synced = []
+    real_fsync_dir = atomic.fsync_dir
+    monkeypatch.setattr(atomic, "fsync_dir", lambda d: (synced.append(Path(d)), real_fsync_dir(d)))
+    target = tmp_path / "a" / "b" / "ckpt.pt"
+    atomic_save({"w": torch.ones(2)}, target)
+    assert torch.equal(torch.load(target, weights_only=True)["w"], torch.ones(2))
+    # the new folders' parents first (outermost first), then the target's folder for the rename
+    assert synced == [tmp_path, tmp_path / "a", tmp_path / "a" / "b"]
+
+
+def test_a_path_below_a_regular_file_is_a_one_line_checkpoint_error_and_writes_nothing(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(CheckpointError, match="notes.txt exists and is not a directory") as info:
+        atomic_write_json({"a": 1}, tmp_path / "notes.txt" / "sub" / "index.json")
+    assert "\n" not in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
 def test_a_directory_as_target_is_refused_before_writing(tmp_path):

@@ -26,6 +26,7 @@ from ckpt_lesson.course.demo_artifacts import DEMO_SCHEMA, write_demo_artifacts
 from ckpt_lesson.course.skill import render_skill_markdown, write_skill_markdown
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files import atomic, checkpoint, integrity, rng, schema
+from ckpt_lesson.files import sharded as sharded_mod
 
 STEPS, KILL_AT, SEED = 20, 7, 5
 ARTIFACTS = ("resume-demo.json", "loss-curves.png", "skill-checkpoint-save-resume.md")
@@ -72,8 +73,9 @@ def sharded(cli_run: dict) -> dict:
 
 def test_single_file_resume_in_a_fresh_process_matches_the_baseline_exactly(single: dict) -> None:
     assert single["max_loss_diff_after_resume"] == 0.0
-    assert single["resumed_losses"] == single["full_losses"][KILL_AT:]
-    assert len(single["resumed_losses"]) == STEPS - KILL_AT
+    # the lesson's shape: the checkpoint's history plus the resumed steps, the whole run long
+    assert single["resumed_losses"] == single["full_losses"]
+    assert len(single["resumed_losses"]) == STEPS
 
 
 def test_single_file_resume_trains_on_the_same_sample_ids_as_the_baseline(single: dict) -> None:
@@ -96,7 +98,8 @@ def test_the_checkpoint_holds_the_losses_the_killed_child_recorded(single: dict)
 
 def test_demo_leaves_no_signal_files_behind(single: dict) -> None:
     ckpt_dir = Path(single["checkpoint"]).parent
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["resume-demo-sharded-3", "resume-demo.pt"]
+    names = sorted(p.name for p in ckpt_dir.iterdir())
+    assert names == ["ckpt.pt", "index.json", "meta.pt", *(f"model.shard-00{i}.pt" for i in range(3))]
 
 
 # --- the sharded variant and the CLI (one real run) ---------------------------
@@ -110,7 +113,7 @@ def test_cli_demo_returns_zero_and_writes_the_three_artifacts(cli_run: dict) -> 
 def test_sharded_resume_in_a_fresh_process_matches_the_baseline_exactly(sharded: dict) -> None:
     assert sharded["sharded"] is True and sharded["num_shards"] == 3
     assert sharded["max_loss_diff_after_resume"] == 0.0
-    assert sharded["resumed_losses"] == sharded["full_losses"][KILL_AT:]
+    assert sharded["resumed_losses"] == sharded["full_losses"]
     assert sharded["resumed_sample_ids"] == sharded["baseline_sample_ids"]
     assert sharded["sample_ids_match"] is True
     assert sharded["interrupted_returncode"] == -signal.SIGKILL
@@ -118,20 +121,15 @@ def test_sharded_resume_in_a_fresh_process_matches_the_baseline_exactly(sharded:
 
 def test_the_json_records_the_sharded_resume_as_it_happened(cli_run: dict, sharded: dict) -> None:
     recorded = cli_run["doc"]["variants"]["sharded"]
-    assert recorded["resumed_losses"] == sharded["resumed_losses"]
+    assert recorded["resumed_losses"] == sharded["resumed_losses"][KILL_AT:]  # the JSON keeps the tail
     assert recorded["max_loss_diff_after_resume"] == 0.0 and recorded["killed_by_sigkill"] is True
 
 
-def test_sharded_demo_checkpoint_is_a_real_sharded_directory(sharded: dict) -> None:
+def test_sharded_demo_checkpoint_is_a_real_sharded_directory(sharded: dict, cli_run: dict) -> None:
     shard_dir = Path(sharded["checkpoint"])
-    names = sorted(p.name for p in shard_dir.iterdir())
-    assert names == [
-        "index.json",
-        "meta.pt",
-        "model.shard-000.pt",
-        "model.shard-001.pt",
-        "model.shard-002.pt",
-    ]
+    assert shard_dir == cli_run["ckpt_dir"]  # straight into ckpt_dir, as in the lesson
+    index = sharded_mod.read_shard_index(shard_dir)
+    assert [e["file"] for e in index["shards"]] == [f"model.shard-00{i}.pt" for i in range(3)]
 
 
 def test_demo_json_has_its_schema_config_and_every_variant(cli_run: dict) -> None:
@@ -260,6 +258,13 @@ def test_run_resume_demo_refuses_an_interrupt_outside_the_run(tmp_path, total: i
 def test_run_resume_demo_refuses_zero_shards(tmp_path) -> None:
     with pytest.raises(CheckpointError, match="num_shards"):
         run_resume_demo(total_steps=10, interrupt_at=3, ckpt_dir=tmp_path, sharded=True, num_shards=0)
+
+
+@pytest.mark.parametrize("size", ["in_dim", "hidden", "out_dim", "batch_size", "batches_per_epoch"])
+def test_run_resume_demo_refuses_a_size_below_one_before_starting_anything(tmp_path, size: str) -> None:
+    with pytest.raises(CheckpointError, match=size):
+        run_resume_demo(total_steps=10, interrupt_at=3, ckpt_dir=tmp_path, **{size: 0})
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_run_resume_demo_refuses_a_file_as_its_checkpoint_directory(tmp_path) -> None:

@@ -449,10 +449,10 @@ def test_a_refusal_still_raises_under_python_dash_o(ckpt: Path) -> None:
 # --- planning (pure) ------------------------------------------------------------------------
 
 
-def test_shard_keys_by_prefix_sends_key_i_to_shard_i_mod_n() -> None:
-    sd = {f"k{i}": torch.zeros(1) for i in range(7)}
-    assert shard_keys_by_prefix(sd, 3) == [["k0", "k3", "k6"], ["k1", "k4"], ["k2", "k5"]]
-    assert shard_keys_by_prefix(sd, 3) == plan_shards(sd, 3, "round_robin")
+def test_shard_keys_by_prefix_sends_sorted_key_j_to_shard_j_mod_n_as_a_dict() -> None:
+    sd = {f"k{i}": torch.zeros(1) for i in (6, 2, 5, 0, 3, 1, 4)}  # registration order is not sorted
+    assert shard_keys_by_prefix(sd, 3) == {0: ["k0", "k3", "k6"], 1: ["k1", "k4"], 2: ["k2", "k5"]}
+    assert shard_keys_by_prefix(sd, 9)[8] == []  # every shard index is present, even an empty one
 
 
 def test_param_group_gives_weights_the_first_half_of_the_shards_and_balances_them_by_size() -> None:

@@ -18,6 +18,10 @@ from ckpt_lesson.errors import CheckpointError
 COMMANDS: dict[str, tuple[str, str]] = {
     "chaos": ("ckpt_lesson.cli.chaos", "SIGKILL training at chosen points; check every restore"),
     "demo": ("ckpt_lesson.cli.demo", "kill a training run, resume it in a fresh process, compare losses"),
+    "lesson-demo": (
+        "ckpt_lesson.cli.lesson_demo",
+        "the lesson's code/main.py: its flags, its printout, its resume-demo.json summary",
+    ),
     "migrate": (
         "ckpt_lesson.cli.migrate",
         "rewrite an old checkpoint in the current schema, adding its footer",

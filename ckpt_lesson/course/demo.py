@@ -34,11 +34,18 @@ from typing import Any
 import torch
 
 from ckpt_lesson.course.demo_artifacts import write_demo_artifacts
-from ckpt_lesson.course.demo_worker import build_run, kill_after_save, release_resumer, spawn_child
+from ckpt_lesson.course.demo_worker import (
+    COURSE_SIZES,
+    build_run,
+    kill_after_save,
+    release_resumer,
+    spawn_child,
+)
 from ckpt_lesson.course.training import train
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.checkpoint import TrainState, read_checkpoint
 from ckpt_lesson.files.rng import capture_rng_state, restore_rng_state
+from ckpt_lesson.files.shard_index import INDEX_NAME, META_NAME
 
 __all__ = [
     "CONTROL_KINDS",
@@ -55,6 +62,8 @@ CONTROL_KINDS = ("no_rng", "fresh_optimizer")
 #: The CLI fails above this. On CPU the real difference is exactly 0.0; the
 #: tolerance only exists so a GPU run with non-deterministic kernels can pass.
 RESUME_TOLERANCE = 1e-4
+#: The single-file variant's checkpoint inside ``ckpt_dir`` (the lesson's name).
+SINGLE_FILE_NAME = "ckpt.pt"
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "outputs"
 
 
@@ -88,42 +97,85 @@ def _validate(total_steps: int, interrupt_at: int, num_shards: int) -> None:
         raise CheckpointError(f"num_shards={num_shards} must be >= 1; pass --num-shards 1 or more.")
 
 
-def _baseline(total_steps: int, seed: int) -> tuple[list[float], list[list[int]]]:
+def _validate_sizes(sizes: dict[str, int]) -> None:
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"{name} must be an int >= 1, got {value!r}.")
+
+
+def _baseline(total_steps: int, seed: int, sizes: dict[str, int]) -> tuple[list[float], list[list[int]]]:
     with _caller_rng_preserved():
-        data, model, optimizer, scheduler = build_run(seed, total_steps)
-        records = train(model, optimizer, scheduler, TrainState(), data, until_step=total_steps, seed=seed)
+        data, model, optimizer, scheduler = build_run(seed, total_steps, sizes)
+        state, bs = TrainState(), sizes["batch_size"]
+        records = train(
+            model, optimizer, scheduler, state, data, until_step=total_steps, seed=seed, batch_size=bs
+        )
     return [r.loss for r in records], [list(r.sample_ids) for r in records]
+
+
+def _clear_previous_save(ckpt_dir: Path, sharded: bool) -> Path:
+    # Like the lesson, the demo reuses fixed names in ckpt_dir, so a second run
+    # replaces the first one's checkpoint. Only the demo's own names are
+    # touched; index.json goes first because its presence is the commit: a
+    # crash halfway through this cleanup leaves an unfinished save, never a
+    # finished-looking one with missing parts.
+    if not sharded:
+        (ckpt_dir / SINGLE_FILE_NAME).unlink(missing_ok=True)
+        return ckpt_dir / SINGLE_FILE_NAME
+    (ckpt_dir / INDEX_NAME).unlink(missing_ok=True)
+    (ckpt_dir / META_NAME).unlink(missing_ok=True)
+    for shard in sorted(ckpt_dir.glob("model.shard-*.pt")):
+        shard.unlink()
+    return ckpt_dir
 
 
 def run_resume_demo(
     *,
     total_steps: int = 30,
     interrupt_at: int = 12,
+    in_dim: int = 16,
+    hidden: int = 24,
+    out_dim: int = 4,
+    batch_size: int = 4,
+    batches_per_epoch: int = 5,
+    seed: int = 11,
     ckpt_dir: str | os.PathLike[str],
     sharded: bool = False,
     num_shards: int = 3,
-    seed: int = 11,
 ) -> dict[str, Any]:
     """Baseline, SIGKILLed child, fresh resumed child; compare losses and batches.
+
+    The lesson's signature, defaults and file layout; the experiment is
+    stricter than the lesson's in-process one (a real kill, a fresh process).
 
     Args:
         total_steps: Length of the whole run.
         interrupt_at: The checkpoint's step; the child is killed after saving it.
-        ckpt_dir: Where the checkpoint goes (created if missing).
+        in_dim, hidden, out_dim: Sizes of :func:`make_model` (the lesson's defaults).
+        batch_size, batches_per_epoch: The data: ``batch_size * batches_per_epoch``
+            samples, reshuffled every epoch. ``run_full_demo`` (the CLI, notebook 05)
+            passes the course's sizes instead (``COURSE_SIZES``).
+        seed: Seeds the generators, the data and the batch order.
+        ckpt_dir: Where the checkpoint goes (created if missing). Single file:
+            ``ckpt_dir/ckpt.pt``; sharded: ``index.json``, ``meta.pt`` and
+            ``model.shard-NNN.pt`` straight into ``ckpt_dir``. A previous run's
+            checkpoint of the same kind there is replaced, as in the lesson.
         sharded: Save with ``save_sharded_checkpoint`` instead of one file.
         num_shards: Shard count for the sharded variant.
-        seed: Seeds the generators, the data and the batch order.
 
     Returns:
-        A dict with ``max_loss_diff_after_resume`` (0.0 on CPU), ``full_losses``
-        (the baseline), ``resumed_losses`` (steps after the checkpoint, from the
-        fresh process), ``losses_before_interrupt`` (as the checkpoint recorded
-        them), ``sample_ids_match`` plus both id lists, ``killed_by_sigkill``,
-        ``interrupted_returncode``, ``checkpoint`` and the config.
+        The lesson's keys: ``interrupt_at``, ``total_steps``, ``sharded``,
+        ``max_loss_diff_after_resume`` (0.0 on CPU), ``full_losses`` (the
+        baseline, ``total_steps`` long) and ``resumed_losses`` (the
+        checkpoint's loss history plus the fresh process's steps, also
+        ``total_steps`` long). Ours besides: ``losses_before_interrupt``,
+        ``max_loss_diff_before_interrupt``, ``sample_ids_match`` plus both id
+        lists (steps after the checkpoint), ``killed_by_sigkill``,
+        ``interrupted_returncode``, ``checkpoint``, ``seed``, ``num_shards``.
 
     Raises:
-        CheckpointError: Bad arguments, or a child failed (the message carries
-            the end of its stderr).
+        CheckpointError: Bad arguments (including ``interrupt_at`` not strictly
+            inside the run), or a child failed (the message carries the end of its stderr).
 
     Example:
         >>> r = run_resume_demo(total_steps=20, interrupt_at=7, ckpt_dir="ckpt")  # doctest: +SKIP
@@ -131,15 +183,31 @@ def run_resume_demo(
         (0.0, True)
     """
     _validate(total_steps, interrupt_at, num_shards)
+    sizes = {
+        "in_dim": in_dim,
+        "hidden": hidden,
+        "out_dim": out_dim,
+        "batch_size": batch_size,
+        "batches_per_epoch": batches_per_epoch,
+    }
+    _validate_sizes(sizes)
     ckpt_dir = Path(ckpt_dir)
     if ckpt_dir.exists() and not ckpt_dir.is_dir():
         raise CheckpointError(f"{ckpt_dir}: is a file, not a directory; pass a directory as ckpt_dir.")
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    target = ckpt_dir / (f"resume-demo-sharded-{num_shards}" if sharded else "resume-demo.pt")
-    ready, out = ckpt_dir / f".{target.name}.ready.json", ckpt_dir / f".{target.name}.resumed.json"
-    for stale in (target, ready, out):
-        _remove_stale(stale)
-    config = {"seed": seed, "total_steps": total_steps, "sharded": sharded, "ckpt": str(target)}
+    # Fixed hidden names for the children's signal files, removed when they are read.
+    tag = "sharded" if sharded else SINGLE_FILE_NAME
+    ready, out = ckpt_dir / f".{tag}.ready.json", ckpt_dir / f".{tag}.resumed.json"
+    for stale in (ready, out):
+        stale.unlink(missing_ok=True)
+    target = _clear_previous_save(ckpt_dir, sharded)
+    config = {
+        "seed": seed,
+        "total_steps": total_steps,
+        "sharded": sharded,
+        "ckpt": str(target),
+        "sizes": sizes,
+    }
     with tempfile.TemporaryFile() as err_killed, tempfile.TemporaryFile() as err_resumed:
         # Both children start now so their torch imports overlap. The resumer
         # is a separate, fresh process: it builds its objects, then blocks on
@@ -161,7 +229,7 @@ def run_resume_demo(
                 },
                 err_killed,
             )
-            full_losses, full_ids = _baseline(total_steps, seed)
+            full_losses, full_ids = _baseline(total_steps, seed, sizes)
             returncode = kill_after_save(killed, ready, err_killed, interrupt_at)
             resumed = release_resumer(resumer, out, err_resumed, target)
         finally:
@@ -184,7 +252,8 @@ def run_resume_demo(
         "killed_by_sigkill": returncode == -signal.SIGKILL,
         "full_losses": full_losses,
         "losses_before_interrupt": resumed["losses_before"],
-        "resumed_losses": resumed["losses"],
+        # As in the lesson: the history the checkpoint carried, then the resumed steps.
+        "resumed_losses": resumed["losses_before"] + resumed["losses"],
         "max_loss_diff_before_interrupt": _max_diff(resumed["losses_before"], full_losses[:interrupt_at]),
         "max_loss_diff_after_resume": _max_diff(resumed["losses"], full_losses[interrupt_at:]),
         "baseline_sample_ids": full_ids[interrupt_at:],
@@ -199,17 +268,6 @@ def _max_diff(a: list[float], b: list[float]) -> float:
             f"cannot compare {len(a)} losses with {len(b)}; the runs covered different steps."
         )
     return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
-
-
-def _remove_stale(path: Path) -> None:
-    # Only ever the demo's own fixed names: a leftover from an earlier run must
-    # not be mistaken for this run's save (or its signal files).
-    if path.is_dir():
-        for child in sorted(path.iterdir()):
-            child.unlink()
-        path.rmdir()
-    else:
-        path.unlink(missing_ok=True)
 
 
 def run_negative_control(
@@ -233,7 +291,7 @@ def run_negative_control(
         CheckpointError: Unknown ``kind``, or the checkpoint cannot be read.
 
     Example:
-        >>> bad = run_negative_control("no_rng", ckpt_path="ckpt/resume-demo.pt",
+        >>> bad = run_negative_control("no_rng", ckpt_path="ckpt/ckpt.pt",
         ...                            total_steps=30, seed=11)  # doctest: +SKIP
     """
     return [r.loss for r in _control_records(kind, ckpt_path=ckpt_path, total_steps=total_steps, seed=seed)]
@@ -286,6 +344,7 @@ def run_full_demo(
     """
     _validate(total_steps, interrupt_at, num_shards)
     kwargs = {"total_steps": total_steps, "interrupt_at": interrupt_at, "seed": seed, "ckpt_dir": ckpt_dir}
+    kwargs.update(COURSE_SIZES)  # the course's model and data (the controls build the same)
     runs = {
         "single_file": run_resume_demo(**kwargs),
         "sharded": run_resume_demo(**kwargs, sharded=True, num_shards=num_shards),
@@ -296,6 +355,8 @@ def run_full_demo(
         keep = ("resumed_losses", "max_loss_diff_after_resume", "max_loss_diff_before_interrupt")
         keep += ("sample_ids_match", "killed_by_sigkill", "interrupted_returncode", "num_shards")
         variants[name] = {"real_resume": True, **{k: r[k] for k in keep}}
+        # Store the steps after the checkpoint, as for the controls (and the committed outputs/).
+        variants[name]["resumed_losses"] = r["resumed_losses"][interrupt_at:]
     expected_ids = single["baseline_sample_ids"]
     for kind in CONTROL_KINDS:
         records = _control_records(kind, ckpt_path=single["checkpoint"], total_steps=total_steps, seed=seed)

@@ -35,18 +35,37 @@ from ckpt_lesson.files.atomic import atomic_write_json
 from ckpt_lesson.files.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from ckpt_lesson.files.sharded import load_sharded_checkpoint, save_sharded_checkpoint
 
-__all__ = ["CHILD_TIMEOUT_S", "build_run", "child_main", "kill_after_save", "release_resumer", "spawn_child"]
+__all__ = [
+    "CHILD_TIMEOUT_S",
+    "COURSE_SIZES",
+    "build_run",
+    "child_main",
+    "kill_after_save",
+    "release_resumer",
+    "spawn_child",
+]
 
 #: How long the parent waits for a child's save or a resumer's result.
 CHILD_TIMEOUT_S = 180.0
 _CHILD_CODE = "from ckpt_lesson.course.demo_worker import child_main; child_main()"
+#: The course's model and data sizes: what ``python -m ckpt_lesson demo``, notebook 05
+#: and the negative controls run (256 samples in 16 batches of 16).
+COURSE_SIZES = {"in_dim": 8, "hidden": 32, "out_dim": 1, "batch_size": 16, "batches_per_epoch": 16}
 
 
-def build_run(seed: int, total_steps: int) -> tuple[SyntheticRegression, Any, Any, Any]:
-    """The one construction used by the baseline, both children and the controls."""
+def build_run(
+    seed: int, total_steps: int, sizes: dict[str, int] | None = None
+) -> tuple[SyntheticRegression, Any, Any, Any]:
+    """The one construction used by the baseline, both children and the controls.
+
+    ``sizes`` has the keys of :data:`COURSE_SIZES` (the default); the dataset
+    holds exactly ``batch_size * batches_per_epoch`` samples.
+    """
+    z = COURSE_SIZES if sizes is None else sizes
     seed_everything(seed)
-    data = SyntheticRegression(seed=seed)
-    model = make_model()
+    n = z["batch_size"] * z["batches_per_epoch"]
+    data = SyntheticRegression(n=n, in_dim=z["in_dim"], seed=seed, out_dim=z["out_dim"])
+    model = make_model(z["in_dim"], z["hidden"], z["out_dim"])
     optimizer, scheduler = make_optimizer_and_scheduler(model, total_steps=total_steps)
     return data, model, optimizer, scheduler
 
@@ -115,10 +134,21 @@ def child_main() -> None:
     """Entry point of both children; the config arrives as JSON in ``sys.argv[1]``."""
     config = json.loads(sys.argv[1])
     seed, total_steps, ckpt = int(config["seed"]), int(config["total_steps"]), config["ckpt"]
-    data, model, optimizer, scheduler = build_run(seed, total_steps)
+    sizes = {k: int(v) for k, v in config.get("sizes", COURSE_SIZES).items()}
+    data, model, optimizer, scheduler = build_run(seed, total_steps, sizes)
+    bs = sizes["batch_size"]
     if config["role"] == "interrupted":
         state = TrainState()
-        train(model, optimizer, scheduler, state, data, until_step=int(config["interrupt_at"]), seed=seed)
+        train(
+            model,
+            optimizer,
+            scheduler,
+            state,
+            data,
+            until_step=int(config["interrupt_at"]),
+            seed=seed,
+            batch_size=bs,
+        )
         contract = {"fingerprint": data.fingerprint(), "order_seed": seed}
         if config["sharded"]:
             save_sharded_checkpoint(
@@ -130,7 +160,7 @@ def child_main() -> None:
         # Carry on as a real job would, then idle until the parent's SIGKILL.
         # Should the parent itself die first, we are re-parented: leave then,
         # rather than idle forever as an orphan.
-        train(model, optimizer, scheduler, state, data, until_step=total_steps, seed=seed)
+        train(model, optimizer, scheduler, state, data, until_step=total_steps, seed=seed, batch_size=bs)
         while os.getppid() == int(config["parent"]):
             time.sleep(0.05)
     elif config["role"] == "resume":
@@ -141,7 +171,9 @@ def child_main() -> None:
         else:
             state = load_checkpoint(ckpt, model, optimizer, scheduler)
         start, before = state.step, list(state.losses)
-        records = train(model, optimizer, scheduler, state, data, until_step=total_steps, seed=seed)
+        records = train(
+            model, optimizer, scheduler, state, data, until_step=total_steps, seed=seed, batch_size=bs
+        )
         result = {
             "start_step": start,
             "losses_before": before,

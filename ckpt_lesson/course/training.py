@@ -87,14 +87,15 @@ class SyntheticRegression:
         n: Number of samples.
         in_dim: Input features.
         seed: Generates the data; the same seed gives the same bytes.
+        out_dim: Targets per sample (``1`` gives the course's data, byte for byte).
     """
 
-    def __init__(self, n: int = 256, in_dim: int = 8, seed: int = 0) -> None:
+    def __init__(self, n: int = 256, in_dim: int = 8, seed: int = 0, *, out_dim: int = 1) -> None:
         g = torch.Generator().manual_seed(10_000 + seed)
         self.x = torch.randn(n, in_dim, generator=g)
         w1 = torch.randn(in_dim, 16, generator=g) / in_dim**0.5
-        w2 = torch.randn(16, 1, generator=g) / 4.0
-        self.y = torch.tanh(self.x @ w1) @ w2 + 0.05 * torch.randn(n, 1, generator=g)
+        w2 = torch.randn(16, out_dim, generator=g) / 4.0
+        self.y = torch.tanh(self.x @ w1) @ w2 + 0.05 * torch.randn(n, out_dim, generator=g)
         self.seed = seed
 
     def __len__(self) -> int:

@@ -39,6 +39,7 @@ __all__ = [
     "atomic_write_json",
     "fsync_dir",
     "is_temp_file",
+    "make_dirs",
 ]
 
 #: Every temp file's name contains this marker (and starts with a dot).
@@ -52,6 +53,37 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_dirs(directory: str | os.PathLike[str]) -> None:
+    """Create ``directory`` and any missing parents, durably.
+
+    ``mkdir`` only changes the parent's entries in memory; like a rename, a new
+    directory can vanish on power loss until its parent is fsynced. So each
+    directory created here has its parent fsynced, outermost first.
+
+    Raises:
+        CheckpointError: Something on the way is a regular file (or otherwise
+            not a directory), or the directory cannot be created.
+
+    Example:
+        >>> make_dirs(tmp_dir / "runs" / "exp1")  # doctest: +SKIP
+    """
+    directory = Path(directory)
+    missing = [p for p in (directory, *directory.parents) if not p.is_dir()]
+    blocked = [p for p in missing if p.exists() or p.is_symlink()]
+    if blocked:
+        # One line, named: "mkdir: File exists" would not say which part is in the way.
+        raise CheckpointError(
+            f"{directory}: cannot create the directory because {blocked[-1]} exists and is not a "
+            "directory; pick a path whose folders are folders."
+        )
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"{directory}: cannot create the directory ({exc.strerror or exc}).") from exc
+    for p in reversed(missing):
+        fsync_dir(p.parent)
 
 
 def is_temp_file(path: str | os.PathLike[str]) -> bool:
@@ -69,14 +101,15 @@ def atomic_save(payload: Any, path: str | os.PathLike[str]) -> FileDigest:
     Args:
         payload: Anything ``torch.save`` accepts; keep it to tensors and plain
             Python values so that a weights-only load can read it back.
-        path: The final file name. Its directory must exist.
+        path: The final file name. Missing parent directories are created
+            (durably, see :func:`make_dirs`), as the lesson's version does.
 
     Returns:
         Size and sha256 of the file as written.
 
     Raises:
-        CheckpointError: The target directory does not exist, or the target
-            is itself a directory.
+        CheckpointError: The target is itself a directory, or a parent on
+            the way is a regular file.
 
     Example:
         >>> digest = atomic_save({"w": torch.zeros(3)}, tmp_dir / "w.pt")  # doctest: +SKIP
@@ -104,7 +137,8 @@ def atomic_write_json(obj: Any, path: str | os.PathLike[str]) -> FileDigest:
     """Write ``obj`` as indented, key-sorted JSON, atomically and durably.
 
     Raises:
-        CheckpointError: ``obj`` is not JSON-serializable, or the directory is missing.
+        CheckpointError: ``obj`` is not JSON-serializable (NaN and infinity
+            included: JSON has no spelling for them), or a parent is a file.
     """
     try:
         text = json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n"
@@ -117,11 +151,10 @@ def atomic_write_json(obj: Any, path: str | os.PathLike[str]) -> FileDigest:
 
 def _atomic_write(path: Path, write: Callable[[BinaryIO], FileDigest]) -> FileDigest:
     directory = path.parent
-    if not directory.is_dir():
-        raise CheckpointError(f"{path}: directory {directory} does not exist; create it before saving.")
     if path.is_dir():
         # Checked before writing: otherwise a whole payload is written, then refused by os.replace.
         raise CheckpointError(f"{path}: is a directory; choose a file name inside it instead.")
+    make_dirs(directory)
     tmp = directory / f".{path.name}{TEMP_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:

@@ -151,8 +151,9 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     state: TrainState,
-    path: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
     *,
+    schema: str = CURRENT_SCHEMA,
     extras: dict[str, Any] | None = None,
     data: dict[str, Any] | None = None,
     rng: dict[str, Any] | None = None,
@@ -162,7 +163,12 @@ def save_checkpoint(
     Args:
         model, optimizer, scheduler: The live training objects.
         state: Counters and loss history.
-        path: Target file; its directory must exist.
+        out_path: Target file (the lesson's parameter name); missing parent
+            directories are created.
+        schema: Must be the current schema, the only one this package writes
+            (the keyword exists because the lesson's signature has it). A
+            ``ckpt.v1`` file for migration exercises comes from
+            :func:`~ckpt_lesson.files.migrate.write_legacy_v1_checkpoint`.
         extras: Extra plain-Python values to carry along.
         data: Dataset description for the v2 ``data`` block, e.g.
             ``{"fingerprint": "...", "order_seed": 11}``.
@@ -172,11 +178,21 @@ def save_checkpoint(
     Returns:
         Size and sha256 of the file written.
 
+    Raises:
+        CheckpointError: ``schema`` is not the current one (checked before
+            anything is written: a file our own loader would refuse is no save).
+
     Example:
         >>> save_checkpoint(model, opt, sched, TrainState(step=12), "ckpt/last.pt")  # doctest: +SKIP
     """
+    if schema != CURRENT_SCHEMA:
+        hint = " use write_legacy_v1_checkpoint() for a ckpt.v1 file," if schema == SCHEMA_V1 else ""
+        raise CheckpointError(
+            f"{out_path}: save_checkpoint writes schema {CURRENT_SCHEMA!r} only, got schema={schema!r};"
+            f"{hint} or leave schema out."
+        )
     payload = build_payload(model, optimizer, scheduler, state, extras=extras, data=data, rng=rng)
-    return atomic_save(payload, path)
+    return atomic_save(payload, out_path)
 
 
 def read_checkpoint(

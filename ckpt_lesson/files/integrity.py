@@ -19,18 +19,20 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from ckpt_lesson.errors import CorruptCheckpointError
+from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 
 __all__ = [
     "FOOTER_MAGIC",
     "FileDigest",
     "FooterWriter",
     "file_digest",
+    "file_sha256",
     "read_footer_digest",
     "sha256_bytes",
     "verify_footer",
@@ -233,3 +235,30 @@ def file_digest(path: str | os.PathLike[str]) -> FileDigest:
     """
     with open(Path(path), "rb") as f:
         return verify_footer(f, name=path)
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a whole file's bytes, like ``sha256sum`` (the lesson's helper).
+
+    Any regular file works, with or without our footer; nothing is checked but
+    that it is a file. :func:`file_digest` is the checking variant.
+
+    Raises:
+        CheckpointError: ``path`` is missing or not a regular file.
+
+    Example:
+        >>> file_sha256("ckpt.pt")  # doctest: +SKIP
+        '9f86d081884c7d65...'
+    """
+    try:
+        f = open(Path(path), "rb")  # noqa: SIM115 - closed below, after the regular-file check
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read it to hash ({exc.strerror or exc}).") from exc
+    with f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            # A FIFO or device would block or never end; only files have a sha256.
+            raise CheckpointError(f"{path}: is not a regular file; pass a file to hash.")
+        h = hashlib.sha256()
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()

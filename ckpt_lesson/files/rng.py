@@ -21,7 +21,7 @@ import torch
 
 from ckpt_lesson.errors import CheckpointError
 
-__all__ = ["RNG_SOURCES", "capture_rng_state", "restore_rng_state", "validate_rng_state"]
+__all__ = ["RNG_SOURCES", "capture_rng_state", "restore_rng_state", "tuple_from_nested", "validate_rng_state"]
 
 #: The generators captured, in the order they are restored.
 RNG_SOURCES = ("python", "numpy", "torch_cpu", "torch_cuda")
@@ -87,6 +87,22 @@ def restore_rng_state(state: dict[str, Any], *, allow_device_change: bool = Fals
     torch.set_rng_state(cpu)
     if cuda:
         torch.cuda.set_rng_state_all(cuda)
+
+
+def tuple_from_nested(obj: Any) -> Any:
+    """Turn every list inside ``obj`` into a tuple, recursively; other values pass through.
+
+    The lesson's helper: ``random.setstate`` and NumPy's ``set_state`` want
+    tuples, and a state that went through JSON or ``tolist()`` comes back as
+    lists. (:func:`restore_rng_state` does this conversion itself, with checks.)
+
+    Example:
+        >>> tuple_from_nested([3, [1, 2], {"k": [4]}])
+        (3, (1, 2), {'k': [4]})
+    """
+    if isinstance(obj, list):
+        return tuple(tuple_from_nested(x) for x in obj)
+    return obj
 
 
 def validate_rng_state(state: Any, *, allow_device_change: bool = False) -> None:

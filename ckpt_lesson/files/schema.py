@@ -28,6 +28,7 @@ import torch
 from ckpt_lesson.errors import SchemaError
 
 __all__ = [
+    "CHECKPOINT_SCHEMA",
     "MANIFEST_NAME",
     "MANIFEST_SCHEMA",
     "CURRENT_SCHEMA",
@@ -50,6 +51,8 @@ SCHEMA_V1 = "ckpt.v1"
 SCHEMA_V2 = "ckpt.v2"
 #: What new saves write.
 CURRENT_SCHEMA = SCHEMA_V2
+#: The lesson's name for the same thing (its code wrote ``ckpt.v1``; we write ``ckpt.v2``).
+CHECKPOINT_SCHEMA = CURRENT_SCHEMA
 #: Oldest first; an index in this tuple is the schema's age.
 KNOWN_SCHEMAS = (SCHEMA_V1, SCHEMA_V2)
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from ckpt_lesson.errors import CheckpointError, StateMismatchError
-from ckpt_lesson.files.atomic import atomic_save, atomic_write_json, fsync_dir
+from ckpt_lesson.files.atomic import atomic_save, atomic_write_json, make_dirs
 from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, apply_payload, build_payload, load_verified_file
 from ckpt_lesson.files.integrity import FileDigest
 from ckpt_lesson.files.schema import migrate_payload
@@ -68,6 +68,7 @@ __all__ = [
     "LAYOUTS",
     "META_NAME",
     "SHARDED_SCHEMA",
+    "SHARD_SCHEMA",
     "ShardedSaveResult",
     "load_sharded_checkpoint",
     "plan_shards",
@@ -76,6 +77,12 @@ __all__ = [
     "shard_keys_by_prefix",
     "verify_sharded_checkpoint",
 ]
+
+
+#: The lesson's name for the schema of its sharded format. Ours has one
+#: schema for the whole sharded checkpoint, recorded in ``index.json``; shard
+#: bodies are plain ``{key: tensor}`` dicts whose keys the index lists.
+SHARD_SCHEMA = SHARDED_SCHEMA
 
 
 def _shard_name(i: int) -> str:
@@ -179,25 +186,33 @@ def plan_shards(state_dict: dict[str, Any], num_shards: int, layout: str = "roun
     return _balance(weights, sizes, n_weights, order) + _balance(others, sizes, num_shards - n_weights, order)
 
 
-def shard_keys_by_prefix(state_dict: dict[str, Any], num_shards: int) -> list[list[str]]:
-    """The lesson's original helper: round robin over keys (key ``i`` to shard ``i % N``).
+def shard_keys_by_prefix(state_dict: dict[str, Any], num_shards: int) -> dict[int, list[str]]:
+    """The lesson's layout helper: ``{shard: [keys]}``, round robin over the *sorted* keys.
 
-    The name is historical (the lesson kept it); it is ``plan_shards(..., "round_robin")``.
+    Key ``j`` of ``sorted(state_dict)`` goes to shard ``j % num_shards``, so
+    shard sizes (in keys) differ by at most one and the answer does not depend
+    on the order the model registered its parameters. Every shard index from
+    ``0`` to ``num_shards - 1`` is present, possibly with an empty list. (The
+    name is the lesson's; :func:`plan_shards` is the layout engine
+    :func:`save_sharded_checkpoint` uses, in ``state_dict`` order.)
+
+    Args:
+        state_dict: Key -> value, e.g. ``model.state_dict()``.
+        num_shards: How many shards, an int >= 1.
+
+    Returns:
+        A dict from shard index to that shard's keys, in ascending key order.
+
+    Raises:
+        CheckpointError: ``num_shards`` is not an int >= 1 (a ``ValueError``, as in the lesson).
 
     Example:
-        >>> shard_keys_by_prefix({"a": 0, "b": 0, "c": 0}, 2)
-        [['a', 'c'], ['b']]
+        >>> shard_keys_by_prefix({"c": 0, "a": 0, "b": 0}, 2)
+        {0: ['a', 'c'], 1: ['b']}
     """
-    return plan_shards(state_dict, num_shards, "round_robin")
-
-
-def _make_dir(out_dir: Path) -> None:
-    # Make the directory and fsync each new entry's parent, so the directory
-    # itself survives a power loss, not only the files inside it.
-    missing = [p for p in (out_dir, *out_dir.parents) if not p.exists()]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for p in reversed(missing):
-        fsync_dir(p.parent)
+    _check_plan_args(num_shards, "round_robin")
+    keys = sorted(state_dict)
+    return {i: keys[i::num_shards] for i in range(num_shards)}
 
 
 def save_sharded_checkpoint(
@@ -246,7 +261,7 @@ def save_sharded_checkpoint(
     payload = build_payload(model, optimizer, scheduler, state, extras=extras, data=data, rng=rng)
     model_sd = payload.pop("model")  # what is left is meta.pt: every other bucket
     plan = plan_shards(model_sd, num_shards, layout)
-    _make_dir(out_dir)
+    make_dirs(out_dir)  # durably: the directory must survive a power loss, not only its files
     names = {_shard_name(i) for i in range(num_shards)}
     for stale in out_dir.glob("model.shard-*.pt"):
         if stale.name not in names:  # no index here, so nothing in this directory was ever committed
