@@ -752,3 +752,14 @@ def test_batch_position_fails_advancing_the_batch_counter_itself():
         return ids
 
     assert "only roll over" in _fails(check_next_batch, advances)
+
+
+def test_show_source_prints_the_module_path_and_the_code_without_the_docstring(capsys):
+    from ckpt_lesson.course.exercise import show_source
+    from ckpt_lesson.files.atomic import fsync_dir
+
+    show_source(fsync_dir)
+    out = capsys.readouterr().out
+    assert out.startswith("# ckpt_lesson/files/atomic.py\ndef fsync_dir(")
+    assert "os.fsync(fd)" in out
+    assert '"""' not in out
