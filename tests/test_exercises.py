@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_lesson.course import exercises
-from ckpt_lesson.course.exercises import check_cadence, check_keep_k, check_migration, check_verify_part
+from ckpt_lesson.course import exercises, graders, solutions
+from ckpt_lesson.course.exercises import EXERCISES, Exercise
+from ckpt_lesson.course.graders import check_cadence, check_keep_k, check_migration, check_verify_part
 from ckpt_lesson.files.schema import migrate_v1_to_v2
 from ckpt_lesson.runs.cadence import should_save
 from ckpt_lesson.runs.retention import keep_last_k
@@ -308,10 +309,89 @@ def test_migration_fails_an_answer_that_forgets_missing_extras():
 
 
 def test_grader_module_exports_the_four_graders_and_the_result():
-    assert set(exercises.__all__) == {
+    assert set(graders.__all__) == {
         "GradeResult",
         "check_cadence",
         "check_keep_k",
         "check_migration",
         "check_verify_part",
     }
+
+
+# ---------------------------------------------------------------- the Exercise objects
+
+
+@pytest.mark.parametrize("name", sorted(EXERCISES))
+def test_every_registered_reference_solution_passes_its_grader(name, capsys):
+    exercise = EXERCISES[name]
+    result = exercise.check(*exercise.references)
+    assert (result.passed, result.attempted, result.first_failure) == (True, True, None)
+    assert capsys.readouterr().out == (
+        f"PASS {name}: all {result.cases} cases agree with the reference and keep the invariants.\n"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(EXERCISES))
+def test_every_exercise_prints_one_stable_not_attempted_line_for_an_untouched_scaffold(name, capsys):
+    exercise = EXERCISES[name]
+    result = exercise.check(*[scaffold for _ in exercise.references])
+    assert not result.attempted
+    assert capsys.readouterr().out == (
+        f"NOT ATTEMPTED {name}: {exercise.function_names} still raises NotImplementedError. Write your "
+        f"version in the scaffold cell, then run this cell again. {name}.hint() gives a hint, "
+        f"{name}.solution() shows one answer.\n"
+    )
+
+
+def test_registry_names_match_the_module_level_objects_a_notebook_imports():
+    for name, exercise in EXERCISES.items():
+        assert getattr(exercises, name) is exercise
+        assert exercise.name == name
+        assert len(exercise.hints) >= 3
+
+
+def test_hint_without_a_number_shows_one_more_hint_per_call_then_says_there_are_no_more(capsys):
+    exercise = Exercise("demo", check_keep_k, ("first", "second"), solutions.keep_last_k)
+    exercise.hint()
+    exercise.hint()
+    exercise.hint()
+    assert capsys.readouterr().out.splitlines() == [
+        "Hint 1 of 2 (demo): first",
+        "Hint 2 of 2 (demo): second",
+        "No more hints for demo (all 2 shown). demo.solution() shows one.",
+    ]
+
+
+def test_hint_with_a_number_shows_that_hint_and_the_next_call_continues_after_it(capsys):
+    exercise = Exercise("demo", check_keep_k, ("first", "second", "third"), solutions.keep_last_k)
+    exercise.hint(2)
+    exercise.hint()
+    exercise.hint(7)
+    assert capsys.readouterr().out.splitlines() == [
+        "Hint 2 of 3 (demo): second",
+        "Hint 3 of 3 (demo): third",
+        "demo has hints 1 to 3; hint(7) does not exist.",
+    ]
+
+
+def test_hints_are_counted_per_exercise_object(capsys):
+    one = Exercise("one", check_keep_k, ("a", "b"), solutions.keep_last_k)
+    two = Exercise("two", check_keep_k, ("c", "d"), solutions.keep_last_k)
+    one.hint()
+    two.hint()
+    assert capsys.readouterr().out.splitlines() == ["Hint 1 of 2 (one): a", "Hint 1 of 2 (two): c"]
+
+
+@pytest.mark.parametrize("name", sorted(EXERCISES))
+def test_solution_prints_the_source_of_every_reference_function(name, capsys):
+    exercise = EXERCISES[name]
+    exercise.solution()
+    out = capsys.readouterr().out
+    assert out.startswith(f"# One answer for {name}")
+    for function in exercise.references:
+        assert f"def {function.__name__}(" in out
+    # The printed code runs: defining it in a fresh namespace with the solutions' imports works.
+    namespace = dict(vars(solutions))
+    exec(out, namespace)
+    for function in exercise.references:
+        assert callable(namespace[function.__name__])

@@ -1,367 +1,101 @@
-"""Graders for the exercise notebooks 06-09.
+"""The course's graded exercises, one :class:`Exercise` object each.
 
-Each ``check_*`` function takes the learner's function, runs it on fixed
-hand-picked edge cases and on fixed-seed random cases (``random.Random(0)``:
-the same cases on every machine), compares every answer with the package's
-reference implementation and with the invariants the answer must keep, and
-prints one line: PASS, FAIL with the first failing case (inputs, expected,
-got), or NOT ATTEMPTED.
+A notebook imports the one it needs and uses it Kaggle-style::
 
-Scaffold convention: an untouched exercise function raises
-``NotImplementedError``. The grader reports that as "not attempted" instead of
-crashing, so a notebook with unfinished exercises still runs top to bottom.
-Any other exception from the learner's function is a failure and is shown.
+    from ckpt_lesson.course.exercises import keep_k
+    keep_k.check(keep_last_k)   # PASS / FAIL with the first failing case / NOT ATTEMPTED
+    keep_k.hint()               # one more hint per call; keep_k.hint(2) for a chosen one
+    keep_k.solution()           # the reference solution's source
 
-Grading stops at the first failure: one clear counterexample teaches more than
-a wall of them. This module builds each grader's cases; the loop that runs
-them and prints the verdict is shared, in :mod:`ckpt_lesson.course.grading`.
+:data:`EXERCISES` lists them all by name (the tests grade every reference
+solution and known wrong answers through it). The graders themselves live in
+:mod:`ckpt_lesson.course.graders` (06-09); the ``check_*`` names are re-exported
+here so older imports keep working.
 """
 
 from __future__ import annotations
 
-import copy
-import hashlib
-import random
-import tempfile
-from collections.abc import Callable, Iterable
-from pathlib import Path
-from typing import Any
+from ckpt_lesson.course import solutions
+from ckpt_lesson.course.exercise import Exercise
+from ckpt_lesson.course.graders import (
+    GradeResult,
+    check_cadence,
+    check_keep_k,
+    check_migration,
+    check_verify_part,
+)
 
-import torch
+__all__ = [
+    "EXERCISES",
+    "Exercise",
+    "GradeResult",
+    "cadence",
+    "check_cadence",
+    "check_keep_k",
+    "check_migration",
+    "check_verify_part",
+    "checksum",
+    "keep_k",
+    "migration",
+]
 
-from ckpt_lesson.course.grading import GradeResult, _Case, _first_difference, _grade, _setrepr, _short
+keep_k = Exercise(
+    name="keep_k",
+    grader=check_keep_k,
+    hints=(
+        "Sort first: `steps` comes in any order, like a directory listing. Sort the numbers, not their "
+        "string forms ('1000' sorts before '200').",
+        "List the verified steps in ascending order. If there are fewer than k of them, delete nothing.",
+        "The oldest step you keep is the k-th newest verified one: `good[-k]`. Every step older than it "
+        "goes, verified or not; everything from it on stays, even a damaged step newer than it.",
+        "Build a new list (`sorted(steps)` already returns one) instead of sorting `steps` in place; "
+        "return the steps to delete in ascending order.",
+    ),
+    reference=solutions.keep_last_k,
+)
 
-__all__ = ["GradeResult", "check_cadence", "check_keep_k", "check_migration", "check_verify_part"]
+cadence = Exercise(
+    name="cadence",
+    grader=check_cadence,
+    hints=(
+        "Start with the two cases that are never a save: step 0 (nothing to protect) and "
+        "`step == last_step` (that state is already on disk).",
+        "The two rules are joined by OR: test the step rule, and if it does not fire, still test the "
+        "time rule. An `if every_steps: return step % every_steps == 0` hides the time rule.",
+        "The time rule counts from the last save: `now - last_time >= every_seconds` (>=, not >), and "
+        "it cannot fire while `last_time` is None.",
+        "Either rule may be None (off). End with `return False`, so the answer is always a bool.",
+    ),
+    reference=solutions.should_save,
+)
 
-_RANDOM_CASES = 300
+checksum = Exercise(
+    name="checksum",
+    grader=check_verify_part,
+    hints=(
+        "A missing file is an answer ('missing'), not an exception: check `Path(path).is_file()` first.",
+        "Compare the size next: `path.stat().st_size` costs nothing, hashing reads every byte.",
+        "Hash in chunks: `h = hashlib.sha256()`, then `h.update(chunk)` for 1 MiB reads until `read` "
+        "returns b''; compare `h.hexdigest()` with the record.",
+        "Return None only when size and digest both match, otherwise a short non-empty reason.",
+    ),
+    reference=solutions.verify_part,
+)
 
+migration = Exercise(
+    name="migration",
+    grader=check_migration,
+    hints=(
+        "Refuse what is not a v1 payload first: `payload.get('schema') != 'ckpt.v1'` raises "
+        "`SchemaError` (any ValueError passes).",
+        "Never change `payload`: start from `new = dict(payload)` and only assign keys of `new`.",
+        "v1 never recorded its environment or data: say so with `recorded: False` blocks instead of "
+        "reading this machine's versions.",
+        "`new.setdefault('extras', None)` keeps extras when present and adds None when a very old "
+        "payload lacks the key.",
+    ),
+    reference=solutions.migrate_v1_to_v2,
+)
 
-# ---------------------------------------------------------------- keep-K retention (notebook 06)
-
-
-def check_keep_k(fn: Callable[..., Any], *, verbose: bool = True) -> GradeResult:
-    """Grade a ``keep_last_k(steps, verified, k) -> list[int]`` (steps to delete, ascending).
-
-    Invariants checked besides agreement with :func:`ckpt_lesson.runs.retention.keep_last_k`:
-    only existing steps are deleted, the newest verified step is never deleted,
-    a run that had a verified save still has one, and the inputs are not modified.
-
-    Example:
-        >>> from ckpt_lesson.runs.retention import keep_last_k
-        >>> check_keep_k(keep_last_k, verbose=False).passed
-        True
-    """
-    from ckpt_lesson.runs.retention import keep_last_k as reference
-
-    fixed = [
-        ("k=1, every step verified", [100, 200, 300], {100, 200, 300}, 1),
-        ("no verified step at all", [100, 200, 300], set(), 2),
-        ("newest step corrupt", [100, 200, 300, 400], {100, 200, 300}, 2),
-        ("fewer verified steps than k", [100, 200, 300], {300}, 2),
-        ("empty run directory", [], set(), 3),
-        ("exactly k verified, oldest is one of them", [100, 200, 300], {100, 300}, 2),
-        ("an unverified step between kept ones", [100, 200, 300, 400], {100, 200, 400}, 2),
-        ("steps with different digit counts", [9, 10, 100, 1000], {9, 10, 100, 1000}, 2),
-        ("steps listed out of order", [300, 100, 400, 200], {100, 200, 300, 400}, 2),
-        ("k larger than the number of steps", [1, 2], {1, 2}, 5),
-        ("k=1, only the oldest step verified", [100, 200, 300], {100}, 1),
-    ]
-    rng = random.Random(0)
-    randoms = []
-    for i in range(_RANDOM_CASES):
-        steps = rng.sample(range(1, 5000), rng.randint(0, 10))
-        p_good = rng.random()
-        verified = {s for s in steps if rng.random() < p_good}
-        if rng.random() < 0.5:
-            steps.sort()
-        randoms.append((f"random case {i}", steps, verified, rng.randint(1, 5)))
-
-    def make(label: str, steps: list[int], verified: set[int], k: int) -> _Case:
-        expected = reference(list(steps), set(verified), k)
-        shown = f"[{label}] keep_last_k(steps={steps}, verified={_setrepr(verified)}, k={k})"
-        seen: dict[str, Any] = {}
-
-        def call(f: Callable[..., Any]) -> Any:
-            seen["steps"], seen["verified"] = list(steps), set(verified)
-            return f(seen["steps"], seen["verified"], k)
-
-        def judge(got: Any) -> str | None:
-            if seen["steps"] != steps or seen["verified"] != verified:
-                return "modified its inputs; build a new list instead"
-            if got is None or isinstance(got, (str, bytes)) or not isinstance(got, Iterable):
-                return f"returned {_short(got)}; return a list of steps to delete ([] for none)"
-            got = list(got)
-            good = [s for s in steps if s in verified]
-            if any(s not in steps for s in got):
-                return f"got {got}, which deletes a step that does not exist"
-            if good and max(good) in got:
-                return f"got {got}, which deletes {max(good)}, the newest verified save"
-            if good and not set(good) - set(got):
-                return f"got {got}, which leaves no verified save at all"
-            if got != expected:
-                hint = " (right steps, but not in ascending order)" if sorted(got) == expected else ""
-                return f"expected {expected}, got {got}{hint}"
-            return None
-
-        return _Case(shown, call, judge)
-
-    cases = (make(*c) for c in [*fixed, *randoms])
-    return _grade("check_keep_k", "keep_last_k", fn, cases, verbose)
-
-
-# ---------------------------------------------------------------- save cadence (notebook 07)
-
-
-def check_cadence(fn: Callable[..., Any], *, verbose: bool = True) -> GradeResult:
-    """Grade a ``should_save(step, now, *, last_step, last_time, every_steps, every_seconds) -> bool``.
-
-    Single calls are compared with :func:`ckpt_lesson.runs.cadence.should_save`;
-    then whole simulated runs (a fake clock, saving whenever the function
-    says so) must save at exactly the same steps as the reference.
-
-    Example:
-        >>> from ckpt_lesson.runs.cadence import should_save
-        >>> check_cadence(should_save, verbose=False).passed
-        True
-    """
-    from ckpt_lesson.runs.cadence import should_save as reference
-
-    def kw(last_step: Any, last_time: Any, every_steps: Any, every_seconds: Any) -> dict[str, Any]:
-        return dict(
-            last_step=last_step, last_time=last_time, every_steps=every_steps, every_seconds=every_seconds
-        )
-
-    fixed = [
-        ("step 0 is never saved", 0, 100.0, kw(None, 0.0, 10, 60.0)),
-        ("step is a multiple of every_steps", 20, 5.0, kw(10, 0.0, 10, None)),
-        ("step is not a multiple", 25, 5.0, kw(20, 0.0, 10, None)),
-        ("exactly every_seconds have passed", 7, 60.0, kw(5, 0.0, None, 60.0)),
-        ("just short of every_seconds", 7, 59.5, kw(5, 0.0, None, 60.0)),
-        ("this step was just saved (time due)", 7, 90.0, kw(7, 0.0, None, 60.0)),
-        ("this step was just saved (multiple)", 20, 5.0, kw(20, 0.0, 10, None)),
-        ("both rules set, only the time rule fires", 13, 75.0, kw(10, 10.0, 10, 60.0)),
-        ("both rules set, only the step rule fires", 20, 15.0, kw(10, 10.0, 10, 60.0)),
-        ("time counts from the last save, not from 0", 30, 150.0, kw(20, 100.0, None, 60.0)),
-        ("no time reference yet (last_time None)", 3, 500.0, kw(None, None, None, 60.0)),
-        ("every_steps=1 saves step 1", 1, 0.0, kw(None, 0.0, 1, None)),
-        ("neither rule set", 10, 1000.0, kw(None, 0.0, None, None)),
-    ]
-    rng = random.Random(0)
-    randoms = []
-    for i in range(_RANDOM_CASES):
-        step = rng.randint(0, 60)
-        last_step = rng.choice([None, step, max(0, step - rng.randint(1, 20))])
-        last_time = rng.choice([None, rng.randint(0, 200) * 0.5])
-        now = (last_time or 0.0) + rng.randint(0, 240) * 0.5
-        every_steps = rng.choice([None, rng.randint(1, 12)])
-        every_seconds = rng.choice([None, float(rng.choice([10, 30, 45.5, 60]))])
-        randoms.append((f"random case {i}", step, now, kw(last_step, last_time, every_steps, every_seconds)))
-
-    def single(label: str, step: int, now: float, opts: dict[str, Any]) -> _Case:
-        expected = reference(step, now, **opts)
-        args = ", ".join(f"{k}={v!r}" for k, v in opts.items())
-
-        def judge(got: Any) -> str | None:
-            if not isinstance(got, bool):
-                return f"returned {_short(got)}; return True or False"
-            return None if got == expected else f"expected {expected}, got {got}"
-
-        return _Case(
-            f"[{label}] should_save({step}, now={now!r}, {args})", lambda f: f(step, now, **opts), judge
-        )
-
-    def simulation(i: int) -> _Case:
-        sim = random.Random(1000 + i)
-        every_steps = sim.choice([None, sim.randint(2, 8)])
-        every_seconds = sim.choice([10.0, 25.0]) if every_steps is None or sim.random() < 0.5 else None
-        durations = [sim.choice([0.5, 1.0, 2.0, 6.0]) for _ in range(40)]
-        expected = _simulate(reference, durations, every_steps, every_seconds)
-
-        def judge(got: Any) -> str | None:
-            return None if got == expected else f"saved at steps {got}, the reference at {expected}"
-
-        describe = (
-            f"[simulated run {i}: 40 steps taking {durations[:6]}... s, every_steps={every_steps}, "
-            f"every_seconds={every_seconds}, the timer restarting at each save]"
-        )
-        return _Case(describe, lambda f: _simulate(f, durations, every_steps, every_seconds), judge)
-
-    cases = [*(single(*c) for c in [*fixed, *randoms]), *(simulation(i) for i in range(30))]
-    return _grade("check_cadence", "should_save", fn, cases, verbose)
-
-
-def _simulate(
-    fn: Callable[..., Any], durations: list[float], every_steps: Any, every_seconds: Any
-) -> list[int]:
-    now, last_step, last_time, saved = 0.0, None, 0.0, []
-    for step, seconds in enumerate(durations, start=1):
-        now += seconds
-        if fn(step, now, last_step=last_step, last_time=last_time, every_steps=every_steps,
-              every_seconds=every_seconds):  # fmt: skip
-            saved.append(step)
-            last_step, last_time = step, now
-    return saved
-
-
-# ---------------------------------------------------------------- verify a part (notebook 08)
-
-
-def check_verify_part(fn: Callable[..., Any], *, verbose: bool = True) -> GradeResult:
-    """Grade a ``verify_part(path, *, size, sha256) -> str | None`` (None = ok, else a reason).
-
-    Files of random bytes are written to a private temp folder, some damaged
-    after their size and sha256 were recorded (a byte flipped, truncated,
-    extended, deleted). The answer must be ``None`` exactly when
-    :func:`ckpt_lesson.runs.scan.verify_part` says the file is fine, and a
-    non-empty reason otherwise. The wording of the reason is yours.
-
-    Example:
-        >>> from ckpt_lesson.runs.scan import verify_part
-        >>> check_verify_part(verify_part, verbose=False).passed
-        True
-    """
-    from ckpt_lesson.runs.scan import verify_part as reference
-
-    rng = random.Random(0)
-    damages = [
-        "intact",
-        "flip",
-        "truncate",
-        "extend",
-        "missing",
-        "wrong recorded sha256",
-        "wrong recorded size",
-    ]
-    plan = [(d, n) for d in damages for n in (0, 1, 64, 3000)]
-    plan += [(rng.choice(damages), rng.randint(1, 200_000)) for _ in range(40)]
-    with tempfile.TemporaryDirectory(prefix="ckpt-lesson-grader-") as tmp:
-        cases = [_verify_case(reference, Path(tmp), i, damage, n, rng) for i, (damage, n) in enumerate(plan)]
-        # A learner's exception may name the temp file; keep machine paths out of notebook output.
-        scrub = lambda text: text.replace(tmp, "<tmp>")  # noqa: E731
-        return _grade("check_verify_part", "verify_part", fn, cases, verbose, scrub)
-
-
-def _verify_case(
-    reference: Callable[..., Any], folder: Path, i: int, damage: str, n: int, rng: random.Random
-) -> _Case:
-    data = rng.randbytes(n)
-    size, sha = len(data), hashlib.sha256(data).hexdigest()
-    path = folder / f"part-{i:03d}.bin"
-    where = rng.randrange(n) if n else 0
-    if damage == "flip" and n:
-        data = data[:where] + bytes([data[where] ^ 0x01]) + data[where + 1 :]
-        damage = f"one bit flipped at byte {where} (same size)"
-    elif damage == "truncate" and n:
-        data = data[:where]
-        damage = f"truncated to {where} bytes"
-    elif damage == "extend":
-        data = data + b"\x00"
-        damage = "one byte appended"
-    elif damage == "wrong recorded sha256":
-        sha = hashlib.sha256(data + b"other").hexdigest()
-    elif damage == "wrong recorded size":
-        size = n + 1
-    elif damage != "missing":
-        damage = "intact"
-    if damage != "missing":
-        path.write_bytes(data)
-    expected_ok = reference(path, size=size, sha256=sha) is None
-    describe = f"[a {n}-byte file, {damage}] verify_part(path, size={size}, sha256='{sha[:12]}...')"
-
-    def judge(got: Any) -> str | None:
-        if got is not None and not (isinstance(got, str) and got):
-            return f"returned {_short(got)}; return None when the file is fine, else a non-empty reason"
-        if expected_ok and got is not None:
-            return f"the file is fine, but got the reason {got!r}"
-        if not expected_ok and got is None:
-            return "the file does not match its record, but got None (ok)"
-        return None
-
-    return _Case(describe, lambda f: f(path, size=size, sha256=sha), judge)
-
-
-# ---------------------------------------------------------------- v1 -> v2 migration (notebook 09)
-
-
-def check_migration(fn: Callable[..., Any], *, verbose: bool = True) -> GradeResult:
-    """Grade a ``migrate_v1_to_v2(payload) -> dict`` against the reference in ``files.schema``.
-
-    The answer must equal the reference's (every key, tensors bitwise), must
-    be a new dict (the input stays unchanged, nested values included), and
-    anything but a v1 payload must raise ``SchemaError`` (any ``ValueError``
-    passes).
-
-    Example:
-        >>> from ckpt_lesson.files.schema import migrate_v1_to_v2
-        >>> check_migration(migrate_v1_to_v2, verbose=False).passed
-        True
-    """
-    from ckpt_lesson.files.schema import migrate_v1_to_v2 as reference
-
-    rng = random.Random(0)
-    cases = [
-        _migration_case(reference, "a v1 payload", _v1_payload(rng)),
-        _migration_case(reference, "a v1 payload without 'extras'", _v1_payload(rng, extras="absent")),
-        _migration_case(reference, "a v1 payload with extras", _v1_payload(rng, extras={"note": "x"})),
-        _migration_case(reference, "a v1 payload without a scheduler", _v1_payload(rng, scheduler=False)),
-    ]
-    for label, bad in [
-        ("a v2 payload", {**_v1_payload(rng), "schema": "ckpt.v2"}),
-        ("a payload with no schema", {k: v for k, v in _v1_payload(rng).items() if k != "schema"}),
-        ("a ckpt.v9 payload", {**_v1_payload(rng), "schema": "ckpt.v9"}),
-    ]:
-        cases.append(
-            _Case(f"[{label}] migrate_v1_to_v2(payload)", _caller(bad), lambda got: None, (ValueError,))
-        )
-    for i in range(40):
-        extras = rng.choice(["absent", None, {"run": f"r{i}"}])
-        cases.append(_migration_case(reference, f"random v1 payload {i}", _v1_payload(rng, extras=extras)))
-    return _grade("check_migration", "migrate_v1_to_v2", fn, cases, verbose)
-
-
-def _caller(payload: dict[str, Any]) -> Callable[[Callable[..., Any]], Any]:
-    return lambda f: f(copy.deepcopy(payload))
-
-
-def _v1_payload(rng: random.Random, *, extras: Any = None, scheduler: bool = True) -> dict[str, Any]:
-    # Tensors from a private generator: grading never moves the global RNG a notebook seeded.
-    g = torch.Generator().manual_seed(rng.randrange(2**31))
-    rows = rng.randint(1, 4)
-    weight, bias = torch.randn(rows, 3, generator=g), torch.randn(rows, generator=g)
-    step = rng.randint(1, 500)
-    payload: dict[str, Any] = {
-        "schema": "ckpt.v1",
-        "model": {"0.weight": weight, "0.bias": bias},
-        "optimizer": {
-            "state": {0: {"step": torch.tensor(float(step)), "exp_avg": torch.randn(rows, 3, generator=g)}},
-            "param_groups": [{"lr": 0.01, "weight_decay": 0.01, "params": [0, 1]}],
-        },
-        "scheduler": {"last_epoch": step, "T_max": 500} if scheduler else None,
-        "state": {"step": step, "epoch": step // 16, "batch_in_epoch": step % 16, "losses": [0.5] * 3},
-        "rng": {"torch_cpu": torch.randint(0, 255, (16,), dtype=torch.uint8, generator=g), "python": [1, 2]},
-        "wall_saved_at": 1_700_000_000.0 + step,
-    }
-    if extras != "absent":
-        payload["extras"] = extras
-    return payload
-
-
-def _migration_case(reference: Callable[..., Any], label: str, payload: dict[str, Any]) -> _Case:
-    expected = reference(copy.deepcopy(payload))
-    given: dict[str, Any] = {}
-
-    def call(f: Callable[..., Any]) -> Any:
-        given["payload"] = copy.deepcopy(payload)
-        return f(given["payload"])
-
-    def judge(got: Any) -> str | None:
-        if got is given["payload"]:
-            return "returned the input dict itself; build a new dict so the caller's payload is unchanged"
-        problem = _first_difference(payload, given["payload"], "payload")
-        if problem is not None:
-            return f"modified its input ({problem}); migrations must be pure"
-        if not isinstance(got, dict):
-            return f"returned {_short(got)}; return the new payload dict"
-        return _first_difference(expected, got, "result")
-
-    return _Case(f"[{label}] migrate_v1_to_v2(payload)", call, judge)
+#: Every exercise by name, in course order.
+EXERCISES: dict[str, Exercise] = {ex.name: ex for ex in (keep_k, cadence, checksum, migration)}

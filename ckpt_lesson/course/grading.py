@@ -1,6 +1,6 @@
 """The grading loop the exercise graders share: cases in, one verdict out.
 
-A grader in :mod:`ckpt_lesson.course.exercises` only builds cases. Each :class:`_Case`
+A grader in :mod:`ckpt_lesson.course.graders` only builds cases. Each :class:`_Case`
 says in words what it calls (no temp paths, so notebook output stays the same
 on every machine), how to call the learner's function, and how to judge the
 answer: a complaint in words, or ``None`` when the answer is right.
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GradeResult"]
+__all__ = ["GradeResult", "verdict_line"]
 
 
 @dataclass(frozen=True)
@@ -87,16 +87,24 @@ def _grade(
     else:
         result = GradeResult(True, True, count, None)
     if verbose:
-        if not result.attempted:
-            print(
-                f"NOT ATTEMPTED {name}: {fn_name} still raises NotImplementedError. Fill in the "
-                "scaffold cell (or set USE_REFERENCE = True), then run this cell again."
-            )
-        elif result.passed:
-            print(f"PASS {name}: all {count} cases agree with the reference and keep the invariants.")
-        else:
-            print(f"FAIL {name} (case {count}): {result.first_failure}")
+        print(verdict_line(name, fn_name, result))
     return result
+
+
+def verdict_line(name: str, fn_name: str, result: GradeResult, nudge: str = "") -> str:
+    """The one line a grader prints: PASS, FAIL with the first failing case, or NOT ATTEMPTED.
+
+    The NOT ATTEMPTED line names no count, path or time, so a notebook committed with an
+    untouched scaffold stores the same output on every machine (nbval compares it).
+    """
+    if not result.attempted:
+        return (
+            f"NOT ATTEMPTED {name}: {fn_name} still raises NotImplementedError. Write your version in "
+            f"the scaffold cell, then run this cell again.{nudge}"
+        )
+    if result.passed:
+        return f"PASS {name}: all {result.cases} cases agree with the reference and keep the invariants."
+    return f"FAIL {name} (case {result.cases}): {result.first_failure}"
 
 
 def _clip(text: str, limit: int) -> str:

@@ -1,0 +1,106 @@
+"""One graded exercise: the grader, graduated hints, and a reference solution.
+
+The notebooks are committed *unsolved*. Each exercise is an :class:`Exercise`
+object the notebook imports (``from ckpt_lesson.course.exercises import keep_k``)
+and uses the way Kaggle Learn's exercises work:
+
+* ``keep_k.check(keep_last_k)`` grades the learner's function and prints one
+  line: PASS, FAIL with the first failing case, or NOT ATTEMPTED while the
+  scaffold still raises ``NotImplementedError`` (that line never changes, so a
+  notebook stored unsolved passes nbval);
+* ``keep_k.hint()`` prints one more hint per call, most general first;
+  ``keep_k.hint(2)`` prints a chosen one;
+* ``keep_k.solution()`` prints the source of the reference solution, which
+  lives in :mod:`ckpt_lesson.course.solutions` and is graded by the tests.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt_lesson.course.grading import GradeResult, verdict_line
+
+__all__ = ["Exercise"]
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """A graded exercise with hints and a reference solution.
+
+    Attributes:
+        name: The exercise's name, also the variable a notebook imports (``"keep_k"``).
+        grader: A ``check_*`` function: takes the learner's function(s) and ``verbose=``,
+            returns a :class:`GradeResult`.
+        hints: Graduated hints, most general first.
+        reference: The reference solution: one function, or a tuple of functions when the
+            exercise asks for several (``capture_rng_state`` and ``restore_rng_state``).
+
+    Example:
+        >>> from ckpt_lesson.course.exercises import keep_k
+        >>> def keep_last_k(steps, verified, k):
+        ...     raise NotImplementedError
+        >>> keep_k.check(keep_last_k).attempted  # doctest: +ELLIPSIS
+        NOT ATTEMPTED keep_k: ...
+        False
+    """
+
+    name: str
+    grader: Callable[..., GradeResult]
+    hints: tuple[str, ...]
+    reference: Callable[..., Any] | tuple[Callable[..., Any], ...]
+    # How many hints hint() has shown; a list so the frozen object can count.
+    _shown: list[int] = field(default_factory=lambda: [0], init=False, repr=False, compare=False)
+
+    @property
+    def references(self) -> tuple[Callable[..., Any], ...]:
+        """The reference function(s), always as a tuple (pass them to :meth:`check` with ``*``)."""
+        return self.reference if isinstance(self.reference, tuple) else (self.reference,)
+
+    @property
+    def function_names(self) -> str:
+        """The names the learner's functions must have, e.g. ``"capture_rng_state, restore_rng_state"``."""
+        return ", ".join(f.__name__ for f in self.references)
+
+    def check(self, *fns: Callable[..., Any], **kwargs: Any) -> GradeResult:
+        """Grade the learner's function(s) and print one verdict line.
+
+        Args:
+            *fns: The learner's functions, in the order of :attr:`function_names`.
+            **kwargs: Passed on to the grader.
+
+        Returns:
+            The grader's :class:`GradeResult`.
+        """
+        result = self.grader(*fns, verbose=False, **kwargs)
+        nudge = f" {self.name}.hint() gives a hint, {self.name}.solution() shows one answer."
+        print(verdict_line(self.name, self.function_names, result, nudge))
+        return result
+
+    def hint(self, n: int | None = None) -> None:
+        """Print hint ``n`` (1-based); without ``n``, the next hint not shown yet.
+
+        Args:
+            n: Which hint to print; ``None`` prints one more per call.
+        """
+        total = len(self.hints)
+        if n is None:
+            if self._shown[0] >= total:
+                print(f"No more hints for {self.name} (all {total} shown). {self.name}.solution() shows one.")
+                return
+            self._shown[0] += 1
+            n = self._shown[0]
+        elif not 1 <= n <= total:
+            print(f"{self.name} has hints 1 to {total}; hint({n}) does not exist.")
+            return
+        else:
+            self._shown[0] = max(self._shown[0], n)
+        print(f"Hint {n} of {total} ({self.name}): {self.hints[n - 1]}")
+
+    def solution(self) -> None:
+        """Print the reference solution's source (any function that passes the grader is right too)."""
+        sources = [inspect.getsource(f).rstrip() for f in self.references]
+        print(f"# One answer for {self.name}; yours may differ and still pass.\n")
+        print("\n\n\n".join(sources))
