@@ -4,16 +4,26 @@ and reports an untouched scaffold as not attempted without raising."""
 from __future__ import annotations
 
 import hashlib
+import os
 import random
+import tempfile
+import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from ckpt_lesson.course import exercises, graders, solutions
 from ckpt_lesson.course.exercises import EXERCISES, Exercise
 from ckpt_lesson.course.graders import check_cadence, check_keep_k, check_migration, check_verify_part
+from ckpt_lesson.course.graders_disk import check_atomic_save, check_round_trip
+from ckpt_lesson.course.graders_lessons import check_next_batch, check_plan_param_group
+from ckpt_lesson.course.graders_rng import check_rng
+from ckpt_lesson.course.training import next_batch_ids
+from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.schema import migrate_v1_to_v2
+from ckpt_lesson.files.sharded import plan_shards
 from ckpt_lesson.runs.cadence import should_save
 from ckpt_lesson.runs.retention import keep_last_k
 from ckpt_lesson.runs.scan import verify_part
@@ -395,3 +405,361 @@ def test_solution_prints_the_source_of_every_reference_function(name, capsys):
     exec(out, namespace)
     for function in exercise.references:
         assert callable(namespace[function.__name__])
+
+
+# ---------------------------------------------------------------- 01 rng_capture wrong answers
+
+
+def _fails_pair(grader, *fns) -> str:
+    result = grader(*fns, verbose=False)
+    assert result.attempted
+    assert not result.passed
+    assert result.first_failure
+    return result.first_failure
+
+
+def test_rng_fails_a_snapshot_holding_numpys_raw_state():
+    def capture():
+        return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+    def restore(state):
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+
+    assert "weights_only=True) refused the snapshot" in _fails_pair(check_rng, capture, restore)
+
+
+def test_rng_fails_forgetting_numpy():
+    def capture():
+        return {"python": random.getstate(), "torch": torch.get_rng_state()}
+
+    def restore(state):
+        random.setstate(state["python"])
+        torch.set_rng_state(state["torch"])
+
+    assert "numpy np.random.rand()" in _fails_pair(check_rng, capture, restore)
+
+
+def test_rng_fails_dropping_numpys_cached_gaussian():
+    def capture():
+        name, keys, pos, _, _ = np.random.get_state()
+        return {"python": random.getstate(), "np": [name, keys.tolist(), pos], "torch": torch.get_rng_state()}
+
+    def restore(state):
+        random.setstate(state["python"])
+        name, keys, pos = state["np"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos))
+        torch.set_rng_state(state["torch"])
+
+    assert "np.random.normal()" in _fails_pair(check_rng, capture, restore)
+
+
+def test_rng_fails_reseeding_instead_of_restoring():
+    def capture():
+        return {"seed": 0}
+
+    def restore(state):
+        random.seed(state["seed"])
+        np.random.seed(state["seed"])
+        torch.manual_seed(state["seed"])
+
+    assert "before" in _fails_pair(check_rng, capture, restore)
+
+
+def test_rng_grader_leaves_the_global_generators_alone():
+    torch.manual_seed(5)
+    np.random.seed(5)
+    check_rng(solutions.capture_rng_state, solutions.restore_rng_state, verbose=False)
+    after = (torch.rand(1).item(), np.random.rand())
+    torch.manual_seed(5)
+    np.random.seed(5)
+    assert after == (torch.rand(1).item(), np.random.rand())
+
+
+# ---------------------------------------------------------------- 02 atomic wrong answers
+
+
+def naive_torch_save(payload, path):
+    torch.save(payload, path)  # naive: truncates the old file first
+
+
+def no_fsync_save(payload, path):
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def fixed_temp_name_save(payload, path):
+    path = Path(path)
+    tmp = path.parent / (path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def leaves_temp_on_error_save(payload, path):
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
+    with open(tmp, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def test_atomic_fails_plain_torch_save_already_without_the_kill():
+    assert "never renamed a temp file" in _fails_pair(check_atomic_save, naive_torch_save)
+
+
+def test_atomic_fails_a_rename_without_fsync():
+    assert "did not os.fsync the temp file" in _fails_pair(check_atomic_save, no_fsync_save)
+
+
+def test_atomic_fails_a_fixed_temp_name():
+    assert "both saves used the temp name" in _fails_pair(check_atomic_save, fixed_temp_name_save)
+
+
+def test_atomic_fails_leaving_the_temp_file_after_an_error():
+    assert "remove the temp file when the save fails" in _fails_pair(
+        check_atomic_save, leaves_temp_on_error_save
+    )
+
+
+def test_atomic_kill_case_catches_plain_torch_save_in_a_child_process():
+    from ckpt_lesson.course.kill_child import kill_case
+
+    with tempfile.TemporaryDirectory() as tmp:
+        case = kill_case(Path(tmp) / "kill")
+        problem = case.judge(case.call(naive_torch_save))
+    assert "no longer loads" in problem
+
+
+def test_atomic_kill_case_runs_a_function_that_uses_a_helper_defined_beside_it():
+    with tempfile.TemporaryDirectory() as tmp:
+        from ckpt_lesson.course.kill_child import kill_case
+
+        case = kill_case(Path(tmp) / "kill")
+        assert case.judge(case.call(uses_a_helper_save)) is None
+
+
+def _fsync_directory(directory):
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def uses_a_helper_save(payload, path):
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
+    with open(tmp, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_directory(path.parent)
+
+
+def test_function_source_collects_helpers_modules_and_constants():
+    from ckpt_lesson.course.kill_child import function_source
+
+    source = function_source(uses_a_helper_save)
+    assert "import os as os" in source and "import uuid as uuid" in source
+    assert "def _fsync_directory(" in source and "def uses_a_helper_save(" in source
+    assert "from pathlib import Path as Path" in source
+
+
+# ---------------------------------------------------------------- 03 round_trip wrong answers
+
+
+def _payload(model, optimizer, scheduler, state, *, rng=True):
+    out = {
+        "schema": "lesson.v1",
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "state": {
+            "step": state.step,
+            "epoch": state.epoch,
+            "batch_in_epoch": state.batch_in_epoch,
+            "losses": list(state.losses),
+        },  # fmt: skip
+    }
+    out["rng"] = solutions.capture_rng_state() if rng else {}
+    return out
+
+
+def test_round_trip_fails_a_checkpoint_without_the_rng():
+    def save(model, optimizer, scheduler, state, path):
+        torch.save(_payload(model, optimizer, scheduler, state, rng=False), path)
+
+    def load(path, model, optimizer, scheduler):
+        p = torch.load(path, weights_only=True)
+        model.load_state_dict(p["model"])
+        optimizer.load_state_dict(p["optimizer"])
+        scheduler.load_state_dict(p["scheduler"])
+        return TrainState(**p["state"])
+
+    assert "restore all five buckets" in _fails_pair(check_round_trip, save, load)
+
+
+def test_round_trip_fails_a_loader_that_applies_before_validating():
+    def load(path, model, optimizer, scheduler):
+        try:
+            p = torch.load(path, weights_only=True)
+        except Exception as exc:
+            raise ValueError("damaged") from exc
+        if "model" not in p:
+            raise ValueError("missing model")
+        model.load_state_dict(p["model"])  # applied before the other checks
+        for key in ("schema", "optimizer", "scheduler", "state", "rng"):
+            if key not in p:
+                raise ValueError(f"missing {key}")
+        if p["schema"] != "lesson.v1":
+            raise ValueError("unknown schema")
+        optimizer.load_state_dict(p["optimizer"])
+        scheduler.load_state_dict(p["scheduler"])
+        solutions.restore_rng_state(p["rng"])
+        return TrainState(**p["state"])
+
+    failure = _fails_pair(check_round_trip, solutions.save_checkpoint, load)
+    assert "validate everything first" in failure
+
+
+def test_round_trip_fails_a_loader_that_lets_a_key_error_escape():
+    def load(path, model, optimizer, scheduler):
+        try:
+            p = torch.load(path, weights_only=True)
+        except Exception as exc:
+            raise ValueError("damaged") from exc
+        if p.get("schema") != "lesson.v1":
+            raise ValueError("unknown schema")
+        state = TrainState(**p["state"])
+        optimizer.load_state_dict(p["optimizer"])
+        scheduler.load_state_dict(p["scheduler"])
+        solutions.restore_rng_state(p["rng"])
+        model.load_state_dict(p["model"])
+        return state
+
+    assert "raised KeyError" in _fails_pair(check_round_trip, solutions.save_checkpoint, load)
+
+
+def test_round_trip_fails_a_loader_without_weights_only():
+    def load(path, model, optimizer, scheduler):
+        try:
+            p = torch.load(path, weights_only=False)
+        except Exception as exc:
+            raise ValueError("damaged") from exc
+        missing = [k for k in ("model", "optimizer", "scheduler", "state", "rng") if k not in p]
+        if missing or p.get("schema") != "lesson.v1":
+            raise ValueError("bad file")
+        if "extras" in p:
+            raise ValueError("unexpected extras")
+        return solutions.load_checkpoint(path, model, optimizer, scheduler)
+
+    assert "ran code from the file" in _fails_pair(check_round_trip, solutions.save_checkpoint, load)
+
+
+def test_round_trip_fails_a_loader_that_lets_the_truncated_file_crash():
+    def load(path, model, optimizer, scheduler):
+        torch.load(path, weights_only=True)  # a RuntimeError on a cut-short zip escapes
+        return solutions.load_checkpoint(path, model, optimizer, scheduler)
+
+    assert "cut in half" in _fails_pair(check_round_trip, solutions.save_checkpoint, load)
+
+
+# ---------------------------------------------------------------- 04 param_group wrong answers
+
+
+def test_param_group_fails_plain_round_robin():
+    def round_robin(state_dict, num_shards):
+        keys = list(state_dict)
+        return [keys[i::num_shards] for i in range(num_shards)]
+
+    assert "holds" in _fails(check_plan_param_group, round_robin)
+
+
+def test_param_group_fails_groups_without_balancing():
+    def unbalanced(state_dict, num_shards):
+        if num_shards < 2:
+            raise ValueError("need 2")
+        n_w = (num_shards + 1) // 2
+        w = [k for k in state_dict if k.endswith("weight")]
+        o = [k for k in state_dict if not k.endswith("weight")]
+        return [w[i::n_w] for i in range(n_w)] + [o[i :: num_shards - n_w] for i in range(num_shards - n_w)]
+
+    assert "largest-first into the lightest shard" in _fails(check_plan_param_group, unbalanced)
+
+
+def test_param_group_fails_accepting_a_single_shard():
+    def no_check(state_dict, num_shards):
+        return solutions.plan_param_group(state_dict, max(num_shards, 2))[:num_shards] if num_shards else []
+
+    assert "expected ValueError" in _fails(check_plan_param_group, no_check)
+
+
+def test_param_group_passes_the_package_plan():
+    assert check_plan_param_group(lambda sd, n: plan_shards(sd, n, "param_group"), verbose=False).passed
+
+
+# ---------------------------------------------------------------- 05 batch_position wrong answers
+
+
+def test_batch_position_fails_the_global_generator():
+    def global_rng(state, data, *, seed, batch_size):
+        if state.batch_in_epoch >= len(data) // batch_size:
+            state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+        order = torch.randperm(len(data))
+        start = state.batch_in_epoch * batch_size
+        return order[start : start + batch_size].tolist()
+
+    assert "expected" in _fails(check_next_batch, global_rng)
+
+
+def test_batch_position_fails_without_the_epoch_rollover():
+    def no_rollover(state, data, *, seed, batch_size):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + state.epoch)
+        start = state.batch_in_epoch * batch_size
+        return torch.randperm(len(data), generator=g)[start : start + batch_size].tolist()
+
+    assert "roll into epoch 1" in _fails(check_next_batch, no_rollover)
+
+
+def test_batch_position_fails_a_replay_of_every_epoch():
+    def replays(state, data, *, seed, batch_size):
+        for e in range(state.epoch):  # draws every earlier epoch's order for nothing
+            torch.randperm(len(data), generator=torch.Generator().manual_seed(seed * 1_000_003 + e))
+        return next_batch_ids(state, data, seed=seed, batch_size=batch_size)
+
+    assert "permutations for one batch" in _fails(check_next_batch, replays)
+
+
+def test_batch_position_fails_advancing_the_batch_counter_itself():
+    def advances(state, data, *, seed, batch_size):
+        ids = next_batch_ids(state, data, seed=seed, batch_size=batch_size)
+        state.batch_in_epoch += 1
+        return ids
+
+    assert "only roll over" in _fails(check_next_batch, advances)
+
+
+def test_show_source_prints_the_module_path_and_the_code_without_the_docstring(capsys):
+    from ckpt_lesson.course.exercise import show_source
+    from ckpt_lesson.files.atomic import fsync_dir
+
+    show_source(fsync_dir)
+    out = capsys.readouterr().out
+    assert out.startswith("# ckpt_lesson/files/atomic.py\ndef fsync_dir(")
+    assert "os.fsync(fd)" in out
+    assert '"""' not in out

@@ -16,14 +16,16 @@ and uses the way Kaggle Learn's exercises work:
 
 from __future__ import annotations
 
+import ast
 import inspect
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_lesson.course.grading import GradeResult, verdict_line
 
-__all__ = ["Exercise"]
+__all__ = ["Exercise", "show_source"]
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,8 @@ class Exercise:
 
     @property
     def function_names(self) -> str:
-        """The names the learner's functions must have, e.g. ``"capture_rng_state, restore_rng_state"``."""
-        return ", ".join(f.__name__ for f in self.references)
+        """The names the learner's functions must have, e.g. ``"capture_rng_state or restore_rng_state"``."""
+        return " or ".join(f.__name__ for f in self.references)
 
     def check(self, *fns: Callable[..., Any], **kwargs: Any) -> GradeResult:
         """Grade the learner's function(s) and print one verdict line.
@@ -104,3 +106,44 @@ class Exercise:
         sources = [inspect.getsource(f).rstrip() for f in self.references]
         print(f"# One answer for {self.name}; yours may differ and still pass.\n")
         print("\n\n\n".join(sources))
+
+
+def show_source(*functions: Callable[..., Any], docstrings: bool = False) -> None:
+    """Print functions' source, by default without their docstrings, to compare with your own.
+
+    Each lesson calls this after its exercise on the package's version of the piece the
+    learner just wrote.
+
+    Args:
+        *functions: The functions to print, in order.
+        docstrings: Keep the docstrings (long; the code is easier to compare without them).
+
+    Example:
+        >>> from ckpt_lesson.files.atomic import fsync_dir
+        >>> show_source(fsync_dir)  # doctest: +ELLIPSIS
+        # ckpt_lesson/files/atomic.py
+        def fsync_dir(directory: str | os.PathLike[str]) -> None:
+        ...
+    """
+    for number, fn in enumerate(functions):
+        source = textwrap.dedent(inspect.getsource(fn))
+        if not docstrings:
+            source = _without_docstring(source)
+        module = inspect.getmodule(fn)
+        where = module.__name__.replace(".", "/") + ".py" if module else "?"
+        print(("\n" if number else "") + f"# {where}\n{source.rstrip()}")
+
+
+def _without_docstring(source: str) -> str:
+    node = ast.parse(source).body[0]
+    body = getattr(node, "body", [])
+    if not (
+        body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant)
+    ):
+        return source
+    first, last = body[0].lineno, body[0].end_lineno or body[0].lineno
+    lines = source.splitlines()
+    rest = lines[last:]
+    while rest and not rest[0].strip():  # the blank line that followed the docstring
+        rest.pop(0)
+    return "\n".join(lines[: first - 1] + rest)

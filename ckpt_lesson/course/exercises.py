@@ -9,6 +9,7 @@ A notebook imports the one it needs and uses it Kaggle-style::
 
 :data:`EXERCISES` lists them all by name (the tests grade every reference
 solution and known wrong answers through it). The graders themselves live in
+:mod:`ckpt_lesson.course.graders_lessons` and ``graders_disk`` (01-05) and
 :mod:`ckpt_lesson.course.graders` (06-09); the ``check_*`` names are re-exported
 here so older imports keep working.
 """
@@ -24,20 +25,123 @@ from ckpt_lesson.course.graders import (
     check_migration,
     check_verify_part,
 )
+from ckpt_lesson.course.graders_disk import check_atomic_save, check_round_trip
+from ckpt_lesson.course.graders_lessons import check_next_batch, check_plan_param_group
+from ckpt_lesson.course.graders_rng import check_rng
 
 __all__ = [
     "EXERCISES",
     "Exercise",
     "GradeResult",
+    "atomic",
+    "batch_position",
     "cadence",
+    "check_atomic_save",
     "check_cadence",
     "check_keep_k",
     "check_migration",
+    "check_next_batch",
+    "check_plan_param_group",
+    "check_rng",
+    "check_round_trip",
     "check_verify_part",
     "checksum",
     "keep_k",
     "migration",
+    "param_group",
+    "rng_capture",
+    "round_trip",
 ]
+
+# ---------------------------------------------------------------- the lessons' build-it-yourself exercises
+
+rng_capture = Exercise(
+    name="rng_capture",
+    grader=check_rng,
+    hints=(
+        "Four generators: Python's `random`, NumPy's legacy global one (`np.random`), torch's CPU "
+        "generator, and one per CUDA device (`torch.cuda.get_rng_state_all()`, an empty list without GPU).",
+        "`random.getstate()` and `torch.get_rng_state()` survive a weights-only load as they are. "
+        "`np.random.get_state()` is a tuple (name, keys, pos, has_gauss, cached_gaussian) whose `keys` is an "
+        "ndarray: store `keys.tolist()`.",
+        "Keep all five parts of NumPy's state: `np.random.normal()` draws Gaussians in pairs and returns the "
+        "second one from the cache (has_gauss, cached_gaussian). Python's state carries its cached "
+        "Gaussian too.",
+        "To restore, turn the list back into `np.array(keys, dtype=np.uint32)` and call "
+        "`np.random.set_state`; "
+        "`random.setstate` wants a tuple `(version, tuple(internal), gauss_next)`. Never change the "
+        "snapshot.",
+    ),
+    reference=(solutions.capture_rng_state, solutions.restore_rng_state),
+)
+
+atomic = Exercise(
+    name="atomic",
+    grader=check_atomic_save,
+    hints=(
+        "Never open the target for writing: write a temp file in the *same directory*, then "
+        "`os.replace(temp, target)`, which is atomic.",
+        "Name the temp file uniquely, e.g. `f'.{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}'`: two "
+        "writers never share it, and the leading dot keeps it out of '*.pt' globs.",
+        "Inside `with open(tmp, 'wb') as f:` call `torch.save(payload, f)`, `f.flush()`, "
+        "`os.fsync(f.fileno())`. "
+        "After the replace, fsync the directory: `fd = os.open(path.parent, os.O_RDONLY)`, `os.fsync(fd)`, "
+        "`os.close(fd)`.",
+        "Wrap the write and the replace in `try: ... except BaseException: tmp.unlink(missing_ok=True); "
+        "raise`, "
+        "so a failed save leaves no temp file and the caller still sees the error.",
+    ),
+    reference=solutions.atomic_save,
+)
+
+round_trip = Exercise(
+    name="round_trip",
+    grader=check_round_trip,
+    hints=(
+        "Save one dict: `schema` ('lesson.v1') plus the five buckets: `model.state_dict()`, "
+        "`optimizer.state_dict()`, `scheduler.state_dict()`, the TrainState's fields as a plain dict, and "
+        "`capture_rng_state()`. Write it with an atomic save.",
+        "Load with `torch.load(path, map_location='cpu', weights_only=True)` inside `try`, and turn any "
+        "failure into `raise ValueError(...) from exc`: a cut-short file is 'damaged', not a crash.",
+        "Check the schema and that all five buckets are there, and raise `ValueError` naming the file and "
+        "what "
+        "is missing, before you call any `load_state_dict`.",
+        "Apply in one go at the end: model, optimizer, scheduler, then `restore_rng_state`; return "
+        "`TrainState(**payload['state'])`.",
+    ),
+    reference=(solutions.save_checkpoint, solutions.load_checkpoint),
+)
+
+param_group = Exercise(
+    name="param_group",
+    grader=check_plan_param_group,
+    hints=(
+        "Split the keys into two groups: those ending in 'weight' and all the others (biases, norm "
+        "buffers). With fewer than 2 shards there is no room for both: raise ValueError.",
+        "Weights get the first `(num_shards + 1) // 2` shards, the others the rest.",
+        "Balance each group by bytes (`t.numel() * t.element_size()`): take the tensors largest first and "
+        "put "
+        "each one into the shard that is currently lightest.",
+        "Return one list per shard, `num_shards` lists in all (some may be empty); every key exactly once.",
+    ),
+    reference=solutions.plan_param_group,
+)
+
+batch_position = Exercise(
+    name="batch_position",
+    grader=check_next_batch,
+    hints=(
+        "An epoch has `len(data) // batch_size` batches (the last partial batch is dropped). If "
+        "`state.batch_in_epoch` has reached that, the epoch is used up: move to the next epoch, batch 0.",
+        "The order of epoch e is `torch.randperm(len(data), generator=g)` with "
+        "`g = torch.Generator().manual_seed(seed * 1_000_003 + e)`: a private generator, so the global one "
+        "(restored on resume) is never touched.",
+        "The batch is a slice of that order: `order[b * batch_size:(b + 1) * batch_size]`, as a list.",
+        "Only roll the epoch over; do not advance `batch_in_epoch` yourself (the training loop counts "
+        "batches after each step). Never loop over earlier batches or epochs.",
+    ),
+    reference=solutions.next_batch_ids,
+)
 
 keep_k = Exercise(
     name="keep_k",
@@ -98,4 +202,17 @@ migration = Exercise(
 )
 
 #: Every exercise by name, in course order.
-EXERCISES: dict[str, Exercise] = {ex.name: ex for ex in (keep_k, cadence, checksum, migration)}
+EXERCISES: dict[str, Exercise] = {
+    ex.name: ex
+    for ex in (
+        rng_capture,
+        atomic,
+        round_trip,
+        param_group,
+        batch_position,
+        keep_k,
+        cadence,
+        checksum,
+        migration,
+    )
+}

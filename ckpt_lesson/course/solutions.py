@@ -10,11 +10,30 @@ after each exercise. ``tests/test_exercises.py`` grades every one of them.
 from __future__ import annotations
 
 import hashlib
+import os
+import random
+import uuid
 from pathlib import Path
 
-from ckpt_lesson.errors import SchemaError
+import numpy as np
+import torch
 
-__all__ = ["keep_last_k", "migrate_v1_to_v2", "should_save", "verify_part"]
+from ckpt_lesson.errors import SchemaError
+from ckpt_lesson.files.checkpoint import TrainState
+
+__all__ = [
+    "atomic_save",
+    "capture_rng_state",
+    "keep_last_k",
+    "load_checkpoint",
+    "migrate_v1_to_v2",
+    "next_batch_ids",
+    "plan_param_group",
+    "restore_rng_state",
+    "save_checkpoint",
+    "should_save",
+    "verify_part",
+]
 
 
 # ---------------------------------------------------------------- 06 keep the last K good checkpoints
@@ -75,3 +94,141 @@ def migrate_v1_to_v2(payload):
     new["data"] = {"recorded": False, "fingerprint": None, "order_seed": None}
     new.setdefault("extras", None)
     return new
+
+
+# ---------------------------------------------------------------- 01 capture and restore every generator
+
+
+def capture_rng_state():
+    # NumPy's legacy state holds an ndarray, which torch.load(weights_only=True) refuses:
+    # unpack it and keep the array as a plain list. Keep has_gauss and the cached Gaussian:
+    # np.random.normal() draws in pairs and returns the second one from that cache.
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": random.getstate(),  # tuples of ints (and the cached Gaussian): loads fine
+        "numpy": {"name": name, "keys": keys.tolist(), "pos": pos, "has_gauss": has_gauss, "cached": cached},
+        "torch_cpu": torch.get_rng_state(),  # a uint8 tensor (already a copy)
+        "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def restore_rng_state(state):
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    n = state["numpy"]
+    np.random.set_state(
+        (n["name"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached"])
+    )
+    torch.set_rng_state(state["torch_cpu"])
+    if state["torch_cuda"]:
+        torch.cuda.set_rng_state_all(state["torch_cuda"])
+
+
+# ---------------------------------------------------------------- 04 a param-group shard plan
+
+
+def plan_param_group(state_dict, num_shards):
+    if num_shards < 2:
+        raise ValueError(
+            f"param-group sharding needs num_shards >= 2 (weights and the rest), got {num_shards}"
+        )
+    n_weights = (num_shards + 1) // 2  # weights are the bulk of the bytes: give them the larger half
+    weights = [k for k in state_dict if k.endswith("weight")]
+    others = [k for k in state_dict if not k.endswith("weight")]
+
+    def balance(keys, n):
+        # Largest tensor first, each into the currently lightest shard.
+        shards, load = [[] for _ in range(n)], [0] * n
+        nbytes = {k: state_dict[k].numel() * state_dict[k].element_size() for k in keys}
+        for key in sorted(keys, key=lambda k: -nbytes[k]):
+            lightest = load.index(min(load))
+            shards[lightest].append(key)
+            load[lightest] += nbytes[key]
+        return shards
+
+    return balance(weights, n_weights) + balance(others, num_shards - n_weights)
+
+
+# ---------------------------------------------------------------- 05 the O(1) mid-epoch position
+
+
+def next_batch_ids(state, data, *, seed, batch_size):
+    per_epoch = len(data) // batch_size  # a last partial batch is dropped
+    if state.batch_in_epoch >= per_epoch:  # this epoch is used up: the next batch opens a new one
+        state.epoch += 1
+        state.batch_in_epoch = 0
+    # The order of an epoch depends on (seed, epoch) only, from a private generator: no replay of
+    # earlier batches or epochs, and the global generator (which a resume restores) is never touched.
+    g = torch.Generator().manual_seed(seed * 1_000_003 + state.epoch)
+    order = torch.randperm(len(data), generator=g)
+    start = state.batch_in_epoch * batch_size
+    return order[start : start + batch_size].tolist()
+
+
+# ---------------------------------------------------------------- 02 an atomic, durable save
+
+
+def atomic_save(payload, path):
+    path = Path(path)
+    # Same directory (a rename across file systems is a copy, not atomic); a unique name (two
+    # writers never share a temp file); a leading dot so no "*.pt" glob picks it up.
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()  # Python's buffer -> the kernel
+            os.fsync(f.fileno())  # the kernel -> the disk, before any name points at the bytes
+        os.replace(tmp, path)  # atomic: readers see the old file or the new one, never a mix
+    except BaseException:  # Ctrl-C included: never leave a temp file behind
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)  # the rename lives in the directory: flush it too
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- 03 the full round trip
+
+
+def save_checkpoint(model, optimizer, scheduler, state, path):
+    payload = {
+        "schema": "lesson.v1",  # read by the loader, never guessed from the keys present
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),  # AdamW's moments and step counts
+        "scheduler": scheduler.state_dict(),  # where the learning-rate schedule is
+        "state": {
+            "step": state.step,
+            "epoch": state.epoch,
+            "batch_in_epoch": state.batch_in_epoch,
+            "losses": list(state.losses),
+        },  # fmt: skip
+        "rng": capture_rng_state(),  # notebook 01's, or ckpt_lesson's
+    }
+    atomic_save(payload, path)  # notebook 02's, or ckpt_lesson's
+
+
+def load_checkpoint(path, model, optimizer, scheduler):
+    try:  # weights_only: build tensors and plain values, run no code from the file
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # cut short, not a zip, or asking for a forbidden global
+        raise ValueError(
+            f"{path}: cannot be read safely ({type(exc).__name__}); use an older checkpoint"
+        ) from exc
+    if not isinstance(payload, dict) or payload.get("schema") != "lesson.v1":
+        found = payload.get("schema") if isinstance(payload, dict) else type(payload).__name__
+        raise ValueError(f"{path}: schema {found!r} is not 'lesson.v1'; this code cannot read it")
+    missing = [b for b in ("model", "optimizer", "scheduler", "state", "rng") if b not in payload]
+    if missing:
+        raise ValueError(f"{path}: lacks {missing}; a resume needs all five buckets")
+    try:
+        state = TrainState(**payload["state"])
+    except TypeError as exc:
+        raise ValueError(f"{path}: the 'state' bucket is malformed ({exc})") from exc
+    # Everything checked: only now change the live objects (a refused file leaves them as they were).
+    model.load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+    scheduler.load_state_dict(payload["scheduler"])
+    restore_rng_state(payload["rng"])
+    return state
