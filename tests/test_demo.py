@@ -49,13 +49,25 @@ def cli_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
         runs.append(real(**kwargs))
         return runs[-1]
 
-    stdout = io.StringIO()
-    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(stdout):
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        contextlib.redirect_stdout(stdout),
+        contextlib.redirect_stderr(stderr),
+    ):
         mp.setattr(demo, "run_resume_demo", spy)
         rc = main([*argv, "--out", str(out), "--ckpt-dir", str(ckpt_dir)])
     doc = json.loads((out / "resume-demo.json").read_text(encoding="utf-8"))
     by_kind = {("sharded" if r["sharded"] else "single_file"): r for r in runs}
-    return {"rc": rc, "out": out, "ckpt_dir": ckpt_dir, "doc": doc, "stdout": stdout.getvalue(), **by_kind}
+    return {
+        "rc": rc,
+        "out": out,
+        "ckpt_dir": ckpt_dir,
+        "doc": doc,
+        "stdout": stdout.getvalue(),
+        "stderr": stderr.getvalue(),
+        **by_kind,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +188,13 @@ def test_rewriting_the_artifacts_gives_identical_bytes(cli_run: dict, tmp_path) 
     write_demo_artifacts(results, tmp_path)
     for name in ARTIFACTS:
         assert (tmp_path / name).read_bytes() == (cli_run["out"] / name).read_bytes(), name
+
+
+def test_cli_demo_announces_each_phase_on_stderr_and_keeps_stdout_for_the_table(cli_run: dict) -> None:
+    lines = cli_run["stderr"].splitlines()
+    assert [line.split("]")[0] for line in lines] == ["[1/4", "[2/4", "[3/4", "[4/4"]
+    assert "SIGKILL" in lines[0] and "sharded" in lines[1] and "no_rng" in lines[2]
+    assert "[1/4]" not in cli_run["stdout"]
 
 
 def test_cli_demo_exits_1_when_a_real_resume_diverges(cli_run: dict, tmp_path, monkeypatch, capsys) -> None:

@@ -65,6 +65,17 @@ def test_a_sharded_managed_run_resumes_bit_for_bit(tmp_path):
     assert out["losses"] == losses
 
 
+def test_background_saves_publish_the_same_steps_and_resume_bit_for_bit(tmp_path):
+    losses, _ = plain_run()
+    first = run_managed_training(tmp_path / "run", total_steps=TOTAL, seed=SEED, every_steps=4,
+                                 stop_after_step=9, async_saves=True)  # fmt: skip
+    assert first["saved_steps"] == [4, 8]  # the step-8 save in flight was waited for, not lost
+    out = run_managed_training(tmp_path / "run", total_steps=TOTAL, seed=SEED, every_steps=4,
+                               async_saves=True)  # fmt: skip
+    assert out["resumed_from"] == 8 and out["losses"] == losses
+    assert final_losses(tmp_path / "run", TOTAL) == losses
+
+
 def test_resume_never_refuses_a_folder_that_already_has_saves(tmp_path):
     run_managed_training(tmp_path, total_steps=4, every_steps=2)
     with pytest.raises(CheckpointError, match="already holds saves and resume='never'"):

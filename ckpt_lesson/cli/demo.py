@@ -37,6 +37,9 @@ def run(args: argparse.Namespace) -> int:
         "interrupt_at": args.interrupt_at,
         "num_shards": args.num_shards,
         "seed": args.seed,
+        # Each phase forks fresh processes and takes seconds: say what is running, on stderr so
+        # stdout stays the result table.
+        "progress": lambda line: print(line, file=sys.stderr, flush=True),
     }
     if args.ckpt_dir is None:
         with tempfile.TemporaryDirectory(prefix="ckpt-demo-") as tmp:

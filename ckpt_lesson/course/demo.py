@@ -26,7 +26,7 @@ import os
 import signal
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -326,12 +326,19 @@ def run_full_demo(
     num_shards: int = 3,
     seed: int = 11,
     ckpt_dir: str | os.PathLike[str],
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Everything ``python -m ckpt_lesson demo`` runs, as one dict for :func:`write_demo_artifacts`.
 
     The single-file and sharded resumes and both negative controls, all
     against the same baseline. Notebook 05 calls this too, so with the same
     arguments both write byte-identical artifacts.
+
+    Args:
+        total_steps, interrupt_at, num_shards, seed: The run's shape.
+        ckpt_dir: Where the checkpoints go.
+        progress: Called with one line before each phase (the CLI prints it
+            to stderr, so a 20-30 s run is not silent); ``None`` stays quiet.
 
     Returns:
         ``{"config": {...}, "baseline": {"losses", "sample_ids"}, "variants":
@@ -343,12 +350,14 @@ def run_full_demo(
         >>> write_demo_artifacts(results, "outputs")  # doctest: +SKIP
     """
     _validate(total_steps, interrupt_at, num_shards)
+    say = progress or (lambda line: None)
     kwargs = {"total_steps": total_steps, "interrupt_at": interrupt_at, "seed": seed, "ckpt_dir": ckpt_dir}
     kwargs.update(COURSE_SIZES)  # the course's model and data (the controls build the same)
-    runs = {
-        "single_file": run_resume_demo(**kwargs),
-        "sharded": run_resume_demo(**kwargs, sharded=True, num_shards=num_shards),
-    }
+    phases = len(CONTROL_KINDS) + 2
+    say(f"[1/{phases}] single-file checkpoint: SIGKILL at step {interrupt_at}, resume in a fresh process")
+    runs = {"single_file": run_resume_demo(**kwargs)}
+    say(f"[2/{phases}] sharded checkpoint ({num_shards} shards): the same kill and resume")
+    runs["sharded"] = run_resume_demo(**kwargs, sharded=True, num_shards=num_shards)
     single = runs["single_file"]
     variants: dict[str, dict[str, Any]] = {}
     for name, r in runs.items():
@@ -358,7 +367,8 @@ def run_full_demo(
         # Store the steps after the checkpoint, as for the controls (and the committed outputs/).
         variants[name]["resumed_losses"] = r["resumed_losses"][interrupt_at:]
     expected_ids = single["baseline_sample_ids"]
-    for kind in CONTROL_KINDS:
+    for i, kind in enumerate(CONTROL_KINDS, start=3):
+        say(f"[{i}/{phases}] negative control {kind}: a broken resume that must diverge")
         records = _control_records(kind, ckpt_path=single["checkpoint"], total_steps=total_steps, seed=seed)
         losses = [r.loss for r in records]
         variants[kind] = {

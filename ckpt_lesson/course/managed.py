@@ -19,6 +19,7 @@ tests run it in child processes and kill them at chosen moments.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from ckpt_lesson.course.training import (
 )
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
+from ckpt_lesson.runs.async_save import AsyncCheckpointer
 from ckpt_lesson.runs.contract import config_fingerprint as _contract_config_fingerprint
 from ckpt_lesson.runs.contract import model_fingerprint
 from ckpt_lesson.runs.manager import CheckpointManager
@@ -81,6 +83,7 @@ def run_managed_training(
     after_step: Callable[[TrainState, StepRecord], None] | None = None,
     on_restore: Callable[[Any, dict[str, Any] | None], None] | None = None,
     preemption: PreemptionHandler | None = None,
+    async_saves: bool = False,
 ) -> dict[str, Any]:
     """Train the teaching model to ``total_steps``, saving and resuming via a manager.
 
@@ -112,6 +115,11 @@ def run_managed_training(
             once it has caught a signal, the step in flight finishes, the state
             is saved (timed against the grace period) and the run stops with
             ``"preempted": True`` and ``"exit_code": 75`` in the result.
+        async_saves: Write periodic saves in the background through an
+            :class:`~ckpt_lesson.runs.async_save.AsyncCheckpointer` (training
+            goes on while a save is written; at most one in flight). The final
+            and preemption saves first wait for it. ``on_event`` hooks then run
+            on the writer thread.
 
     Every restore appends a line to ``run_dir/recovery.jsonl`` after the first
     resumed step (see :mod:`ckpt_lesson.runs.report`), and ``progress.json`` is
@@ -184,22 +192,26 @@ def run_managed_training(
             on_restore(model, mgr.last_restore)
         state = restored or TrainState()
         resumed_from = restored.step if restored is not None else None
-        records = _train_with_saves(
-            mgr,
-            model,
-            optimizer,
-            scheduler,
-            state,
-            data,
-            total_steps,
-            seed,
-            batch_size,
-            progress,
-            stop_after_step,
-            recorder,
-            after_step,
-            preemption,
-        )
+        # Leaving this block waits for a background save still in flight, so it is published (or
+        # its error raised) before the final save below; a body error wins over a save error.
+        with AsyncCheckpointer(mgr) if async_saves else contextlib.nullcontext() as writer:
+            records = _train_with_saves(
+                mgr,
+                model,
+                optimizer,
+                scheduler,
+                state,
+                data,
+                total_steps,
+                seed,
+                batch_size,
+                progress,
+                stop_after_step,
+                recorder,
+                after_step,
+                preemption,
+                writer,
+            )
         stopped_early = state.step < total_steps
         preempted = preemption is not None and preemption.requested and stopped_early
         if not stopped_early and mgr.last_saved_step != state.step:
@@ -233,6 +245,7 @@ def _train_with_saves(
     recorder: RecoveryRecorder | None = None,
     user_after_step: Callable[[TrainState, StepRecord], None] | None = None,
     preemption: PreemptionHandler | None = None,
+    writer: AsyncCheckpointer | None = None,
 ) -> list[StepRecord]:
     from tqdm import tqdm  # plain bar on stderr: tqdm.auto would store a widget in notebooks
 
@@ -247,10 +260,15 @@ def _train_with_saves(
             recorder.step_done(st.step)
         if user_after_step is not None:
             user_after_step(st, record)
-        if mgr.should_save(st.step):
+        if writer is not None:
+            if writer.should_save(st.step):
+                writer.save_async(model, optimizer, scheduler, st)  # returns once the snapshot is taken
+        elif mgr.should_save(st.step):
             mgr.save(model, optimizer, scheduler, st)
         if preemption is not None and preemption.requested and st.step < total_steps:
             # The signal only set a flag; now, at a step boundary, is the safe moment to save.
+            if writer is not None:
+                writer.wait()  # one save at a time: the one in flight first
             if mgr.last_saved_step != st.step:
                 preemption.timed_save(lambda: mgr.save(model, optimizer, scheduler, st))
             return True
