@@ -97,6 +97,7 @@ from .runs.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler  # noqa: E40
 from .runs.report import RecoveryRecorder, read_recovery_log, summarize_recoveries  # noqa: E402
 from .runs.retention import KeepBest, KeepLastK, keep_last_k  # noqa: E402
 from .runs.scan import ScanResult, read_manifest, scan_checkpoints, verify_part  # noqa: E402
+from .runs.steplog import log_step  # noqa: E402
 from .runs.warm_start import WarmStartRecord, warm_start_from  # noqa: E402
 
 __version__ = "0.1.0"
@@ -163,6 +164,7 @@ __all__ = [
     "load_accumulating",
     "load_checkpoint",
     "load_sharded_checkpoint",
+    "log_step",
     "main",
     "make_model",
     "make_optimizer_and_scheduler",

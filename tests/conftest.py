@@ -8,6 +8,7 @@ optimizer, scheduler and a fresh :class:`TrainState`. Everything is small
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,3 +78,21 @@ def build_tiny_run(seed: int = 0, *, with_scheduler: bool = True, hidden: int = 
 def tiny_run() -> Callable[..., TinyRun]:
     """Factory fixture: ``tiny_run(seed=0, with_scheduler=True, hidden=32) -> TinyRun``."""
     return build_tiny_run
+
+
+@pytest.fixture(autouse=True)
+def no_resume_test_variables(monkeypatch):
+    """A test run inside resume-test must not report its own steps (or save) where resume-test said."""
+    monkeypatch.delenv("CKPT_LESSON_STEP_LOG", raising=False)
+    monkeypatch.delenv("CKPT_LESSON_CKPT_DIR", raising=False)
+
+
+@pytest.fixture
+def fake_command():
+    """``fake_command(*args)``: ``python tests/fake_train.py ARGS...`` as a command for resume-test."""
+    fake = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_train.py")
+
+    def command(*extra: str) -> list[str]:
+        return [sys.executable, fake, *extra]
+
+    return command

@@ -30,6 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "ckpt_lesson.cli.report",
         "summarise a run's restores: fallbacks, steps redone, recovery times",
     ),
+    "resume-test": (
+        "ckpt_lesson.cli.resume_test",
+        "kill and restart your training command; check it resumes exactly (PASS/FAIL)",
+    ),
     "scan": ("ckpt_lesson.cli.scan", "verify every save in a run directory (exit 1 if any is bad)"),
     "train": ("ckpt_lesson.cli.train", "train the teaching model with managed saves and auto-resume"),
 }

@@ -1,0 +1,264 @@
+"""The verdict on one trial, and a one-line diagnosis where the evidence points to a cause.
+
+The rules, in the order they are tried (the first that applies wins):
+
+1. a restart crashed: if the kill before it landed in a save, the save was
+   left damaged and the script loaded it (it is not atomic); otherwise the
+   last line of its stderr says why;
+2. a restart did not finish in time;
+3. a restart began at step 0 although a save existed: no checkpoint was found;
+4. the first difference (see :mod:`resume_compare` for how its position
+   points to RNG, data position, optimizer or accumulated state).
+
+The wording is deliberately "e.g.": a diagnosis is a strong hint from the
+shape of the failure, not proof. The numbers it rests on are in the report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt_lesson.cli.resume_compare import (
+    Difference,
+    RestartStat,
+    compare,
+    epoch_starts,
+    find_repeat,
+    matches_baseline,
+    restart_stats,
+    stitch,
+)
+from ckpt_lesson.cli.resume_runner import TrialRun
+from ckpt_lesson.cli.resume_steps import StepRecord
+from ckpt_lesson.cli.resume_watch import NONE
+
+__all__ = ["TrialVerdict", "exact_resumes", "judge_trial"]
+
+#: A restart counts as "exact from step S" only after this many matching steps (a process
+#: killed one step after resuming proves little about the optimizer).
+MIN_EXACT_STEPS = 3
+NOT_REPRODUCIBLE = (
+    "the run is not reproducible: {where} differs from the baseline at step {step}; fix seeds, "
+    "thread counts and nondeterministic ops (or allow --atol/--rtol)"
+)
+
+
+@dataclass
+class TrialVerdict:
+    """How one trial went. ``kill_point`` is the kill before the process where it went wrong."""
+
+    index: int
+    kind: str
+    status: str
+    ok: bool
+    first_difference: Difference | None = None
+    differences: int = 0
+    kill_point: str | None = None
+    diagnosis: str | None = None
+    restarts: list[RestartStat] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        out["first_difference"] = self.first_difference.to_dict() if self.first_difference else None
+        out["restarts"] = [r.to_dict() for r in self.restarts]
+        return out
+
+
+def exact_resumes(
+    trials: list[TrialRun], baseline: dict[int, StepRecord], *, atol: float, rtol: float
+) -> list[int]:
+    """Steps that some restart resumed from and then matched the baseline on every step it ran."""
+    steps = sorted(baseline)
+    found = set()
+    for trial in trials:
+        stats = {s.attempt: s for s in restart_stats(trial.attempts, steps)}
+        for attempt in trial.attempts[1:]:
+            stat = stats[attempt.index]
+            if stat.from_scratch or not stat.resumed_from or len(attempt.records) < MIN_EXACT_STEPS:
+                continue
+            if matches_baseline(attempt, baseline, atol=atol, rtol=rtol):
+                found.add(stat.resumed_from)
+    return sorted(found)
+
+
+def judge_trial(
+    trial: TrialRun,
+    baseline: dict[int, StepRecord],
+    *,
+    atol: float,
+    rtol: float,
+    layout: str,
+    exact: list[int],
+    timeout: float,
+) -> TrialVerdict:
+    """Compare one trial with the baseline and explain the first thing that went wrong.
+
+    Args:
+        trial: The trial's attempts.
+        baseline: The baseline trajectory.
+        atol, rtol: Tolerances for losses and metrics.
+        layout: What the baseline's checkpoint folder was (manager, files, none).
+        exact: Steps from which some restart resumed exactly (see :func:`exact_resumes`).
+        timeout: ``--timeout``, for the message.
+
+    Example:
+        >>> v = judge_trial(trial, base, atol=0, rtol=0, layout="manager", exact=[],  # doctest: +SKIP
+        ...                 timeout=300)
+        >>> v.ok, v.diagnosis  # doctest: +SKIP
+        (False, 'the first step after resume matches, the second does not: ...')
+    """
+    steps = sorted(baseline)
+    restarts = restart_stats(trial.attempts, steps)
+    diffs = compare(baseline, stitch(trial.attempts), atol=atol, rtol=rtol)
+    verdict = TrialVerdict(trial.plan.index, trial.plan.kind, trial.status, ok=True, restarts=restarts)
+    verdict.differences = len(diffs)
+    verdict.first_difference = diffs[0] if diffs else None
+    last = trial.attempts[-1]
+    before = trial.attempts[-2].kill if len(trial.attempts) > 1 else None
+    if trial.status == "crashed":
+        verdict.kill_point = before.point if before else None
+        verdict.diagnosis = _crash(last.exit_code, last.last_stderr_line(), before)
+    elif trial.status == "timeout":
+        verdict.kill_point = before.point if before else None
+        after = f"after the kill {before.point}" if before else "before any kill"
+        verdict.diagnosis = (
+            f"a run did not finish within --timeout {timeout:g} s ({after}); it may wait on a lock, "
+            "on input, or on a save that never completes"
+        )
+    else:
+        scratch = _restart_from_scratch(trial, restarts, layout)
+        if scratch is not None:
+            verdict.kill_point, verdict.diagnosis = scratch
+        elif diffs:
+            verdict.kill_point, verdict.diagnosis = _explain(
+                diffs[0], diffs, trial, restarts, baseline, exact
+            )
+    verdict.ok = verdict.diagnosis is None and not diffs
+    return verdict
+
+
+def _crash(code: int | None, last_line: str, before: Any) -> str:
+    said = f"exit {code}" + (f": {last_line}" if last_line else "")
+    if before is None:
+        return (
+            f"the command failed before any kill ({said}) although the baseline finished: "
+            "it is not reproducible"
+        )
+    # A manager's staging folder is no damage (restores never look at it); anything else is.
+    damaged = [d for d in before.damaged if not str(d["name"]).startswith(".staging-")]
+    if damaged:
+        return (
+            f"the restart after a kill during a save crashed ({said}): the interrupted save left a damaged "
+            "checkpoint and the script loaded it; the save is not atomic (write a temporary file, fsync, "
+            "then rename it into place, or use CheckpointManager)"
+        )
+    return f"the restart after the kill {before.point} crashed ({said}); its stderr log says more"
+
+
+def _restart_from_scratch(
+    trial: TrialRun, restarts: list[RestartStat], layout: str
+) -> tuple[str, str] | None:
+    for stat in restarts:
+        kill = trial.attempts[stat.attempt - 2].kill
+        if not stat.from_scratch or kill is None:
+            continue
+        if layout == NONE:
+            return kill.point, (
+                "the run restarted from step 0: no checkpoint was found (the command wrote nothing into its "
+                "checkpoint folder; save under $CKPT_LESSON_CKPT_DIR or the {ckpt_dir} argument)"
+            )
+        if kill.held_save:
+            return kill.point, (
+                "the run restarted from step 0: no checkpoint was found, although the checkpoint folder "
+                "held a save when it was killed (does the script look for saves where it writes them?)"
+            )
+    return None
+
+
+def _explain(
+    diff: Difference,
+    diffs: list[Difference],
+    trial: TrialRun,
+    restarts: list[RestartStat],
+    baseline: dict[int, StepRecord],
+    exact: list[int],
+) -> tuple[str | None, str]:
+    if diff.what == "missing":
+        gap = [d.step for d in diffs if d.what == "missing"]
+        span = (
+            f"{gap[0]}"
+            if len(gap) == 1
+            else f"{gap[0]}..{gap[-1]}"
+            if gap[-1] - gap[0] + 1 == len(gap)
+            else f"{gap[0]} and others"
+        )
+        return None, (
+            f"step(s) {span} were never reported after a restart: the run skipped work, e.g. it resumed "
+            "from a later step than its checkpoint holds (the step counter is saved after being advanced)"
+        )
+    if diff.what == "extra":
+        return None, (
+            f"the trial reported step {diff.step}, which the baseline never reached: the resumed run does "
+            "more steps than an uninterrupted one (its stop condition depends on state that is not restored)"
+        )
+    attempt = trial.attempts[(diff.attempt or 1) - 1]
+    if attempt.index == 1:
+        return None, NOT_REPRODUCIBLE.format(
+            where=f"the first run of trial {trial.plan.index}", step=diff.step
+        )
+    kill = trial.attempts[attempt.index - 2].kill
+    point = kill.point if kill else None
+    stat = next(s for s in restarts if s.attempt == attempt.index)
+    if stat.from_scratch:
+        return point, NOT_REPRODUCIBLE.format(where="a restart that began at step 0", step=diff.step)
+    offset = len({r.step for r in attempt.records if r.step < diff.step})
+    resumed = stat.resumed_from
+    if diff.what == "sample_ids":
+        return point, _data(diff, offset, baseline)
+    got = {r.step: r for r in attempt.records}[diff.step]
+    same_samples = got.sample_ids is not None and baseline[diff.step].sample_ids is not None
+    if offset == 0:
+        if same_samples:
+            return point, (
+                "diverges at the first step after resume, on the same samples: RNG state not restored "
+                "(dropout or augmentation draw differently than in the uninterrupted run)"
+            )
+        return point, (
+            "diverges at the first step after resume: RNG state (or the data position) not restored; "
+            "report sample_ids to log_step to tell the two apart"
+        )
+    if offset == 1 and not [s for s in exact if s != resumed]:
+        return point, (
+            "the first step after resume matches, the second does not: the weights and RNG came back but "
+            "the update did not: optimizer (or LR scheduler) state not restored, e.g. a fresh optimizer "
+            "on resume"
+        )
+    others = [s for s in exact if s != resumed]
+    also = f" (resumes from step {', '.join(map(str, others))} were exact)" if others else ""
+    return point, (
+        f"the first {offset} step(s) after resuming from step {resumed} match, then step {diff.step} "
+        f"differs{also}: state carried across steps was lost at the save, e.g. a save inside a "
+        "gradient-accumulation window (accumulated gradients are not saved; save only after an "
+        "optimizer step)"
+    )
+
+
+def _data(diff: Difference, offset: int, baseline: dict[int, StepRecord]) -> str:
+    ids = tuple(diff.resumed)
+    repeat = find_repeat(ids, diff.step, baseline)
+    where = "at the first step after resume" if offset == 0 else f"{offset + 1} steps after resume"
+    if repeat is not None and repeat in epoch_starts(baseline):
+        return (
+            f"sample ids repeat from the epoch start (step {repeat}) {where}: the data position is not "
+            "restored; the loader restarts the epoch instead of skipping the batches already seen"
+        )
+    if repeat is not None:
+        return (
+            f"sample ids {where} repeat those of step {repeat}: the data position is not restored "
+            "(the run trains again on data it has already seen)"
+        )
+    return (
+        f"sample ids differ {where}: the data order is not restored (e.g. a shuffle whose generator "
+        "is not seeded per epoch or not saved)"
+    )

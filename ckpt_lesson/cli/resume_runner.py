@@ -1,0 +1,313 @@
+"""Running the user's command: one attempt at a time, watched, and killed on cue.
+
+Each attempt is started in its own session (``start_new_session``), so the
+kill reaches the whole process group: a command like ``bash -c "python
+train.py"`` or a script with DataLoader workers dies entirely, as it would
+when a machine is taken away. With ``--signal TERM`` the group first gets
+``SIGTERM`` (the notice a spot machine or a scheduler sends) and, after the
+grace period, ``SIGKILL``: that exercises the script's preemption path.
+
+While an attempt runs, one loop reads its step reports, watches its
+checkpoint folder, asks the :class:`~resume_plan.KillTrigger` whether this is
+the moment, and sleeps until something changes. Right after a kill it looks
+at what the dead process left behind: saves that do not verify, staging
+folders, files cut short.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpt_lesson.cli.resume_plan import KillTarget, KillTrigger, TrialPlan
+from ckpt_lesson.cli.resume_steps import StepPattern, StepReader, StepRecord
+from ckpt_lesson.cli.resume_watch import MANAGER, NONE, FolderWatcher, SaveBurst, Waker
+from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.runs.scan import scan_checkpoints
+from ckpt_lesson.runs.steplog import CKPT_DIR_ENV, STEP_LOG_ENV
+
+__all__ = ["Attempt", "Kill", "RunSpec", "TrialRun", "run_attempt", "run_trial"]
+
+SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}
+#: Longest sleep of the watch loop: how late a process exit or a timeout is noticed.
+TICK_SECONDS = 0.02
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """How to start the command; the same for the baseline and every restart."""
+
+    command: tuple[str, ...]
+    cwd: Path
+    env: dict[str, str]
+    pattern: StepPattern | None = None
+    signal: str = "KILL"
+    grace: float = 10.0
+    timeout: float = 300.0
+
+
+@dataclass
+class Kill:
+    """One kill as it happened (see :class:`~resume_plan.KillTarget` for the plan)."""
+
+    kind: str
+    target_step: int
+    point: str
+    mid_save: bool
+    last_step: int | None
+    signal: str
+    forced: bool = False
+    held_save: bool = False
+    exit_code: int | None = None
+    damaged: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Attempt:
+    """One process: what it reported, how it ended, what it left behind."""
+
+    index: int
+    folder: Path
+    started: float
+    ended: float = 0.0
+    exit_code: int | None = None
+    records: list[StepRecord] = field(default_factory=list)
+    kill: Kill | None = None
+    timed_out: bool = False
+    save_steps: list[int] = field(default_factory=list)
+    layout: str = NONE
+    bad_lines: int = 0
+
+    @property
+    def stdout(self) -> Path:
+        return self.folder / "stdout.log"
+
+    @property
+    def stderr(self) -> Path:
+        return self.folder / "stderr.log"
+
+    def last_stderr_line(self) -> str:
+        """The last non-empty line of stderr (the exception, usually), shortened to one line."""
+        try:
+            text = self.stderr.read_bytes()[-4096:].decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        return lines[-1][:200] if lines else ""
+
+
+@dataclass
+class TrialRun:
+    """One trial: its plan, its attempts in order, and how it ended (finished/crashed/timeout)."""
+
+    plan: TrialPlan
+    folder: Path
+    attempts: list[Attempt] = field(default_factory=list)
+    status: str = "finished"
+
+
+def _launch(spec: RunSpec, argv: list[str], env: dict[str, str], folder: Path) -> subprocess.Popen[bytes]:
+    with open(folder / "stdout.log", "wb") as out, open(folder / "stderr.log", "wb") as err:
+        try:
+            return subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, cwd=spec.cwd,
+                start_new_session=True,
+            )  # fmt: skip
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"command not found: {argv[0]!r}; check the spelling or give its path (it goes after --)."
+            ) from None
+        except PermissionError:
+            raise CheckpointError(f"{argv[0]!r} is not executable; run it through its interpreter.") from None
+        except OSError as exc:
+            raise CheckpointError(f"could not start {argv[0]!r}: {exc.strerror or exc}.") from None
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_attempt(
+    spec: RunSpec,
+    folder: Path,
+    ckpt_dir: Path,
+    *,
+    index: int,
+    target: KillTarget | None = None,
+    layout: str = NONE,
+) -> Attempt:
+    """Run the command once, killing it at ``target`` (if any); returns what happened.
+
+    Args:
+        spec: The command and its settings.
+        folder: Where this attempt's logs go (created).
+        ckpt_dir: The checkpoint folder (shared by the attempts of one trial).
+        index: 1 for the first process of a run, 2 for its first restart, ...
+        target: Where to kill it; ``None`` lets it run to the end.
+        layout: What the baseline showed the checkpoint folder to be.
+
+    Raises:
+        CheckpointError: The command cannot be started.
+
+    Example:
+        >>> a = run_attempt(spec, Path("w/b/attempt-1"), Path("w/b/ckpt"), index=1)  # doctest: +SKIP
+        >>> a.exit_code, len(a.records)  # doctest: +SKIP
+        (0, 40)
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    steps_file = folder / "steps.jsonl"
+    env = {**spec.env, CKPT_DIR_ENV: str(ckpt_dir), STEP_LOG_ENV: str(steps_file), "PYTHONUNBUFFERED": "1"}
+    argv = [arg.replace("{ckpt_dir}", str(ckpt_dir)) for arg in spec.command]
+    waker = Waker()
+    waker.watch(folder)
+    watcher = FolderWatcher(ckpt_dir, layout=layout, waker=waker)
+    reader = StepReader(folder / "stdout.log" if spec.pattern else steps_file, spec.pattern)
+    trigger = KillTrigger(target, layout) if target is not None else None
+    attempt = Attempt(index, folder, time.time())
+    proc = _launch(spec, argv, env, folder)
+    deadline = time.monotonic() + spec.timeout
+    term_sent: float | None = None
+    saving = False  # a staging folder exists, or (generic folder) files changed since the last step
+    burst = SaveBurst()  # generic folder: the files changed since the last step report
+    last_step: int | None = None
+    try:
+        while True:
+            events = watcher.poll()
+            records = reader.poll()
+            moved_in = _relative(waker.take_moved_in(), ckpt_dir)
+            for e in events:
+                if e.kind == "published" and e.step is not None:
+                    attempt.save_steps.append(e.step)
+            activity = {e.name for e in events if e.kind == "activity"}
+            step_now = _last(records, last_step)
+            # Within one poll the order of step reports and file changes is unknown. Changes while
+            # a save was already under way are its tail (the last bytes, the rename), even when a
+            # step report arrived in the same poll; otherwise a script reports a step, then saves.
+            if records:  # a step report ends a generic save: the script is training again
+                activity = set() if burst.names else activity
+                burst = SaveBurst()
+            if activity:
+                if not burst.names:
+                    attempt.save_steps.append(0 if step_now is None else step_now)
+                burst.add(activity, watcher)
+            burst.renamed |= moved_in
+            events = [e for e in events if e.kind != "activity" or e.name in activity]
+            saving = watcher.staging_present() if watcher.layout == MANAGER else bool(burst.names)
+            if trigger is not None and attempt.kill is None:
+                hit = trigger.check(events, records, step_now, saving=saving)
+                if hit is not None:
+                    _signal_group(proc, SIGNALS[spec.signal])
+                    term_sent = time.monotonic() if spec.signal == "TERM" else None
+                    attempt.kill = Kill(
+                        target.kind, target.step, hit.point, hit.mid_save,
+                        step_now, spec.signal, held_save=_holds_save(watcher),
+                    )  # fmt: skip
+            attempt.records.extend(records)
+            last_step = step_now
+            if proc.poll() is not None:
+                break
+            now = time.monotonic()
+            if term_sent is not None and now - term_sent > spec.grace and attempt.kill is not None:
+                attempt.kill.forced = True
+                _signal_group(proc, signal.SIGKILL)
+                term_sent = None
+            if now > deadline and not attempt.timed_out:
+                attempt.timed_out = True
+                _signal_group(proc, signal.SIGKILL)
+            wait = TICK_SECONDS if trigger is None else min(TICK_SECONDS, trigger.seconds_until_due() or 1.0)
+            waker.wait(wait)
+    finally:
+        if proc.poll() is None:  # the tool itself is being stopped (Ctrl-C): leave nothing running
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+        _signal_group(proc, signal.SIGKILL)  # stray children of a finished command
+        waker.wait(0.0)  # the last renames the dead process made
+        burst.renamed |= _relative(waker.take_moved_in(), ckpt_dir)
+        waker.close()
+    attempt.ended = time.time()
+    attempt.exit_code = proc.returncode
+    attempt.records.extend(reader.poll(final=True))
+    attempt.bad_lines = reader.bad_lines
+    watcher.poll()
+    attempt.layout = watcher.layout
+    if attempt.kill is not None:
+        attempt.kill.exit_code = proc.returncode
+        attempt.kill.damaged = _damage(ckpt_dir, watcher, burst)
+    return attempt
+
+
+def _relative(paths: set[str], root: Path) -> set[str]:
+    prefix = str(root) + os.sep
+    return {p[len(prefix) :] for p in paths if p.startswith(prefix)}
+
+
+def _last(records: list[StepRecord], default: int | None) -> int | None:
+    return records[-1].step if records else default
+
+
+def _holds_save(watcher: FolderWatcher) -> bool:
+    if watcher.layout == MANAGER:
+        return bool(watcher.published_steps())
+    return any(not name.endswith("/") for name in watcher.files())
+
+
+def _damage(ckpt_dir: Path, watcher: FolderWatcher, burst: SaveBurst) -> list[dict[str, Any]]:
+    """What the killed process left that is not a good save."""
+    if watcher.layout == MANAGER:
+        try:
+            results = scan_checkpoints(ckpt_dir)
+        except CheckpointError:
+            return []
+        return [
+            {"name": r.path.name, "step": r.step, "status": r.status, "reason": r.reason}
+            for r in results
+            if not r.ok
+        ]
+    # A generic folder has no commit record: the best evidence is "it was being written at the kill".
+    return [
+        {"name": name, "step": None, "status": "possibly incomplete",
+         "reason": f"was being written when the process was killed ({size} bytes)"}
+        for name, size in burst.cut_short(watcher.files())
+    ]  # fmt: skip
+
+
+def run_trial(spec: RunSpec, folder: Path, plan: TrialPlan, *, layout: str) -> TrialRun:
+    """Run one trial: start, kill at each planned point, restart, until the command ends.
+
+    A kill is always followed by a restart; an exit on its own ends the trial
+    (``"finished"`` on 0, ``"crashed"`` otherwise: a supervisor would restart a
+    crashed job, and it would crash the same way); a timeout ends it too.
+
+    Example:
+        >>> trial = run_trial(spec, Path("w/trial-01"), plan, layout="manager")  # doctest: +SKIP
+        >>> trial.status, [a.kill.point for a in trial.attempts if a.kill]  # doctest: +SKIP
+        ('finished', ['right after step-00000020 was published'])
+    """
+    trial = TrialRun(plan, folder)
+    targets = list(plan.targets)
+    while True:
+        target = targets.pop(0) if targets else None
+        index = len(trial.attempts) + 1
+        attempt = run_attempt(
+            spec, folder / f"attempt-{index}", folder / "ckpt", index=index, target=target, layout=layout
+        )
+        trial.attempts.append(attempt)
+        if attempt.timed_out:
+            trial.status = "timeout"
+            return trial
+        if attempt.kill is not None:
+            continue
+        trial.status = "finished" if attempt.exit_code == 0 else "crashed"
+        return trial

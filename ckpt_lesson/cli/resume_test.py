@@ -1,0 +1,307 @@
+"""``python -m ckpt_lesson resume-test [options] -- COMMAND...``: does your script really resume?
+
+A script can save checkpoints every few minutes and still not resume: the
+RNG is reseeded, the optimizer is rebuilt, the data loader starts the epoch
+over, or the save itself is cut in half by the kill it was meant to survive.
+None of that raises an error; the run just quietly becomes a different run.
+
+This command finds out by experiment. It runs the command once without
+interruption (the baseline), then in trials that kill it at chosen moments
+(right after a save is published, in the middle of a save, at random) and
+restart it until it finishes. Each run gets a fresh checkpoint folder,
+handed over as ``$CKPT_LESSON_CKPT_DIR`` and wherever ``{ckpt_dir}`` appears
+in the command. The script reports its steps with one call,
+``ckpt_lesson.log_step(step, loss, sample_ids=ids)`` (free when not under
+this tool), or ``--step-pattern`` reads them from its output.
+
+The trial's stitched trajectory (each step from the last process that ran it)
+must equal the baseline's: exactly by default, within ``--atol``/``--rtol`` if
+given. The verdict names the first differing step, the kill that caused it,
+and, where the shape of the failure tells, the likely mistake.
+
+Exit status: 0 PASS, 1 FAIL, 2 usage error (bad options, a command that
+cannot start, fails or reports no steps on its own, an unwritable --workdir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from ckpt_lesson.cli.resume_compare import trajectory
+from ckpt_lesson.cli.resume_diagnose import exact_resumes, judge_trial
+from ckpt_lesson.cli.resume_plan import KINDS, plan_trials
+from ckpt_lesson.cli.resume_report import build_report, format_text, write_json, write_plot
+from ckpt_lesson.cli.resume_runner import Attempt, RunSpec, run_attempt, run_trial
+from ckpt_lesson.cli.resume_steps import StepPattern
+from ckpt_lesson.cli.resume_watch import NONE
+from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.runs.steplog import CKPT_DIR_ENV, STEP_LOG_ENV
+
+__all__ = ["configure", "run"]
+
+EPILOG = f"""\
+what the command gets (each run, baseline and every trial, has its own fresh folder):
+  ${CKPT_DIR_ENV}  the checkpoint folder; also substituted for {{ckpt_dir}} in the arguments
+  ${STEP_LOG_ENV}  where ckpt_lesson.log_step(step, loss, sample_ids=None, **metrics)
+                        appends one JSON line per step (log_step does nothing when it is unset)
+
+what is compared:
+  the trial's stitched trajectory (each step from the last process that ran it) against the
+  baseline's: losses and metrics exactly (or within --atol/--rtol), sample ids exactly where
+  reported. The verdict names the first differing step, the kill before it, and a likely cause.
+
+kill points (--kill-at, cycled over the trials):
+  after-save   right after a save is published: the restart resumes from exactly that save
+  mid-save     while a save is being written: a save that is not atomic is left damaged
+  random       at a random moment between two steps (possibly inside a save)
+  A CheckpointManager run directory is understood exactly (.staging-step-* = a save in progress,
+  step-* = published); any other folder is watched for new or growing files.
+
+examples:
+  python -m ckpt_lesson resume-test -- python examples/resume_train.py
+  python -m ckpt_lesson resume-test --trials 2 --kill-at after-save -- python train.py --out {{ckpt_dir}}
+  python -m ckpt_lesson resume-test --step-pattern 'step (\\d+) loss ([0-9.e+-]+)' -- ./train.sh
+  python -m ckpt_lesson resume-test --signal TERM --grace 30 -- python train.py
+
+exit status: 0 PASS, 1 FAIL, 2 usage error (a command that cannot start, fails or logs no steps
+on its own; bad options; an unwritable --workdir). The report is also written to WORKDIR/report.json,
+and when the runs differ, a plot of baseline vs resumed loss to WORKDIR/report.png.
+"""
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``python -m ckpt_lesson resume-test``."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG
+    parser.usage = "%(prog)s [options] -- COMMAND [ARG ...]"
+    add = parser.add_argument
+    # dest "cmd", not "command": the top-level parser stores the subcommand's name in "command".
+    add("cmd", nargs=argparse.REMAINDER, metavar="COMMAND",
+        help="the training command and its arguments, after --")  # fmt: skip
+    add("--workdir", metavar="DIR", help="where checkpoint folders, logs and the report go "
+        "(a new or empty folder; default: a new temporary folder, kept and printed)")  # fmt: skip
+    add("--trials", type=int, default=3, metavar="N", help="kill-and-restart trials (default: 3)")
+    add("--kills", type=int, default=2, metavar="N", help="kills per trial (default: 2)")
+    add("--kill-at", default=",".join(KINDS), metavar="KINDS",
+        help=f"comma-separated kill points, cycled over the trials (default: {','.join(KINDS)})")  # fmt: skip
+    add("--signal", choices=("KILL", "TERM"), default="KILL",
+        help="KILL (default): a crash; TERM: a preemption notice, then KILL after --grace")  # fmt: skip
+    add("--grace", type=float, default=10.0, metavar="SECONDS",
+        help="with --signal TERM: seconds before the KILL follows (default: 10)")  # fmt: skip
+    add("--seed", type=int, default=0, help="seeds the choice of kill points (default: 0)")
+    add("--timeout", type=float, default=600.0, metavar="SECONDS",
+        help="limit for each run of the command, baseline and every restart (default: 600)")  # fmt: skip
+    add(
+        "--atol",
+        type=float,
+        default=0.0,
+        metavar="TOL",
+        help="absolute tolerance for losses and metrics (default: 0, exact)",
+    )
+    add(
+        "--rtol",
+        type=float,
+        default=0.0,
+        metavar="TOL",
+        help="relative tolerance for losses and metrics (default: 0, exact)",
+    )
+    add("--step-pattern", metavar="REGEX",
+        help="read steps from the command's stdout instead of log_step: named groups (?P<step>...) "
+        "and (?P<loss>...), or two plain groups in that order")  # fmt: skip
+    add("--json", action="store_true", help="print the report as JSON instead of text")
+
+
+def _check_options(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...]]:
+    command = list(args.cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise CheckpointError("no command given: put it after --, e.g. resume-test -- python train.py.")
+    for name in ("trials", "kills"):
+        if getattr(args, name) < 1:
+            raise CheckpointError(f"--{name} must be >= 1, got {getattr(args, name)}.")
+    for name in ("timeout", "grace"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise CheckpointError(f"--{name} must be a number of seconds > 0, got {value}.")
+    for name in ("atol", "rtol"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise CheckpointError(f"--{name} must be a number >= 0, got {value}.")
+    kinds = tuple(k.strip() for k in args.kill_at.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in KINDS]
+    if not kinds or unknown:
+        raise CheckpointError(
+            f"--kill-at {args.kill_at!r}: choose from {', '.join(KINDS)} (comma-separated)."
+        )
+    program = command[0]
+    if os.sep not in program and shutil.which(program) is None:
+        raise CheckpointError(
+            f"command not found: {program!r} is not on PATH; check the spelling or give its path."
+        )
+    if os.sep in program and not Path(program).is_file():
+        raise CheckpointError(f"command not found: {program!r} does not exist.")
+    return command, kinds
+
+
+def prepare_workdir(path: str | None) -> Path:
+    """A new or empty folder for this run, checked writable before anything runs.
+
+    Raises:
+        CheckpointError: It cannot be created, is a file, is not writable, or
+            already holds a ``resume-test`` run (checkpoint folders must start empty).
+
+    Example:
+        >>> prepare_workdir(None).name.startswith("resume-test-")  # doctest: +SKIP
+        True
+    """
+    if path is None:
+        try:
+            return Path(tempfile.mkdtemp(prefix="resume-test-"))
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot create a temporary folder ({exc.strerror}); pass --workdir."
+            ) from exc
+    workdir = Path(path)
+    if workdir.exists() and not workdir.is_dir():
+        raise CheckpointError(f"--workdir {path}: is a file; pass a folder.")
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=workdir, prefix=".probe-"):
+            pass
+    except OSError as exc:
+        raise CheckpointError(
+            f"--workdir {path}: not writable ({exc.strerror or exc}); pass a folder you can write."
+        ) from exc
+    if (workdir / "baseline").exists() or any(workdir.glob("trial-*")):
+        raise CheckpointError(
+            f"--workdir {path}: already holds a resume-test run; pass a new or empty folder "
+            "(every run needs a fresh checkpoint folder)."
+        )
+    return workdir
+
+
+def _check_baseline(baseline: Attempt, args: argparse.Namespace) -> None:
+    if baseline.timed_out:
+        raise CheckpointError(
+            f"the baseline run (no kills) did not finish within --timeout {args.timeout:g} s; "
+            f"raise --timeout or shorten the run (logs: {baseline.folder})."
+        )
+    if baseline.exit_code != 0:
+        last = baseline.last_stderr_line()
+        raise CheckpointError(
+            f"the baseline run (no kills) exited with code {baseline.exit_code}"
+            + (f" ({last})" if last else "")
+            + f"; the command must finish on its own first (stderr: {baseline.stderr})."
+        )
+    if not baseline.records:
+        if args.step_pattern:
+            how = f"no line of its stdout matched --step-pattern (stdout: {baseline.stdout})"
+        elif baseline.bad_lines:
+            how = f"its {baseline.bad_lines} log_step line(s) did not parse"
+        else:
+            how = "call ckpt_lesson.log_step(step, loss) after each step, or pass --step-pattern"
+        raise CheckpointError(f"the baseline run logged no steps: {how}.")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the baseline and the trials, write the report, print the verdict.
+
+    Args:
+        args: The parsed options (see :func:`configure`).
+
+    Returns:
+        0 when every trial matches the baseline (PASS), 1 otherwise (FAIL).
+
+    Raises:
+        CheckpointError: A usage error (the CLI prints it as one line and exits 2): bad options,
+            an unusable --workdir, or a command that cannot start, fails on its own, times out
+            or reports no steps in the baseline run.
+
+    Example:
+        >>> run(build_parser().parse_args(["resume-test", "--", "python", "train.py"]))  # doctest: +SKIP
+        0
+    """
+    command, kinds = _check_options(args)
+    pattern = StepPattern(args.step_pattern) if args.step_pattern else None
+    workdir = prepare_workdir(args.workdir)
+    env = {k: v for k, v in os.environ.items() if k not in (STEP_LOG_ENV, CKPT_DIR_ENV)}
+    spec = RunSpec(tuple(command), Path.cwd(), env, pattern, args.signal, args.grace, args.timeout)
+    bar = tqdm(total=args.trials, unit="trial", file=sys.stderr, leave=False,
+               disable=not sys.stderr.isatty(), desc="baseline")  # fmt: skip
+    try:
+        baseline = run_attempt(
+            spec, workdir / "baseline" / "attempt-1", workdir / "baseline" / "ckpt", index=1
+        )
+        _check_baseline(baseline, args)
+        base = trajectory(baseline.records)
+        layout = baseline.layout
+        steps = [r.step for r in baseline.records]
+        seconds = _typical_step_seconds(baseline)
+        plans = plan_trials(steps=steps, save_steps=baseline.save_steps, trials=args.trials, kinds=kinds,
+                            kills=args.kills, seed=args.seed, step_seconds=seconds)  # fmt: skip
+        trials = []
+        for plan in plans:
+            bar.set_description(f"trial {plan.index}/{len(plans)} ({plan.kind})")
+            trials.append(run_trial(spec, workdir / f"trial-{plan.index:02d}", plan, layout=layout))
+            bar.update(1)
+    finally:
+        bar.close()
+    exact = exact_resumes(trials, base, atol=args.atol, rtol=args.rtol)
+    verdicts = [
+        judge_trial(t, base, atol=args.atol, rtol=args.rtol, layout=layout, exact=exact, timeout=args.timeout)
+        for t in trials
+    ]
+    report = build_report(
+        command=command, workdir=workdir, settings=_settings(args, kinds), baseline=baseline,
+        layout=layout, trials=trials, verdicts=verdicts, notes=_notes(plans, trials, layout),
+    )  # fmt: skip
+    report["plot"] = write_plot(workdir / "report.png", baseline, trials, verdicts)
+    write_json(report, workdir / "report.json")
+    if args.json:
+        import json
+
+        print(json.dumps(report, indent=2, allow_nan=True))
+    else:
+        print(format_text(report))
+    return 0 if report["verdict"] == "PASS" else 1
+
+
+def _typical_step_seconds(baseline: Attempt) -> float:
+    """The median time between two step reports (startup excluded: random kills land between steps)."""
+    times = [r.t for r in baseline.records]
+    gaps = sorted(b - a for a, b in zip(times[:-1], times[1:], strict=True) if b >= a)
+    return gaps[len(gaps) // 2] if gaps else 0.01
+
+
+def _settings(args: argparse.Namespace, kinds: tuple[str, ...]) -> dict[str, Any]:
+    return {
+        "trials": args.trials, "kills": args.kills, "kill_at": list(kinds), "signal": args.signal,
+        "grace": args.grace, "seed": args.seed, "timeout": args.timeout, "atol": args.atol,
+        "rtol": args.rtol, "step_pattern": args.step_pattern,
+    }  # fmt: skip
+
+
+def _notes(plans: list[Any], trials: list[Any], layout: str) -> list[str]:
+    notes = []
+    if layout == NONE:
+        notes.append(
+            "the baseline wrote nothing into its checkpoint folder: save under "
+            f"${CKPT_DIR_ENV} or the {{ckpt_dir}} argument, or no resume is tested"
+        )
+    fallback = [p.index for p in plans if p.kind != p.requested]
+    if fallback and layout != NONE:
+        notes.append(f"trial(s) {fallback}: no save before the last step to aim at; killed at random instead")
+    unkilled = [t.plan.index for t in trials if not any(a.kill for a in t.attempts)]
+    if unkilled:
+        notes.append(f"trial(s) {unkilled}: the planned kill point never came, so nothing was tested there")
+    return notes

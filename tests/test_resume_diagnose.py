@@ -1,0 +1,142 @@
+"""The verdict on a trial and the one-line diagnosis, from the shape of the failure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ckpt_lesson.cli.resume_compare import trajectory
+from ckpt_lesson.cli.resume_diagnose import exact_resumes, judge_trial
+from ckpt_lesson.cli.resume_plan import TrialPlan
+from ckpt_lesson.cli.resume_runner import Attempt, Kill, TrialRun
+from ckpt_lesson.cli.resume_steps import StepRecord
+from ckpt_lesson.cli.resume_watch import FILES, MANAGER, NONE
+
+IDS = {s: (s % 4 * 2, s % 4 * 2 + 1) for s in range(1, 13)}  # epochs of 4 steps: 1-4, 5-8, 9-12
+
+
+def run(index, steps, *, losses=None, ids=IDS, folder=Path(".")):
+    losses = losses or {}
+    records = [StepRecord(s, losses.get(s, 1.0 / s), ids.get(s) if ids else None, {}, 1.0 + s) for s in steps]
+    return Attempt(index, folder, 0.0, records=records)
+
+
+def killed(a, point="right after step-00000006 was published", *, mid_save=False, held=True, damaged=()):
+    a.kill = Kill("after-save", 6, point, mid_save, a.records[-1].step if a.records else None, "KILL",
+                  held_save=held, damaged=list(damaged))  # fmt: skip
+    return a
+
+
+def trial(*attempts, status="finished"):
+    return TrialRun(TrialPlan(1, "after-save", "after-save"), Path("."), list(attempts), status)
+
+
+BASE = trajectory(run(1, range(1, 13)).records)
+BASE_NO_IDS = trajectory(run(1, range(1, 13), ids=None).records)
+
+
+def judge(t, base=BASE, layout=MANAGER, exact=()):
+    return judge_trial(t, base, atol=0.0, rtol=0.0, layout=layout, exact=list(exact), timeout=60)
+
+
+def test_a_trial_that_matches_passes_with_no_diagnosis():
+    v = judge(trial(killed(run(1, range(1, 8))), run(2, range(7, 13))))
+    assert v.ok and v.diagnosis is None and v.first_difference is None
+    assert [r.steps_redone for r in v.restarts] == [1]
+
+
+def test_a_difference_at_the_first_resumed_step_on_the_same_samples_is_the_rng():
+    v = judge(trial(killed(run(1, range(1, 7))), run(2, range(7, 13), losses={7: 5.0, 8: 5.0})))
+    assert not v.ok and v.first_difference.step == 7
+    assert v.kill_point == "right after step-00000006 was published"
+    assert v.diagnosis.startswith("diverges at the first step after resume, on the same samples: RNG state")
+
+
+def test_without_sample_ids_the_first_step_points_to_rng_or_data_position():
+    v = judge(trial(killed(run(1, range(1, 7), ids=None)), run(2, range(7, 13), losses={7: 5.0}, ids=None)),
+              base=BASE_NO_IDS)  # fmt: skip
+    assert "RNG state (or the data position) not restored" in v.diagnosis
+
+
+def test_a_difference_one_step_after_resume_is_the_optimizer():
+    v = judge(trial(killed(run(1, range(1, 7))), run(2, range(7, 13), losses={8: 5.0})))
+    assert "second does not" in v.diagnosis and "optimizer" in v.diagnosis
+
+
+def test_a_difference_several_steps_after_resume_is_state_carried_across_steps():
+    v = judge(trial(killed(run(1, range(1, 7))), run(2, range(7, 13), losses={9: 5.0})))
+    assert v.diagnosis.startswith("the first 2 step(s) after resuming from step 6 match, then step 9")
+    assert "gradient-accumulation window" in v.diagnosis
+
+
+def test_one_step_late_with_other_resumes_exact_is_not_blamed_on_the_optimizer():
+    v = judge(trial(killed(run(1, range(1, 7))), run(2, range(7, 13), losses={8: 5.0})), exact=[4])
+    assert "resumes from step 4 were exact" in v.diagnosis and "gradient-accumulation" in v.diagnosis
+
+
+def test_exact_resumes_lists_restarts_that_matched_for_several_steps():
+    good = trial(killed(run(1, range(1, 5))), run(2, range(5, 13)))
+    short = trial(killed(run(1, range(1, 9))), killed(run(2, range(9, 10))), run(3, range(9, 13)))
+    assert exact_resumes([good, short], BASE, atol=0.0, rtol=0.0) == [4, 8]
+
+
+def test_sample_ids_from_the_epoch_start_mean_the_data_position_was_lost():
+    replay = {
+        s: IDS[s - 2] for s in range(7, 13)
+    }  # resumed at step 7 with the ids of step 5, the epoch start
+    v = judge(trial(killed(run(1, range(1, 7))), run(2, range(7, 13), ids={**IDS, **replay})))
+    assert v.first_difference.what == "sample_ids"
+    assert v.diagnosis.startswith("sample ids repeat from the epoch start (step 5)")
+
+
+def test_unseen_sample_ids_mean_the_data_order_was_lost():
+    other = {s: (100 + s,) for s in range(7, 13)}
+    v = judge(trial(killed(run(1, range(1, 7))), run(2, range(7, 13), ids={**IDS, **other})))
+    assert v.diagnosis.startswith("sample ids differ at the first step after resume: the data order")
+
+
+def test_a_crash_after_a_kill_inside_a_plain_save_is_a_save_that_is_not_atomic(tmp_path):
+    (tmp_path / "stderr.log").write_text("Traceback...\nEOFError: Ran out of input\n")
+    cut = {"name": "ckpt.pt", "status": "possibly incomplete"}
+    first = killed(
+        run(1, range(1, 7)), "while files were being written after step 6", mid_save=True, damaged=[cut]
+    )
+    v = judge(trial(first, run(2, [], folder=tmp_path), status="crashed"), layout=FILES)
+    assert "EOFError: Ran out of input" in v.diagnosis and "the save is not atomic" in v.diagnosis
+
+
+def test_a_staging_folder_left_by_a_managed_save_is_not_blamed_for_a_crash(tmp_path):
+    (tmp_path / "stderr.log").write_text("ValueError: bad config\n")
+    staging = {"name": ".staging-step-00000006-1-a", "status": "incomplete"}
+    first = killed(run(1, range(1, 7)), "during the save of step 6", mid_save=True, damaged=[staging])
+    v = judge(trial(first, run(2, [], folder=tmp_path), status="crashed"))
+    assert "crashed (exit None: ValueError: bad config)" in v.diagnosis and "atomic" not in v.diagnosis
+
+
+def test_a_restart_from_step_zero_while_a_save_existed_means_no_checkpoint_was_found():
+    v = judge(trial(killed(run(1, range(1, 7))), run(2, range(1, 13))))
+    assert not v.ok and v.diagnosis.startswith("the run restarted from step 0: no checkpoint was found")
+
+
+def test_a_restart_from_step_zero_before_any_save_is_fine():
+    v = judge(trial(killed(run(1, range(1, 3)), held=False), run(2, range(1, 13))))
+    assert v.ok
+
+
+def test_a_command_that_writes_no_checkpoint_is_told_where_to_save():
+    v = judge(trial(killed(run(1, range(1, 3)), held=False), run(2, range(1, 13))), layout=NONE)
+    assert "wrote nothing into its checkpoint folder" in v.diagnosis
+
+
+def test_a_difference_before_any_kill_means_the_run_is_not_reproducible():
+    v = judge(trial(killed(run(1, range(1, 7), losses={2: 9.0})), run(2, range(7, 13))))
+    assert v.diagnosis.startswith("the run is not reproducible") and v.kill_point is None
+
+
+def test_a_timeout_names_the_kill_before_it():
+    v = judge(trial(killed(run(1, range(1, 7))), run(2, range(7, 9)), status="timeout"))
+    assert "did not finish within --timeout 60 s (after the kill right after" in v.diagnosis
+
+
+def test_steps_never_reported_after_a_restart_mean_it_skipped_work():
+    v = judge(trial(killed(run(1, range(1, 7))), run(2, range(8, 13))))
+    assert v.first_difference.what == "missing" and v.diagnosis.startswith("step(s) 7 were never reported")

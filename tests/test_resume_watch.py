@@ -1,0 +1,122 @@
+"""The checkpoint folder watcher: manager saves exactly, other folders by file changes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ckpt_lesson.cli.resume_watch import FILES, MANAGER, NONE, FolderEvent, FolderWatcher, SaveBurst, Waker
+
+
+def test_a_missing_folder_is_watched_until_it_appears(tmp_path):
+    watcher = FolderWatcher(tmp_path / "ckpt")
+    assert watcher.poll() == [] and watcher.layout == NONE
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "a.pt").write_bytes(b"x")
+    assert watcher.poll() == [FolderEvent("activity", "a.pt")]
+    assert watcher.layout == FILES
+
+
+def test_manager_saves_are_seen_as_staging_then_published(tmp_path):
+    watcher = FolderWatcher(tmp_path)
+    staging = tmp_path / ".staging-step-00000020-123-abcd1234"
+    staging.mkdir()
+    (staging / "checkpoint.pt").write_bytes(b"x")
+    assert watcher.poll() == [FolderEvent("staging", staging.name, 20)]
+    assert watcher.layout == MANAGER and watcher.staging_present()
+    os.replace(staging, tmp_path / "step-00000020")
+    assert watcher.poll() == [FolderEvent("published", "step-00000020", 20)]
+    assert watcher.published_steps() == [20] and not watcher.staging_present()
+
+
+def test_a_manager_folder_ignores_other_files_beside_the_saves(tmp_path):
+    watcher = FolderWatcher(tmp_path, layout=MANAGER)
+    (tmp_path / "recovery.jsonl").write_text("{}\n")
+    assert watcher.poll() == []
+
+
+def test_a_plain_folder_reports_new_growing_changed_and_removed_files(tmp_path):
+    watcher = FolderWatcher(tmp_path)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "ckpt.pt").write_bytes(b"1")
+    assert {e.name for e in watcher.poll()} == {"sub/", "sub/ckpt.pt"}
+    assert watcher.poll() == []
+    with open(tmp_path / "sub" / "ckpt.pt", "ab") as f:
+        f.write(b"23")
+    assert watcher.poll() == [FolderEvent("activity", "sub/ckpt.pt")]
+    (tmp_path / "sub" / "ckpt.pt").unlink()
+    assert watcher.poll() == [FolderEvent("activity", "sub/ckpt.pt")]
+    assert watcher.files() == {"sub/": (0, 0, 0)}
+
+
+def test_a_file_replaced_by_a_rename_shows_a_new_inode(tmp_path):
+    (tmp_path / "ckpt.pt").write_bytes(b"old")
+    watcher = FolderWatcher(tmp_path)
+    before = watcher.files()["ckpt.pt"][2]
+    (tmp_path / "tmp").write_bytes(b"new")
+    os.replace(tmp_path / "tmp", tmp_path / "ckpt.pt")
+    assert watcher.poll() == [FolderEvent("activity", "ckpt.pt")]
+    assert watcher.files()["ckpt.pt"][2] != before and watcher.previous["ckpt.pt"][2] == before
+
+
+def test_the_waker_returns_on_a_change_or_a_timeout(tmp_path):
+    waker = Waker()
+    waker.watch(tmp_path)
+    (tmp_path / "f").write_text("x")
+    waker.wait(5.0)  # returns at once: the write is already queued (or polling sleeps 2 ms)
+    waker.wait(0.0)
+    waker.close()
+    waker.close()  # closing twice is harmless
+
+
+def test_what_a_restart_finds_in_the_folder_is_not_reported_as_new(tmp_path):
+    (tmp_path / "step-00000010").mkdir()
+    watcher = FolderWatcher(tmp_path)
+    assert watcher.layout == MANAGER and watcher.poll() == [] and watcher.published_steps() == [10]
+
+
+def test_the_waker_reports_files_renamed_into_place(tmp_path):
+    waker = Waker()
+    if not waker.uses_inotify:
+        waker.close()
+        pytest.skip("no inotify here: polling cannot see renames (the inode check stands in)")
+    waker.watch(tmp_path)
+    (tmp_path / "ckpt.tmp").write_bytes(b"x")
+    os.replace(tmp_path / "ckpt.tmp", tmp_path / "ckpt.pt")
+    waker.wait(1.0)
+    assert waker.take_moved_in() == {str(tmp_path / "ckpt.pt")}
+    assert waker.take_moved_in() == set()
+    waker.close()
+
+
+def burst_after(tmp_path, change):
+    """A SaveBurst over whatever ``change`` does to the folder, polled once or twice."""
+    watcher = FolderWatcher(tmp_path)
+    burst = SaveBurst()
+    for step in change:
+        step()
+        burst.add({e.name for e in watcher.poll()}, watcher)
+    return burst.cut_short(watcher.files())
+
+
+def test_a_save_burst_flags_a_file_rewritten_in_place(tmp_path):
+    (tmp_path / "ckpt.pt").write_bytes(b"old save")
+    assert burst_after(tmp_path, [lambda: (tmp_path / "ckpt.pt").write_bytes(b"ne")]) == [("ckpt.pt", 2)]
+
+
+def test_a_save_burst_trusts_a_file_renamed_into_place(tmp_path):
+    (tmp_path / "ckpt.pt").write_bytes(b"old save")
+    steps = [lambda: (tmp_path / "ckpt.tmp").write_bytes(b"new"),
+             lambda: os.replace(tmp_path / "ckpt.tmp", tmp_path / "ckpt.pt")]  # fmt: skip
+    assert burst_after(tmp_path, steps) == []
+
+
+def test_a_save_burst_trusts_a_new_file_first_seen_under_its_temporary_name(tmp_path):
+    steps = [lambda: (tmp_path / "ckpt.tmp").write_bytes(b"new"),
+             lambda: os.replace(tmp_path / "ckpt.tmp", tmp_path / "ckpt.pt")]  # fmt: skip
+    assert burst_after(tmp_path, steps) == []
+
+
+def test_a_save_burst_flags_a_temporary_file_left_behind(tmp_path):
+    assert burst_after(tmp_path, [lambda: (tmp_path / "ckpt.tmp").write_bytes(b"ha")]) == [("ckpt.tmp", 2)]
