@@ -14,7 +14,8 @@ from .cli.chaos import CampaignResult, run_campaign  # noqa: E402
 from .cli.faults import KillPlan  # noqa: E402
 from .cli.lesson_demo import main, parse_args  # noqa: E402
 from .course.accumulating import MicroStepRecord, train_accumulating  # noqa: E402
-from .course.demo import run_full_demo, run_negative_control, run_resume_demo  # noqa: E402
+from .course.controls import run_negative_control  # noqa: E402
+from .course.demo import run_full_demo, run_resume_demo  # noqa: E402
 from .course.demo_artifacts import write_demo_artifacts  # noqa: E402
 from .course.exercises import (  # noqa: E402
     GradeResult,

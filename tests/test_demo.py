@@ -9,11 +9,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import random
 import signal
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -21,7 +19,8 @@ from ckpt_lesson import errors
 from ckpt_lesson.cli import demo as demo_cli
 from ckpt_lesson.cli import main
 from ckpt_lesson.course import demo
-from ckpt_lesson.course.demo import CONTROL_KINDS, demo_failures, run_negative_control, run_resume_demo
+from ckpt_lesson.course.controls import CONTROL_KINDS
+from ckpt_lesson.course.demo import demo_failures, run_resume_demo
 from ckpt_lesson.course.demo_artifacts import DEMO_SCHEMA, write_demo_artifacts
 from ckpt_lesson.course.skill import render_skill_markdown, write_skill_markdown
 from ckpt_lesson.errors import CheckpointError
@@ -214,41 +213,7 @@ def test_write_demo_artifacts_refuses_a_dict_it_does_not_know(tmp_path) -> None:
         write_demo_artifacts({"variants": {}}, tmp_path)
 
 
-# --- negative controls ---------------------------------------------------------
-
-
-@pytest.mark.parametrize("kind", CONTROL_KINDS)
-def test_negative_control_diverges_from_the_baseline(single: dict, kind: str) -> None:
-    losses = run_negative_control(kind, ckpt_path=single["checkpoint"], total_steps=STEPS, seed=SEED)
-    baseline = single["full_losses"][KILL_AT:]
-    assert len(losses) == len(baseline)
-    assert max(abs(a - b) for a, b in zip(losses, baseline, strict=True)) > 0.0
-
-
-def test_negative_control_is_repeatable(single: dict) -> None:
-    first = run_negative_control("no_rng", ckpt_path=single["checkpoint"], total_steps=STEPS, seed=SEED)
-    second = run_negative_control("no_rng", ckpt_path=single["checkpoint"], total_steps=STEPS, seed=SEED)
-    assert first == second
-
-
-def test_negative_control_leaves_the_callers_random_state_alone(single: dict) -> None:
-    random.seed(123)
-    np.random.seed(123)
-    torch.manual_seed(123)
-    threads = torch.get_num_threads()
-    expected = (random.random(), float(np.random.random()), torch.rand(3))
-    random.seed(123)
-    np.random.seed(123)
-    torch.manual_seed(123)
-    run_negative_control("fresh_optimizer", ckpt_path=single["checkpoint"], total_steps=STEPS, seed=SEED)
-    got = (random.random(), float(np.random.random()), torch.rand(3))
-    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
-    assert torch.get_num_threads() == threads
-
-
-def test_negative_control_refuses_an_unknown_kind(single: dict) -> None:
-    with pytest.raises(CheckpointError, match="no_rng"):
-        run_negative_control("no_scheduler", ckpt_path=single["checkpoint"], total_steps=STEPS, seed=SEED)
+# --- what the CLI counts as a failure ----------------------------------------
 
 
 def test_demo_failures_flags_a_diverged_resume_and_a_control_that_did_not_diverge() -> None:

@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt_lesson.course import exercises, graders, solutions
+from ckpt_lesson.course import exercises, graders_files, graders_runs, solutions
 from ckpt_lesson.course.exercises import EXERCISES, Exercise
-from ckpt_lesson.course.graders import check_cadence, check_keep_k, check_migration, check_verify_part
 from ckpt_lesson.course.graders_disk import check_atomic_save, check_round_trip
+from ckpt_lesson.course.graders_files import check_migration, check_verify_part
 from ckpt_lesson.course.graders_lessons import check_next_batch, check_plan_param_group
 from ckpt_lesson.course.graders_rng import check_rng
+from ckpt_lesson.course.graders_runs import check_cadence, check_keep_k
 from ckpt_lesson.course.training import next_batch_ids
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.schema import migrate_v1_to_v2
@@ -318,14 +319,9 @@ def test_migration_fails_an_answer_that_forgets_missing_extras():
     assert "without 'extras'" in _fails(check_migration, no_default_extras)
 
 
-def test_grader_module_exports_the_four_graders_and_the_result():
-    assert set(graders.__all__) == {
-        "GradeResult",
-        "check_cadence",
-        "check_keep_k",
-        "check_migration",
-        "check_verify_part",
-    }
+def test_grader_modules_for_06_to_09_export_one_grader_per_exercise():
+    assert graders_runs.__all__ == ["check_cadence", "check_keep_k"]
+    assert graders_files.__all__ == ["check_migration", "check_verify_part"]
 
 
 # ---------------------------------------------------------------- the Exercise objects

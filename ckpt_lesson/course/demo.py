@@ -13,9 +13,10 @@ honest experiment behind it, so this module runs one:
    is (and the run's config), loads it and trains to ``total_steps``. It
    never sees the baseline's losses; the parent compares afterwards.
 
-Two negative controls show what the comparison catches: a resume that skips
-the RNG restore, and one that builds a fresh optimizer. Both "work" (no
-error, a plausible loss curve) and both quietly turn into a different run.
+Two negative controls (in :mod:`ckpt_lesson.course.controls`) show what the
+comparison catches: a resume that skips the RNG restore, and one that builds a
+fresh optimizer. Both "work" (no error, a plausible loss curve) and both
+quietly turn into a different run.
 
 Run it with ``python -m ckpt_lesson demo``.
 """
@@ -26,14 +27,11 @@ import os
 import signal
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from ckpt_lesson.course.demo_artifacts import write_demo_artifacts
+from ckpt_lesson.course.controls import CONTROL_KINDS, caller_rng_preserved, control_records, max_loss_diff
 from ckpt_lesson.course.demo_worker import (
     COURSE_SIZES,
     build_run,
@@ -43,40 +41,17 @@ from ckpt_lesson.course.demo_worker import (
 )
 from ckpt_lesson.course.training import train
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.checkpoint import TrainState, read_checkpoint
-from ckpt_lesson.files.rng import capture_rng_state, restore_rng_state
+from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.shard_index import INDEX_NAME, META_NAME
 
-__all__ = [
-    "CONTROL_KINDS",
-    "RESUME_TOLERANCE",
-    "demo_failures",
-    "run_full_demo",
-    "run_negative_control",
-    "run_resume_demo",
-    "write_demo_artifacts",
-]
+__all__ = ["RESUME_TOLERANCE", "demo_failures", "run_full_demo", "run_resume_demo"]
 
-#: The two deliberately broken resumes; each must diverge from the baseline.
-CONTROL_KINDS = ("no_rng", "fresh_optimizer")
 #: The CLI fails above this. On CPU the real difference is exactly 0.0; the
 #: tolerance only exists so a GPU run with non-deterministic kernels can pass.
 RESUME_TOLERANCE = 1e-4
 #: The single-file variant's checkpoint inside ``ckpt_dir`` (the lesson's name).
 SINGLE_FILE_NAME = "ckpt.pt"
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "outputs"
-
-
-@contextmanager
-def _caller_rng_preserved() -> Iterator[None]:
-    # In-process runs re-seed the global generators and pin torch to one
-    # thread; put the caller's (a notebook's, a test's) world back afterwards.
-    rng, threads = capture_rng_state(), torch.get_num_threads()
-    try:
-        yield
-    finally:
-        restore_rng_state(rng, allow_device_change=True)
-        torch.set_num_threads(threads)
 
 
 def _validate(total_steps: int, interrupt_at: int, num_shards: int) -> None:
@@ -104,7 +79,7 @@ def _validate_sizes(sizes: dict[str, int]) -> None:
 
 
 def _baseline(total_steps: int, seed: int, sizes: dict[str, int]) -> tuple[list[float], list[list[int]]]:
-    with _caller_rng_preserved():
+    with caller_rng_preserved():
         data, model, optimizer, scheduler = build_run(seed, total_steps, sizes)
         state, bs = TrainState(), sizes["batch_size"]
         records = train(
@@ -254,69 +229,12 @@ def run_resume_demo(
         "losses_before_interrupt": resumed["losses_before"],
         # As in the lesson: the history the checkpoint carried, then the resumed steps.
         "resumed_losses": resumed["losses_before"] + resumed["losses"],
-        "max_loss_diff_before_interrupt": _max_diff(resumed["losses_before"], full_losses[:interrupt_at]),
-        "max_loss_diff_after_resume": _max_diff(resumed["losses"], full_losses[interrupt_at:]),
+        "max_loss_diff_before_interrupt": max_loss_diff(resumed["losses_before"], full_losses[:interrupt_at]),
+        "max_loss_diff_after_resume": max_loss_diff(resumed["losses"], full_losses[interrupt_at:]),
         "baseline_sample_ids": full_ids[interrupt_at:],
         "resumed_sample_ids": resumed["sample_ids"],
         "sample_ids_match": resumed["sample_ids"] == full_ids[interrupt_at:],
     }
-
-
-def _max_diff(a: list[float], b: list[float]) -> float:
-    if len(a) != len(b):
-        raise CheckpointError(
-            f"cannot compare {len(a)} losses with {len(b)}; the runs covered different steps."
-        )
-    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
-
-
-def run_negative_control(
-    kind: str, *, ckpt_path: str | os.PathLike[str], total_steps: int, seed: int
-) -> list[float]:
-    """Resume from a single-file checkpoint the *wrong* way; returns the losses after it.
-
-    These are deliberately naive resumes (do not use them); the lesson compares
-    their losses with the baseline's to show the divergence they cause:
-
-    * ``"no_rng"``: seeds at the top of the script as usual and restores the
-      model, optimizer and scheduler, but not the generators. Same batches,
-      different dropout masks and jitter: "seeded" is not "restored".
-    * ``"fresh_optimizer"``: restores the weights and generators but builds a
-      new AdamW and schedule, so the moments restart at zero and the learning
-      rate jumps back to its peak.
-
-    Runs in-process; the caller's RNG state and thread count are put back.
-
-    Raises:
-        CheckpointError: Unknown ``kind``, or the checkpoint cannot be read.
-
-    Example:
-        >>> bad = run_negative_control("no_rng", ckpt_path="ckpt/ckpt.pt",
-        ...                            total_steps=30, seed=11)  # doctest: +SKIP
-    """
-    return [r.loss for r in _control_records(kind, ckpt_path=ckpt_path, total_steps=total_steps, seed=seed)]
-
-
-def _control_records(
-    kind: str, *, ckpt_path: str | os.PathLike[str], total_steps: int, seed: int
-) -> list[Any]:
-    if kind not in CONTROL_KINDS:
-        raise CheckpointError(f"unknown negative control {kind!r}; choose one of {CONTROL_KINDS}.")
-    payload = read_checkpoint(ckpt_path)
-    state = TrainState.from_dict(payload["state"], source=str(ckpt_path))
-    if not 0 < state.step < total_steps:
-        raise CheckpointError(
-            f"{ckpt_path}: saved at step {state.step}, which is not before total_steps={total_steps}."
-        )
-    with _caller_rng_preserved():
-        data, model, optimizer, scheduler = build_run(seed, total_steps)
-        model.load_state_dict(payload["model"])
-        if kind == "no_rng":  # naive, do not use: the generators stay wherever seeding left them
-            optimizer.load_state_dict(payload["optimizer"])
-            scheduler.load_state_dict(payload["scheduler"])
-        else:  # naive, do not use: optimizer and scheduler start from scratch
-            restore_rng_state(payload["rng"], allow_device_change=True)
-        return train(model, optimizer, scheduler, state, data, until_step=total_steps, seed=seed)
 
 
 def run_full_demo(
@@ -369,12 +287,12 @@ def run_full_demo(
     expected_ids = single["baseline_sample_ids"]
     for i, kind in enumerate(CONTROL_KINDS, start=3):
         say(f"[{i}/{phases}] negative control {kind}: a broken resume that must diverge")
-        records = _control_records(kind, ckpt_path=single["checkpoint"], total_steps=total_steps, seed=seed)
+        records = control_records(kind, ckpt_path=single["checkpoint"], total_steps=total_steps, seed=seed)
         losses = [r.loss for r in records]
         variants[kind] = {
             "real_resume": False,
             "resumed_losses": losses,
-            "max_loss_diff_after_resume": _max_diff(losses, single["full_losses"][interrupt_at:]),
+            "max_loss_diff_after_resume": max_loss_diff(losses, single["full_losses"][interrupt_at:]),
             "sample_ids_match": [list(r.sample_ids) for r in records] == expected_ids,
         }
     return {

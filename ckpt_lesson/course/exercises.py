@@ -9,25 +9,21 @@ A notebook imports the one it needs and uses it Kaggle-style::
 
 :data:`EXERCISES` lists them all by name (the tests grade every reference
 solution and known wrong answers through it). The graders themselves live in
-:mod:`ckpt_lesson.course.graders_lessons` and ``graders_disk`` (01-05) and
-:mod:`ckpt_lesson.course.graders` (06-09); the ``check_*`` names are re-exported
-here so older imports keep working.
+:mod:`ckpt_lesson.course.graders_lessons`, ``graders_rng`` and ``graders_disk``
+(01-05), ``graders_runs`` (06-07) and ``graders_files`` (08-09); the ``check_*``
+names are re-exported here, one import for a notebook.
 """
 
 from __future__ import annotations
 
 from ckpt_lesson.course import solutions
 from ckpt_lesson.course.exercise import Exercise
-from ckpt_lesson.course.graders import (
-    GradeResult,
-    check_cadence,
-    check_keep_k,
-    check_migration,
-    check_verify_part,
-)
 from ckpt_lesson.course.graders_disk import check_atomic_save, check_round_trip
+from ckpt_lesson.course.graders_files import check_migration, check_verify_part
 from ckpt_lesson.course.graders_lessons import check_next_batch, check_plan_param_group
 from ckpt_lesson.course.graders_rng import check_rng
+from ckpt_lesson.course.graders_runs import check_cadence, check_keep_k
+from ckpt_lesson.course.grading import GradeResult
 
 __all__ = [
     "EXERCISES",

@@ -1,6 +1,6 @@
 """The grading loop the exercise graders share: cases in, one verdict out.
 
-A grader in :mod:`ckpt_lesson.course.graders` only builds cases. Each :class:`_Case`
+A grader (``ckpt_lesson.course.graders_*``) only builds cases. Each :class:`_Case`
 says in words what it calls (no temp paths, so notebook output stays the same
 on every machine), how to call the learner's function, and how to judge the
 answer: a complaint in words, or ``None`` when the answer is right.
