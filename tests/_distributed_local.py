@@ -54,7 +54,8 @@ def rewrite_manifest_entry(folder: Path, name: str) -> None:
     manifest = json.loads(manifest_path.read_text())
     for part in manifest["parts"]:
         if part["file"] == name:
-            part["bytes"], part["hash"] = hash_file(folder / name, part["hash"]["algo"])
+            size, record = hash_file(folder / name, part["algo"])
+            part.update(bytes=size, **record)
     manifest_path.write_text(json.dumps(manifest))
 
 

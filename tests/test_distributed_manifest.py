@@ -16,8 +16,8 @@ from ckpt_lesson.runs.dcp_manifest import MAX_MANIFEST_BYTES, build_manifest
 
 def _manifest(**changes: Any) -> dict[str, Any]:
     parts = [
-        {"file": "__0_0.distcp", "bytes": 3, "hash": hash_bytes(b"abc")},
-        {"file": ".metadata", "bytes": 1, "hash": hash_bytes(b"m")},
+        {"file": "__0_0.distcp", "bytes": 3, **hash_bytes(b"abc")},
+        {"file": ".metadata", "bytes": 1, **hash_bytes(b"m")},
     ]
     fields = {
         "step": 4,
@@ -119,4 +119,4 @@ def test_a_symlinked_or_oversized_manifest_is_refused_unread(tmp_path: Path) -> 
 
 def test_build_manifest_refuses_a_malformed_record_so_nothing_is_published() -> None:
     with pytest.raises(CorruptCheckpointError):
-        _manifest(parts=[{"file": ".metadata", "bytes": 1, "hash": {"algo": "md5", "digest": "0" * 32}}])
+        _manifest(parts=[{"file": ".metadata", "bytes": 1, "algo": "md5", "digest": "0" * 32}])

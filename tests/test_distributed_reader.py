@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import ckpt_lesson.distributed.reader as reader_module
+import ckpt_lesson.runs.dcp_manifest as dcp_manifest_module
 from ckpt_lesson import IncompleteCheckpointError, TrainState, UnsafeCheckpointError
 from ckpt_lesson.distributed import Comm, DistributedCheckpointManager, VerifyingReader, verify_save
 
@@ -191,9 +192,9 @@ def test_each_rank_hashes_only_its_share_of_the_data_files(
 ) -> None:
     save_locally(tmp_path / "run", steps=(2,), thread_count=3)
     hashed: list[str] = []
-    real = reader_module.hash_file
+    real = dcp_manifest_module.hash_file
     monkeypatch.setattr(
-        reader_module, "hash_file", lambda path, algo: hashed.append(path.name) or real(path, algo)
+        dcp_manifest_module, "hash_file", lambda path, algo: hashed.append(path.name) or real(path, algo)
     )
     verify_save(tmp_path / "run" / "step-00000002", _FakePeers(rank, 2))
     assert sorted(hashed) == share

@@ -45,8 +45,8 @@ from ckpt_lesson.errors import (
     IncompleteCheckpointError,
     UnsafeCheckpointError,
 )
-from ckpt_lesson.files.tagged_hash import hash_bytes, hash_file
-from ckpt_lesson.runs.dcp_manifest import METADATA_FILE, read_dcp_manifest
+from ckpt_lesson.files.tagged_hash import hash_bytes
+from ckpt_lesson.runs.dcp_manifest import METADATA_FILE, check_dcp_part, read_dcp_manifest
 
 from .comm import Comm
 from .safe_metadata import load_metadata_bytes
@@ -62,29 +62,6 @@ class VerifiedSave:
     manifest: dict[str, Any]
     metadata: Metadata
     sizes: dict[str, int]
-
-
-def _check_part(folder: Path, part: dict[str, Any], *, hash_it: bool = True) -> str | None:
-    """Check one listed file (type, size, then digest); ``None`` when it matches, else a reason naming it."""
-    name = part["file"]
-    try:
-        info = os.lstat(folder / name)
-    except FileNotFoundError:
-        return f"{name}: missing"
-    if not stat.S_ISREG(info.st_mode):
-        return f"{name}: not a regular file"
-    if info.st_size != part["bytes"]:
-        return f"{name}: size {info.st_size} != recorded {part['bytes']}"
-    if not hash_it:
-        return None
-    try:
-        _, record = hash_file(folder / name, part["hash"]["algo"])
-    except OSError as exc:
-        return f"{name}: unreadable ({type(exc).__name__})"
-    if record["digest"] != part["hash"]["digest"]:
-        found, recorded = record["digest"][:12], part["hash"]["digest"][:12]
-        return f"{name}: {record['algo']} {found}... != recorded {recorded}..."
-    return None
 
 
 def _local_findings(folder: Path, comm: Comm) -> tuple[dict[str, Any], Any]:
@@ -108,11 +85,11 @@ def _local_findings(folder: Path, comm: Comm) -> tuple[dict[str, Any], Any]:
     # .metadata: every rank reads it (it is small) and parses exactly the bytes it hashed.
     meta_part = parts[METADATA_FILE]
     metadata = None
-    problem = _check_part(folder, meta_part, hash_it=False)  # stat + size; the digest is of the bytes read
+    problem = check_dcp_part(folder, meta_part, hash_it=False)  # stat + size; the digest is of the bytes read
     if problem is None:
         data = (folder / METADATA_FILE).read_bytes()
-        record = hash_bytes(data, meta_part["hash"]["algo"])
-        if len(data) != meta_part["bytes"] or record != meta_part["hash"]:
+        record = hash_bytes(data, meta_part["algo"])
+        if len(data) != meta_part["bytes"] or record["digest"] != meta_part["digest"]:
             problem = f"{METADATA_FILE}: changed while it was being verified"
         else:
             sizes = {name: p["bytes"] for name, p in parts.items() if name != METADATA_FILE}
@@ -126,7 +103,7 @@ def _local_findings(folder: Path, comm: Comm) -> tuple[dict[str, Any], Any]:
     data_parts = sorted(name for name in parts if name != METADATA_FILE)
     for i, name in enumerate(data_parts):
         if i % comm.world_size == comm.rank:
-            _note(findings, _check_part(folder, parts[name]))
+            _note(findings, check_dcp_part(folder, parts[name]))
     return findings, (manifest, metadata)
 
 

@@ -250,7 +250,7 @@ class CommitWriter(FileSystemWriter):
         if METADATA_FILE not in self.fs.records:
             raise CheckpointError(f"{self.staging.name}: DCP wrote no {METADATA_FILE}; nothing published.")
         size, record = self.fs.records[METADATA_FILE]
-        parts[METADATA_FILE] = {"file": METADATA_FILE, "bytes": size, "hash": record}
+        parts[METADATA_FILE] = {"file": METADATA_FILE, "bytes": size, **record}
         self.emit("metadata_written", step=self.step)
         manifest = build_manifest(
             step=self.step,
@@ -293,7 +293,7 @@ class CommitWriter(FileSystemWriter):
                     raise CheckpointError(
                         f"{digested.file}: an item ends past the file's {digested.size} bytes."
                     )
-                part = {"file": digested.file, "bytes": digested.size, "hash": digested.record}
+                part = {"file": digested.file, "bytes": digested.size, **digested.record}
                 if parts.setdefault(digested.file, part) != part:
                     raise CheckpointError(f"{digested.file}: two ranks reported different contents.")
                 row.append(dataclasses.replace(result, storage_data=info))

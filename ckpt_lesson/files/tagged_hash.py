@@ -1,6 +1,6 @@
 """Tagged content hashes: every record says which algorithm made it.
 
-A manifest entry looks like ``{"algo": "xxh3_128", "digest": "9f0c..."}``. The
+A manifest part looks like ``{"file": ..., "bytes": ..., "algo": "xxh3_128", "digest": "9f0c..."}``. The
 tag matters more than the choice: a reader that knows the algorithm from the
 record can check saves written before and after a change of default, and a
 record with an unknown tag is refused by name instead of compared against the
@@ -125,19 +125,24 @@ def hash_file(path: str | os.PathLike[str], algo: str = DEFAULT_ALGO) -> tuple[i
 
 
 def check_hash_record(record: Any, *, where: str) -> dict[str, str]:
-    """Validate the shape of a tagged record read from a manifest.
+    """Validate the digest fields of a record read from a manifest; return just those two.
+
+    A part record is flat, ``{"file", "bytes", "algo", "digest"}``, the same shape
+    the single-process manifests use once they name their algorithm; only the
+    ``algo`` and ``digest`` fields are looked at here.
 
     Raises:
-        CorruptCheckpointError: Not ``{"algo": known name, "digest": hex of the right length}``.
+        CorruptCheckpointError: Not a mapping with ``"algo"`` (a known name) and
+            ``"digest"`` (lowercase hex of that algorithm's length).
 
     Example:
-        >>> check_hash_record({"algo": "sha256", "digest": "0" * 64}, where="manifest.json")["algo"]
+        >>> check_hash_record({"file": "a", "algo": "sha256", "digest": "0" * 64}, where="m")["algo"]
         'sha256'
     """
-    if not isinstance(record, dict) or set(record) != {"algo", "digest"}:
-        raise CorruptCheckpointError(f"{where}: a hash record must be {{'algo': ..., 'digest': ...}}.")
+    if not isinstance(record, dict) or "algo" not in record or "digest" not in record:
+        raise CorruptCheckpointError(f"{where}: a hash record needs 'algo' and 'digest' fields.")
     algo, digest = record["algo"], record["digest"]
-    if algo not in ALGORITHMS:
+    if not isinstance(algo, str) or algo not in ALGORITHMS:
         raise CorruptCheckpointError(
             f"{where}: unknown hash algorithm {algo!r}; this code knows {sorted(ALGORITHMS)}."
         )

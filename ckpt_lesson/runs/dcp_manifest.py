@@ -8,8 +8,8 @@ and ``.metadata``, so its presence means "this save finished"::
     {
       "schema": "ckpt.manifest.dcp.v1", "layout": "dcp", "step": 40, "world_size": 2,
       "save_id": "5c1e...", "parts": [
-        {"file": ".metadata",    "bytes": 2911,  "hash": {"algo": "xxh3_128", "digest": "..."}},
-        {"file": "__0_0.distcp", "bytes": 91280, "hash": {"algo": "xxh3_128", "digest": "..."}},
+        {"file": ".metadata",    "bytes": 2911,  "algo": "xxh3_128", "digest": "..."},
+        {"file": "__0_0.distcp", "bytes": 91280, "algo": "xxh3_128", "digest": "..."},
         ...
       ],
       "per_rank_keys": ["rank0_local", "rank1_local"], "state": {"step": 40, ...}, ...
@@ -37,7 +37,7 @@ from ckpt_lesson.errors import (
     UnsafeCheckpointError,
 )
 from ckpt_lesson.files.schema import MANIFEST_NAME
-from ckpt_lesson.files.tagged_hash import check_hash_record
+from ckpt_lesson.files.tagged_hash import check_hash_record, hash_file
 
 __all__ = [
     "LAYOUT",
@@ -46,6 +46,7 @@ __all__ = [
     "MAX_MANIFEST_BYTES",
     "METADATA_FILE",
     "build_manifest",
+    "check_dcp_part",
     "read_dcp_manifest",
     "validate_manifest",
 ]
@@ -75,7 +76,7 @@ def build_manifest(
     Args:
         step: The step saved; names the folder.
         world_size: Ranks that wrote it; a restore with another count must re-map.
-        parts: ``{"file", "bytes", "hash"}`` for every file, ``.metadata`` included.
+        parts: ``{"file", "bytes", "algo", "digest"}`` for every file, ``.metadata`` included.
         per_rank_keys: The state-dict key holding each rank's RNG and data position, by rank.
         state: Rank 0's counters (step, epoch, batch_in_epoch), for humans and scans.
         covers: The buckets saved (``model``, ``optimizer``, ``scheduler``, ``rng``, ``data``).
@@ -91,7 +92,7 @@ def build_manifest(
 
     Example:
         >>> m = build_manifest(step=4, world_size=1, parts=[{"file": ".metadata", "bytes": 1,
-        ...     "hash": {"algo": "sha256", "digest": "0" * 64}}], per_rank_keys=["rank0_local"],
+        ...     "algo": "sha256", "digest": "0" * 64}], per_rank_keys=["rank0_local"],
         ...     state={"step": 4}, covers=["model"], save_id="x", dcp_version="1.0.0")
         >>> m["layout"], m["world_size"]
         ('dcp', 1)
@@ -207,8 +208,8 @@ def validate_manifest(manifest: Any, *, where: str) -> None:
 
 
 def _check_part(part: Any, where: str) -> None:
-    if not isinstance(part, dict) or set(part) != {"file", "bytes", "hash"}:
-        raise CorruptCheckpointError(f"{where}: every part must be an object with file, bytes, hash.")
+    if not isinstance(part, dict) or set(part) != {"file", "bytes", "algo", "digest"}:
+        raise CorruptCheckpointError(f"{where}: every part must be an object with file, bytes, algo, digest.")
     name = part["file"]
     if not isinstance(name, str) or not name:
         raise CorruptCheckpointError(f"{where}: a part has no 'file' name.")
@@ -220,4 +221,45 @@ def _check_part(part: Any, where: str) -> None:
     size = part["bytes"]
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise CorruptCheckpointError(f"{where}: part {name!r} has no valid 'bytes' count.")
-    check_hash_record(part["hash"], where=f"{where}: part {name!r}")
+    check_hash_record(part, where=f"{where}: part {name!r}")
+
+
+def check_dcp_part(folder: Path, part: dict[str, Any], *, hash_it: bool = True) -> str | None:
+    """Check one listed file of a distributed save: type, size, then digest.
+
+    The size comes first (a ``stat``, free); the file is read only when it could
+    still match. The scan of a run directory and the ranks of a restore both
+    call this, so one verdict serves both.
+
+    Args:
+        folder: The save folder.
+        part: A validated part record ``{"file", "bytes", "algo", "digest"}``.
+        hash_it: ``False`` stops after type and size.
+
+    Returns:
+        ``None`` when the file matches, else a short reason naming the file
+        (``"__0_0.distcp: missing"`` when it is not there).
+
+    Example:
+        >>> check_dcp_part(Path("run/step-00000040"), manifest["parts"][0])  # doctest: +SKIP
+        '__0_0.distcp: size 9 != recorded 91280'
+    """
+    name = part["file"]
+    try:
+        info = os.lstat(folder / name)
+    except FileNotFoundError:
+        return f"{name}: missing"
+    if not stat.S_ISREG(info.st_mode):
+        return f"{name}: not a regular file"
+    if info.st_size != part["bytes"]:
+        return f"{name}: size {info.st_size} != recorded {part['bytes']}"
+    if not hash_it:
+        return None
+    try:
+        _, record = hash_file(folder / name, part["algo"])
+    except OSError as exc:
+        return f"{name}: unreadable ({type(exc).__name__})"
+    if record["digest"] != part["digest"]:
+        found, recorded = record["digest"][:12], part["digest"][:12]
+        return f"{name}: {record['algo']} {found}... != recorded {recorded}..."
+    return None
