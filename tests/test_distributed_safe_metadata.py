@@ -116,3 +116,25 @@ def test_the_metadata_records_the_published_folder_not_the_staging_one(
 ) -> None:
     metadata = load_metadata_bytes(saved[0], data_files=saved[1], where="step 2")
     assert Path(metadata.storage_meta.checkpoint_id).name == "step-00000002"
+
+
+def test_a_weights_only_refusal_is_reduced_to_the_line_that_names_the_global() -> None:
+    import io
+    import pickle
+
+    import torch
+
+    from ckpt_lesson.distributed.safe_metadata import weights_only_refusal
+
+    class CallsExec:
+        def __reduce__(self):
+            return (exec, ("pass",))
+
+    buffer = io.BytesIO()
+    torch.save({"x": CallsExec()}, buffer)
+    buffer.seek(0)
+    with pytest.raises(pickle.UnpicklingError) as caught:
+        torch.load(buffer, weights_only=True)
+    line = weights_only_refusal(caught.value)
+    assert "exec" in line
+    assert "\n" not in line and "\x1b" not in line and "weights_only" not in line

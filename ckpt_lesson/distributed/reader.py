@@ -49,7 +49,7 @@ from ckpt_lesson.files.tagged_hash import hash_bytes
 from ckpt_lesson.runs.dcp_manifest import METADATA_FILE, check_dcp_part, read_dcp_manifest
 
 from .comm import Comm
-from .safe_metadata import load_metadata_bytes
+from .safe_metadata import load_metadata_bytes, weights_only_refusal
 
 __all__ = ["VerifiedSave", "VerifyingReader", "WeightsOnlyLoadPlanner", "verify_save"]
 
@@ -213,7 +213,7 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpointError(
                 f"value {fqn!r} is not plain data (the weights-only load refused it: "
-                f"{str(exc).splitlines()[0]}); nothing was executed. Move this save aside and "
+                f"{weights_only_refusal(exc)}); nothing was executed. Move this save aside and "
                 "restore an older one."
             ) from exc
         except (RuntimeError, EOFError, ValueError) as exc:

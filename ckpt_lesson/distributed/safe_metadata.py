@@ -35,7 +35,13 @@ from torch.serialization import _get_layout
 
 from ckpt_lesson.errors import CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["ALLOWED_GLOBALS", "RestrictedUnpickler", "check_metadata", "load_metadata_bytes"]
+__all__ = [
+    "ALLOWED_GLOBALS",
+    "RestrictedUnpickler",
+    "check_metadata",
+    "load_metadata_bytes",
+    "weights_only_refusal",
+]
 
 #: (module, name) -> object: everything a DCP ``.metadata`` written by torch 2.6-2.13 refers to.
 ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
@@ -160,3 +166,22 @@ def check_metadata(metadata: Any, *, data_files: dict[str, int], where: str) -> 
             or info.offset + info.length > data_files[info.relative_path]
         ):
             raise CorruptCheckpointError(f"{where}: {index.fqn!r} lies outside {info.relative_path}.")
+
+
+def weights_only_refusal(exc: BaseException) -> str:
+    """The one line of a weights-only refusal that names what was refused.
+
+    ``torch.load(weights_only=True)`` explains at length, with terminal colour
+    codes, how to turn the check off; a message of ours should say what the file
+    asked for and nothing about switching the protection off.
+
+    Example:
+        >>> weights_only_refusal(pickle.UnpicklingError("Weights only load failed.\\n"
+        ...     "\\tWeightsUnpickler error: Unsupported global: GLOBAL builtins.exec was not allowed"))
+        'Unsupported global: GLOBAL builtins.exec was not allowed'
+    """
+    text = str(exc)
+    marker = "WeightsUnpickler error:"
+    line = next((ln for ln in text.splitlines() if marker in ln), text.splitlines()[0] if text else "")
+    line = line.split(marker, 1)[-1].split(". Please use", 1)[0].strip()
+    return "".join(ch for ch in line if ch.isprintable())  # no terminal escape codes

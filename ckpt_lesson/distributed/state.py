@@ -35,6 +35,8 @@ from ckpt_lesson.errors import CheckpointError, StateMismatchError, UnsafeCheckp
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.rng import validate_rng_state
 
+from .safe_metadata import weights_only_refusal
+
 __all__ = [
     "apply_shared_state",
     "build_load_template",
@@ -119,7 +121,7 @@ def decode_rank_state(blob: Any, *, where: str) -> dict[str, Any]:
         payload = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:  # the weights-only unpickler refused a global
         raise UnsafeCheckpointError(
-            f"{where}: per-rank state is not plain data ({str(exc).splitlines()[0]}); nothing was "
+            f"{where}: per-rank state is not plain data ({weights_only_refusal(exc)}); nothing was "
             "executed. Move this save aside and restore an older one."
         ) from exc
     except Exception as exc:  # any other failure means "not our plain-data blob"
