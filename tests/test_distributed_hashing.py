@@ -65,3 +65,14 @@ def test_malformed_hash_records_are_refused(record: object) -> None:
 def test_a_well_formed_record_passes_unchanged() -> None:
     record = hash_bytes(b"x")
     assert check_hash_record(record, where="m") == record
+
+
+def test_without_the_xxhash_package_the_error_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from ckpt_lesson.errors import CheckpointError
+
+    monkeypatch.setitem(sys.modules, "xxhash", None)  # makes `import xxhash` fail
+    with pytest.raises(CheckpointError, match="pip install xxhash"):
+        new_hasher("xxh3_128")
+    assert len(new_hasher("sha256").hexdigest()) == 64

@@ -25,9 +25,7 @@ import stat
 from pathlib import Path
 from typing import Any, Protocol
 
-import xxhash
-
-from ckpt_lesson.errors import CorruptCheckpointError
+from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 
 __all__ = [
     "ALGORITHMS",
@@ -65,6 +63,7 @@ def new_hasher(algo: str = DEFAULT_ALGO) -> Hasher:
 
     Raises:
         CorruptCheckpointError: ``algo`` is not one this code knows.
+        CheckpointError: ``xxh3_128`` without the ``xxhash`` package installed.
 
     Example:
         >>> h = new_hasher("xxh3_128")
@@ -73,6 +72,12 @@ def new_hasher(algo: str = DEFAULT_ALGO) -> Hasher:
         32
     """
     if algo == "xxh3_128":
+        try:  # imported here: importing ckpt_lesson must not need it, only hashing with it
+            import xxhash
+        except ImportError as exc:
+            raise CheckpointError(
+                "xxh3_128 needs the xxhash package: `pip install xxhash` (or pass algo='sha256')."
+            ) from exc
         return xxhash.xxh3_128()
     if algo == "sha256":
         return hashlib.sha256()
