@@ -105,7 +105,7 @@ class DistributedCheckpointManager:
         self.run_dir = Path(run_dir)
         self.algo, self.thread_count, self.on_event = algo, thread_count, on_event
         # Two groups of our own: control decisions on the training thread, and DCP's collectives,
-        # which an asynchronous save issues from its background thread (see ckpt_distributed.comm).
+        # which an asynchronous save issues from its background thread (see comm.py).
         self._ctl = Comm(new_checkpoint_group())
         self._io_group = new_checkpoint_group()
         self.rank, self.world_size = self._ctl.rank, self._ctl.world_size
