@@ -114,6 +114,8 @@ __all__ = [
     "CheckpointManager",
     "ContractMismatchError",
     "CorruptCheckpointError",
+    "DistributedCheckpointManager",
+    "DistributedRestore",
     "FileDigest",
     "GradeResult",
     "IncompleteCheckpointError",
@@ -209,3 +211,22 @@ __all__ = [
     "write_skill_markdown",
     "young_interval",
 ]
+
+
+#: Served on first use, not at import: ``ckpt_lesson.distributed`` pulls in
+#: ``torch.distributed.checkpoint`` (about 0.8 s here), which single-process users never need.
+_LAZY = {
+    "DistributedCheckpointManager": "ckpt_lesson.distributed",
+    "DistributedRestore": "ckpt_lesson.distributed",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckpt_lesson' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

@@ -5,7 +5,8 @@ looks like this::
 
     RUN_DIR/
       step-00000240/          a published save
-        checkpoint.pt         (or model.shard-NNN.pt + meta.pt + index.json)
+        checkpoint.pt         (or model.shard-NNN.pt + meta.pt + index.json,
+                              or DCP's __R_N.distcp + .metadata from a multi-rank save)
         manifest.json         the commit record: every part's size and sha256
       .staging-step-00000280-<pid>-<hex8>/   a save in progress (or abandoned)
 
@@ -39,6 +40,8 @@ from ckpt_lesson.errors import (
 )
 from ckpt_lesson.files.integrity import file_digest
 from ckpt_lesson.files.schema import MANIFEST_NAME, MANIFEST_SCHEMA
+from ckpt_lesson.runs.dcp_manifest import MANIFEST_SCHEMA as DCP_MANIFEST_SCHEMA
+from ckpt_lesson.runs.dcp_manifest import check_dcp_part, read_dcp_manifest
 
 __all__ = [
     "LAYOUTS",
@@ -147,6 +150,10 @@ def read_manifest(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
     schema = manifest.get("schema")
     if not isinstance(schema, str):
         raise CorruptCheckpointError(f"{where}: no 'schema' field; restore an older save.")
+    if schema == DCP_MANIFEST_SCHEMA:
+        raise SchemaError(
+            f"{where}: a multi-rank save (schema {schema!r}); restore it with DistributedCheckpointManager."
+        )
     if schema != MANIFEST_SCHEMA:
         raise SchemaError(f"{where}: unknown manifest schema {schema!r}; upgrade ckpt_lesson to read it.")
     step = manifest.get("step")
@@ -239,6 +246,10 @@ def inspect_save(
         hash_parts: ``False`` checks only presence and sizes (a cheap ``stat``
             per part), for callers that verified the bytes earlier.
 
+    A multi-rank save (``layout: dcp``, written by
+    :class:`~ckpt_lesson.distributed.DistributedCheckpointManager`) is checked
+    the same way, against its own manifest; its manifest is returned as well.
+
     Raises:
         SchemaError: The manifest has a schema this code does not know (not a
             damaged save, so not silently classified as one).
@@ -248,7 +259,7 @@ def inspect_save(
     if step is None:
         raise CheckpointError(f"{step_dir.name}: not a save folder name (expected step-XXXXXXXX).")
     try:
-        manifest = read_manifest(step_dir)
+        manifest, is_dcp = _read_any_manifest(step_dir)
     except IncompleteCheckpointError:
         return ScanResult(step_dir, step, "incomplete", f"no {MANIFEST_NAME} (save never finished)"), None
     except (CorruptCheckpointError, UnsafeCheckpointError) as exc:
@@ -259,7 +270,9 @@ def inspect_save(
     problems = []
     for part in manifest["parts"]:
         path = step_dir / part["file"]
-        if hash_parts:
+        if is_dcp:  # DCP's files carry no footer: size, then the tagged digest (never unpickled)
+            problem = check_dcp_part(step_dir, part, hash_it=hash_parts)
+        elif hash_parts:
             problem = verify_part(path, size=part["bytes"], sha256=part["sha256"])
         elif not path.is_file() or path.is_symlink():
             problem = f"{part['file']}: missing"
@@ -274,6 +287,17 @@ def inspect_save(
         status = "incomplete" if missing_only else "corrupt"
         return ScanResult(step_dir, step, status, "; ".join(problems)), manifest
     return ScanResult(step_dir, step, "ok", ""), manifest
+
+
+def _read_any_manifest(step_dir: Path) -> tuple[dict[str, Any], bool]:
+    """``(manifest, is_dcp)``: a single-process manifest, else a multi-rank (DCP) one."""
+    try:
+        return read_manifest(step_dir), False
+    except SchemaError as unknown:
+        try:
+            return read_dcp_manifest(step_dir)[0], True
+        except SchemaError:
+            raise unknown from None  # neither layout: keep the first reader's message
 
 
 def _check_run_dir(run_dir: Path) -> None:

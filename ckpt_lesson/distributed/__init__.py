@@ -1,0 +1,44 @@
+"""Distributed checkpoints: DCP saves with the package's commit protocol and verified restores.
+
+Save and restore a multi-rank run (FSDP2, DDP or plain data parallel) through
+``torch.distributed.checkpoint``: every file hashed while it is written, one
+manifest, publish by rename on rank 0, each rank's RNG and data position under
+its own key, and a restore that verifies every file (the ranks share the
+hashing) and unpickles nothing unverified or unsafe.
+
+Start with :class:`DistributedCheckpointManager`.
+"""
+
+from __future__ import annotations
+
+from ckpt_lesson.files.tagged_hash import DEFAULT_ALGO, check_hash_record, hash_bytes, hash_file, new_hasher
+from ckpt_lesson.runs.dcp_manifest import read_dcp_manifest
+
+from .comm import Comm, new_checkpoint_group
+from .manager import DistributedCheckpointManager
+from .reader import VerifiedSave, VerifyingReader, WeightsOnlyLoadPlanner, verify_save
+from .restore import WORLD_SIZE_POLICIES, DistributedRestore
+from .safe_metadata import RestrictedUnpickler, load_metadata_bytes
+from .writer import CommitWriter, HashingFileSystem
+
+__all__ = [
+    "Comm",
+    "CommitWriter",
+    "DEFAULT_ALGO",
+    "DistributedCheckpointManager",
+    "DistributedRestore",
+    "HashingFileSystem",
+    "RestrictedUnpickler",
+    "VerifiedSave",
+    "VerifyingReader",
+    "WORLD_SIZE_POLICIES",
+    "WeightsOnlyLoadPlanner",
+    "check_hash_record",
+    "hash_bytes",
+    "hash_file",
+    "load_metadata_bytes",
+    "new_checkpoint_group",
+    "new_hasher",
+    "read_dcp_manifest",
+    "verify_save",
+]

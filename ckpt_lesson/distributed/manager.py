@@ -1,0 +1,343 @@
+"""DistributedCheckpointManager: the commit protocol of the single-process manager, for every rank at once.
+
+The life of one save of step 40 by two ranks::
+
+    rank 0: .staging-step-00000040-<pid>-<hex8>/ + .lock held     (open_staging, as CheckpointManager)
+    all:    dcp.save(..., storage_writer=CommitWriter(staging))   every rank writes and hashes its files
+    rank 0: CommitWriter.finish: every item written? .metadata, manifest.json, fsync,
+            rename to step-00000040/, fsync RUN_DIR, retention      (DCP calls it after all ranks wrote)
+
+``save_async`` runs the same ``dcp`` save through ``dcp.async_save``: the state
+is copied to CPU on the calling thread, and the writing *and the commit* run in
+DCP's background thread; :meth:`wait` (or the next save) collects the result.
+
+Every call here is **collective**: all ranks call ``save``, ``save_async``,
+``wait``, ``should_save`` and ``restore_latest`` in the same order, like any
+``torch.distributed`` operation. Decisions that could differ between ranks (the
+wall-clock cadence, the staging folder, which save to restore) are made once
+and shared, never computed per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+
+from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from ckpt_lesson.files.checkpoint import TrainState
+from ckpt_lesson.files.tagged_hash import DEFAULT_ALGO
+from ckpt_lesson.runs.cadence import SaveCadence
+from ckpt_lesson.runs.commit import clean_stale
+from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
+from ckpt_lesson.runs.scan import step_dir_name
+
+from .comm import Comm, new_checkpoint_group, quiet_single_process
+from .restore import WORLD_SIZE_POLICIES, DistributedRestore, restore_save
+from .saving import Retention, SaveJob, fail_save, prepare_save
+
+__all__ = ["DistributedCheckpointManager"]
+
+log = logging.getLogger("ckpt_lesson.distributed")
+
+
+class DistributedCheckpointManager:
+    """Save, purge and restore the DCP checkpoints of a multi-rank run.
+
+    Args:
+        run_dir: The run's folder on a file system every rank shares.
+        keep_last: How many verified saves retention keeps (ignored when ``retention`` is given).
+        every_steps, every_seconds: Cadence for :meth:`should_save` (at least one);
+            the time rule is decided on rank 0 and broadcast, so ranks never disagree.
+        clock: Time source for ``every_seconds``.
+        retention: A policy with ``to_delete(steps, verified)``, e.g. ``KeepBest``.
+        metadata: JSON dict copied into every manifest (run id, config hash).
+        on_event: ``on_event(name, info)`` at each stage; ``info["rank"]`` says where.
+            Every rank: ``save_begin``, ``file_begin``, ``file_partial``, ``file_written``,
+            ``writes_complete``; rank 0: ``finish_begin``, ``metadata_written``,
+            ``manifest_written``, ``published``, ``retention_delete``, ``quarantined``, ``save_end``.
+        algo: Hash algorithm of the manifest records.
+        thread_count: DCP writer threads per rank.
+
+    Raises:
+        CheckpointError: Invalid settings, or ``run_dir`` is a file.
+
+    Example:
+        >>> mgr = DistributedCheckpointManager("/shared/run", keep_last=2, every_steps=100)  # doctest: +SKIP
+        >>> restored = mgr.restore_latest(model, opt, sched)  # doctest: +SKIP
+        >>> state = restored.state if restored else TrainState()  # doctest: +SKIP
+        >>> # after each optimizer step, on every rank:
+        >>> if mgr.should_save(state.step):  # doctest: +SKIP
+        ...     mgr.save_async(model, opt, sched, state, data_state=loader.state_dict())
+        >>> mgr.close()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        keep_last: int = 3,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        retention: RetentionPolicy | None = None,
+        metadata: dict[str, Any] | None = None,
+        on_event: Callable[[str, dict[str, Any]], None] | None = None,
+        algo: str = DEFAULT_ALGO,
+        thread_count: int = 1,
+    ) -> None:
+        if retention is not None and not callable(getattr(retention, "to_delete", None)):
+            raise CheckpointError("retention needs a to_delete(steps, verified) method, e.g. KeepLastK(3).")
+        self.policy = retention if retention is not None else KeepLastK(keep_last)
+        self._cadence = SaveCadence(every_steps, every_seconds, clock=clock)
+        try:
+            self.metadata = json.loads(json.dumps(dict(metadata or {}), allow_nan=False))
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"metadata must be a JSON dict: {exc}") from exc
+        self.run_dir = Path(run_dir)
+        self.algo, self.thread_count, self.on_event = algo, thread_count, on_event
+        # Two groups of our own: control decisions on the training thread, and DCP's collectives,
+        # which an asynchronous save issues from its background thread (see comm.py).
+        self._ctl = Comm(new_checkpoint_group())
+        self._io_group = new_checkpoint_group()
+        self.rank, self.world_size = self._ctl.rank, self._ctl.world_size
+        self._no_dist = not self._ctl.enabled  # says so to DCP, which otherwise warns on every call
+        self._retention = Retention(self.run_dir, self.policy, self._emit)
+        self._pending: tuple[SaveJob, Future[Any]] | None = None
+        self._closed = False
+        self.last_restore: DistributedRestore | None = None
+        problem = None
+        if self.rank == 0:
+            try:
+                if self.run_dir.exists() and not self.run_dir.is_dir():
+                    raise CheckpointError(
+                        f"{self.run_dir}: exists and is not a directory; pass a run directory."
+                    )
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                clean_stale(self.run_dir)  # staging folders of writers killed earlier (their flock is gone)
+            except (CheckpointError, OSError) as exc:
+                problem = str(exc)
+        problem = self._ctl.broadcast(problem)
+        if problem:
+            raise CheckpointError(problem)
+
+    # ------------------------------------------------------------------ basics
+
+    def __enter__(self) -> DistributedCheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # the body's error is the one to see; a failed background save is only logged then
+            self.close()
+        except CheckpointError as exc:
+            log.error("the save in flight failed too: %s", exc)
+
+    def close(self) -> None:
+        """Wait for an asynchronous save in flight, then refuse further saves."""
+        if not self._closed:
+            try:
+                self.wait()
+            finally:
+                self._closed = True
+
+    def step_dir(self, step: int) -> Path:
+        """Where the published save of ``step`` lives (whether or not it exists)."""
+        return self.run_dir / step_dir_name(step)
+
+    def _emit(self, name: str, **info: Any) -> None:
+        if self.on_event is not None:
+            self.on_event(name, {**info, "rank": self.rank})
+
+    def should_save(self, step: int) -> bool:
+        """True when the cadence says ``step`` is due; the same answer on every rank (collective)."""
+        due = self._cadence.should_save(step)
+        if self._cadence.every_seconds is None:
+            return due  # the step rule is a pure function of the step: no need to ask rank 0
+        return bool(self._ctl.broadcast(due))
+
+    # ------------------------------------------------------------------ save
+
+    def save(
+        self, model: Any, optimizer: Any, scheduler: Any, state: TrainState, *, data_state: Any = None
+    ) -> Path:
+        """Save ``state.step`` from every rank and commit it; collective.
+
+        Args:
+            model, optimizer: The live (FSDP2, DDP or plain) model and its optimizer.
+            scheduler: Its LR scheduler, or ``None``.
+            state: This rank's counters; ``state.step`` must agree on all ranks.
+            data_state: This rank's data position (plain values/tensors), or ``None``.
+
+        Returns:
+            The published ``step-XXXXXXXX`` folder.
+
+        Raises:
+            CheckpointError: Invalid input on any rank, a good save of this step
+                exists, or the save failed (nothing is published then; the
+                previous save stays the latest).
+
+        Example:
+            >>> mgr.save(model, opt, sched, state, data_state={"batch": 7})  # doctest: +SKIP
+            PosixPath('/shared/runs/a/step-00000040')
+        """
+        self.wait()
+        job = self._begin(model, optimizer, scheduler, state, data_state)
+        try:
+            with quiet_single_process(self._no_dist):
+                dcp.save(
+                    job.state_dict,
+                    storage_writer=job.writer,
+                    process_group=self._io_group,
+                    no_dist=self._no_dist,
+                )
+        except BaseException as exc:
+            fail_save(job, exc, self.rank)
+        return self._end(job)
+
+    def save_async(
+        self, model: Any, optimizer: Any, scheduler: Any, state: TrainState, *, data_state: Any = None
+    ) -> None:
+        """Like :meth:`save`, but write and commit in the background; collective.
+
+        Returns once the state is copied to CPU (and the RNG captured), so
+        training may go on changing the live tensors. At most one save is in
+        flight: a second call first waits for the previous one.
+
+        Raises:
+            CheckpointError: As :meth:`save` for what is checked before writing;
+                failures of the background part surface from :meth:`wait`.
+
+        Example:
+            >>> mgr.save_async(model, opt, sched, state)  # doctest: +SKIP
+            >>> # train on while it is written, then, before the next save or at exit:
+            >>> mgr.wait()  # doctest: +SKIP
+        """
+        self.wait()
+        job = self._begin(model, optimizer, scheduler, state, data_state)
+        try:
+            future = dcp.async_save(
+                job.state_dict, storage_writer=job.writer, process_group=self._io_group, no_dist=self._no_dist
+            )
+        except BaseException as exc:
+            fail_save(job, exc, self.rank)
+        self._pending = (job, future)
+
+    def wait(self) -> Path | None:
+        """Finish the asynchronous save in flight, if any; collective.
+
+        Returns:
+            The published folder, or ``None`` when nothing was in flight.
+
+        Raises:
+            CheckpointError: The background save failed (nothing was published).
+        """
+        if self._pending is None:
+            return None
+        job, future = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except BaseException as exc:
+            fail_save(job, exc, self.rank)
+        return self._end(job)
+
+    def _begin(self, model: Any, optimizer: Any, scheduler: Any, state: Any, data_state: Any) -> SaveJob:
+        if self._closed:
+            raise CheckpointError(f"{self.run_dir}: this manager is closed; create a new one.")
+        job = prepare_save(
+            ctl=self._ctl,
+            run_dir=self.run_dir,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            state=state,
+            data_state=data_state,
+            writer_options={"algo": self.algo, "thread_count": self.thread_count, "metadata": self.metadata},
+            emit=self._emit,
+            after_publish=self._retention.after_publish,
+        )
+        self._cadence.mark_saved(job.step)  # at request time: a save in flight must not be requested again
+        return job
+
+    def _end(self, job: SaveJob) -> Path:
+        job.stack.close()  # rank 0: releases the lock (the folder is published by now)
+        if self.rank == 0:
+            clean_stale(self.run_dir)
+        self._emit("save_end", step=job.step, path=str(job.final))
+        return job.final
+
+    # ------------------------------------------------------------------ restore
+
+    def restore_latest(
+        self,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any = None,
+        *,
+        on_world_size_change: str = "refuse",
+        reseed_base: int = 0,
+    ) -> DistributedRestore | None:
+        """Restore the newest save every rank agrees is intact; collective.
+
+        Damaged newer saves (a flipped byte, a missing file) are skipped and
+        logged. A crafted file (:class:`~ckpt_lesson.UnsafeCheckpointError`) and
+        a save that does not fit (world size under ``"refuse"``, scheduler) are
+        raised at once: an older save of the same run would not fix them.
+
+        Args:
+            model, optimizer, scheduler: Restored in place (``scheduler`` as saved: both or neither).
+            on_world_size_change: ``"refuse"`` (default) or ``"reseed"`` (see :mod:`.restore`).
+            reseed_base: Base seed for ``"reseed"``.
+
+        Returns:
+            This rank's :class:`~.restore.DistributedRestore`, or ``None`` for a run with no saves.
+
+        Raises:
+            CheckpointError: Saves exist but none is usable (each reason listed), or as above.
+
+        Example:
+            >>> restored = mgr.restore_latest(model, opt, sched)  # doctest: +SKIP
+            >>> loader.load_state_dict(restored.data_state)  # doctest: +SKIP
+        """
+        if on_world_size_change not in WORLD_SIZE_POLICIES:
+            raise CheckpointError(f"on_world_size_change must be one of {WORLD_SIZE_POLICIES}.")
+        self.wait()
+        steps = self._ctl.broadcast(self._retention.published() if self.rank == 0 else None)
+        skipped: list[dict[str, Any]] = []
+        for step in reversed(steps):
+            folder = self.step_dir(step)
+            try:
+                restored = restore_save(
+                    folder,
+                    ctl=self._ctl,
+                    io_group=self._io_group,
+                    model=model,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    on_world_size_change=on_world_size_change,
+                    reseed_base=reseed_base,
+                )
+            except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
+                status = "incomplete" if isinstance(exc, IncompleteCheckpointError) else "corrupt"
+                skipped.append({"step": step, "status": status, "reason": str(exc)})
+                log.warning("restore: skipping %s (%s): %s", folder.name, status, exc)
+                continue
+            self._retention.verified.add(step)
+            self._cadence.mark_saved(step)
+            self.last_restore = replace(restored, skipped=skipped)
+            return self.last_restore
+        if not steps:
+            return None
+        lines = "; ".join(f"step {s['step']}: {s['status']}: {s['reason']}" for s in skipped)
+        raise CheckpointError(f"{self.run_dir}: {len(skipped)} save(s) found but none is usable: {lines}")

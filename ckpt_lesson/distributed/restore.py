@@ -1,0 +1,188 @@
+"""Restore one verified distributed save into the live objects of every rank.
+
+:meth:`~.manager.DistributedCheckpointManager.restore_latest` walks the saves
+newest first and calls :func:`restore_save` on each until one works. The order
+inside is the lesson of the single-process restore, spread over ranks:
+
+1. every rank verifies its share of the files and all agree (:func:`~.reader.verify_save`);
+2. the manifest alone decides whether this world size can resume the save
+   (nothing is loaded yet);
+3. DCP loads, weights-only, into this run's own sharded tensors: resharding
+   from any saved world size is DCP's job and is exact;
+4. every rank decodes its per-rank blob and the ranks agree it was fine;
+5. only then are model, optimizer, scheduler and generators touched.
+
+Why a changed world size is refused by default: model and optimizer can be
+resharded, but rank 3's generator state and sampler position have no
+counterpart in a run of two ranks, and a resume that quietly invents them
+continues *plausibly* but not *identically*. The explicit
+``on_world_size_change="reseed"`` keeps the weights, optimizer, scheduler and
+counters, gives every rank a fresh reproducible stream, and says so in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ckpt_lesson.errors import StateMismatchError, UnsafeCheckpointError
+from ckpt_lesson.files.checkpoint import TrainState
+from ckpt_lesson.files.rng import restore_rng_state
+
+from .comm import Comm, quiet_single_process, raise_from_checkpoint_exception
+from .reader import VerifyingReader, WeightsOnlyLoadPlanner, verify_save
+from .state import apply_shared_state, build_load_template, decode_rank_state, rank_key, reseed_generators
+
+__all__ = ["WORLD_SIZE_POLICIES", "DistributedRestore", "restore_save"]
+
+log = logging.getLogger("ckpt_lesson.distributed")
+
+WORLD_SIZE_POLICIES = ("refuse", "reseed")
+
+
+@dataclass(frozen=True)
+class DistributedRestore:
+    """What a restore brought back, on this rank.
+
+    Attributes:
+        step: The restored step.
+        state: This rank's counters (rank 0's when the world size changed).
+        data_state: This rank's saved data position; ``None`` when resharded.
+        resharded: True when the saved world size differs from this one.
+        saved_world_size: Ranks that wrote the save.
+        world_size: Ranks that restored it.
+        path: The save folder.
+        save_id: The manifest's save id.
+        reseed: The seed each generator got when resharded, else ``None``.
+        skipped: Newer saves skipped as damaged: ``{"step", "status", "reason"}``.
+    """
+
+    step: int
+    state: TrainState
+    data_state: Any
+    resharded: bool
+    saved_world_size: int
+    world_size: int
+    path: Path
+    save_id: str
+    reseed: int | None = None
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+
+
+def world_size_message(folder: Path, saved: int, now: int) -> str:
+    """The refusal for a changed world size: what differs, why it matters, both ways out."""
+    return (
+        f"{folder.name} was saved by {saved} rank(s) and this run has {now}. Model and optimizer can be "
+        f"resharded, but each rank's RNG state and data position belong to one of the {saved} saved ranks "
+        f"and cannot be mapped onto {now}. Resume with {saved} ranks for an exact continuation, or pass "
+        "on_world_size_change='reseed' to restore weights, optimizer, scheduler and counters and "
+        "re-seed every rank (data positions are then not restored)."
+    )
+
+
+def restore_save(
+    folder: Path,
+    *,
+    ctl: Comm,
+    io_group: dist.ProcessGroup | None,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    on_world_size_change: str,
+    reseed_base: int,
+) -> DistributedRestore:
+    """Verify, load and apply one save on every rank; collective over ``ctl``.
+
+    Args:
+        folder: The ``step-XXXXXXXX`` folder.
+        ctl: The control group (training thread).
+        io_group: The group DCP's own collectives use.
+        model, optimizer, scheduler: Restored in place; ``scheduler`` may be ``None``.
+        on_world_size_change: ``"refuse"`` or ``"reseed"`` (see the module doc).
+        reseed_base: Base seed for ``"reseed"``.
+
+    Returns:
+        The restore's record on this rank.
+
+    Raises:
+        CorruptCheckpointError, IncompleteCheckpointError: Damage; the caller tries an older save.
+        UnsafeCheckpointError: A crafted file; nothing was executed.
+        StateMismatchError: World size (under ``"refuse"``), scheduler or per-rank state do not fit.
+
+    Example:
+        >>> restored = restore_save(run / "step-00000040", ctl=Comm(), io_group=None,  # doctest: +SKIP
+        ...     model=m, optimizer=opt, scheduler=None, on_world_size_change="refuse", reseed_base=0)
+    """
+    verified = verify_save(folder, ctl)
+    manifest = verified.manifest
+    saved_world, now = manifest["world_size"], ctl.world_size
+    resharded = saved_world != now
+    if resharded and on_world_size_change != "reseed":
+        raise StateMismatchError(world_size_message(folder, saved_world, now))
+    if manifest["per_rank_keys"] != [rank_key(r) for r in range(saved_world)]:
+        raise StateMismatchError(f"{folder.name}: unexpected per-rank keys {manifest['per_rank_keys'][:4]}.")
+    saved_scheduler = "scheduler" in manifest.get("covers", [])
+    if saved_scheduler != (scheduler is not None):
+        raise StateMismatchError(
+            f"{folder.name}: saved {'with' if saved_scheduler else 'without'} a scheduler, but "
+            f"restore_latest got {'none' if scheduler is None else 'one'}; pass the same kind of "
+            "scheduler the run saved."
+        )
+    # Same world: each rank reads its own blob. Changed world: everyone reads rank 0's counters.
+    blob_key = rank_key(0 if resharded else ctl.rank)
+    template = build_load_template(model, optimizer, scheduler, blob_keys=[blob_key])
+    try:
+        with quiet_single_process(not ctl.enabled):
+            dcp.load(
+                template,
+                storage_reader=VerifyingReader(verified),
+                planner=WeightsOnlyLoadPlanner(),
+                process_group=io_group,
+                no_dist=not ctl.enabled,
+            )
+    except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
+        raise_from_checkpoint_exception(exc, f"loading {folder.name}")
+    problem = None
+    try:
+        rank_state = decode_rank_state(template[blob_key], where=f"{folder.name}/{blob_key}")
+    except (StateMismatchError, UnsafeCheckpointError) as exc:
+        problem = (isinstance(exc, UnsafeCheckpointError), str(exc))
+    problems = [p for p in ctl.all_gather(problem) if p]  # all ranks decide together
+    if problems:
+        unsafe, message = problems[0]
+        raise (UnsafeCheckpointError if unsafe else StateMismatchError)(message)
+    apply_shared_state(model, optimizer, scheduler, template)
+    seed = None
+    if resharded:
+        seed = reseed_generators(reseed_base, manifest["step"], ctl.rank)
+        if ctl.rank == 0:
+            log.warning(
+                "%s: saved by %d rank(s), restored on %d: weights, optimizer, scheduler and counters "
+                "restored; RNG re-seeded from (reseed_base=%d, step, rank); data positions NOT restored "
+                "(resume your sampler from the counters: epoch %d, batch %d).",
+                folder.name,
+                saved_world,
+                now,
+                reseed_base,
+                rank_state["train"].epoch,
+                rank_state["train"].batch_in_epoch,
+            )
+    else:
+        restore_rng_state(rank_state["rng"])  # last: nothing after this may draw a random number
+    return DistributedRestore(
+        step=manifest["step"],
+        state=rank_state["train"],
+        data_state=None if resharded else rank_state["data"],
+        resharded=resharded,
+        saved_world_size=saved_world,
+        world_size=now,
+        path=folder,
+        save_id=manifest["save_id"],
+        reseed=seed,
+    )

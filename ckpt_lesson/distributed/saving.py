@@ -1,0 +1,225 @@
+"""The parts of a distributed save around DCP's own call: preparing it, failing it, purging after it.
+
+:func:`prepare_save` runs before any byte is written and is where the ranks
+agree: every rank checks its own input first (a bad ``data_state``, a
+``state`` that is not a ``TrainState``) and the outcomes are gathered, so a
+refusal on one rank becomes the same refusal on all of them instead of one
+rank raising while the others wait inside a collective. Only then does rank 0
+take the staging folder (with its ``flock``, as in the single-process manager)
+and tell the others its name.
+
+:class:`Retention` is the run directory's memory of which saves are known to
+be good, and applies the package's retention policy after each publish. It
+runs on rank 0 inside ``CommitWriter.finish``, so in the background thread
+for an asynchronous save, and it never turns a published save into a failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.atomic import fsync_dir
+from ckpt_lesson.files.rng import capture_rng_state
+from ckpt_lesson.runs.commit import QUARANTINE_PREFIX, delete_save, open_staging
+from ckpt_lesson.runs.dcp_manifest import read_dcp_manifest
+from ckpt_lesson.runs.retention import RetentionPolicy
+from ckpt_lesson.runs.scan import step_dir_name, step_of
+
+from .comm import Comm, raise_from_checkpoint_exception
+from .reader import verify_save
+from .state import build_save_state, encode_rank_state, rank_key
+from .writer import CommitWriter
+
+__all__ = ["Retention", "SaveJob", "fail_save", "prepare_save"]
+
+log = logging.getLogger("ckpt_lesson.distributed")
+
+Emit = Callable[..., None]
+
+
+@dataclass
+class SaveJob:
+    """One save between preparation and its end: what to hand DCP, and how to clean up."""
+
+    step: int
+    final: Path
+    writer: CommitWriter
+    state_dict: dict[str, Any]
+    stack: ExitStack  # rank 0: holds the staging folder's lock; closing with an error removes the folder
+
+    def abort(self, exc: BaseException) -> None:
+        self.stack.__exit__(type(exc), exc, exc.__traceback__)
+
+
+def prepare_save(
+    *,
+    ctl: Comm,
+    run_dir: Path,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    state: Any,
+    data_state: Any,
+    writer_options: dict[str, Any],
+    emit: Emit,
+    after_publish: Callable[[Path, dict[str, Any]], None],
+) -> SaveJob:
+    """Check the input on every rank, agree, and set up staging folder and writer; collective.
+
+    Args:
+        ctl: The control group.
+        run_dir: The run directory.
+        model, optimizer, scheduler, state, data_state: As ``DistributedCheckpointManager.save``.
+        writer_options: ``algo``, ``thread_count`` and the manifest's ``metadata``.
+        emit: The manager's event hook.
+        after_publish: Rank 0's post-publish callback (retention).
+
+    Returns:
+        The job: the state dict for DCP and a :class:`~.writer.CommitWriter` aimed at the staging folder.
+
+    Raises:
+        CheckpointError: On every rank alike: some rank's input is invalid, the
+            ranks disagree on the step, or a good save of this step exists.
+
+    Example:
+        >>> job = prepare_save(ctl=Comm(), run_dir=run, model=m, optimizer=opt,  # doctest: +SKIP
+        ...     scheduler=None, state=state, data_state=None, writer_options=opts, emit=emit,
+        ...     after_publish=hook)
+    """
+    error, state_dict, step = None, {}, getattr(state, "step", None)
+    try:  # everything local first; a rank that fails must not leave the others inside a collective
+        blob = encode_rank_state(state, capture_rng_state(), data_state)
+        state_dict = build_save_state(model, optimizer, scheduler, rank=ctl.rank, blob=blob)
+    except CheckpointError as exc:
+        error = str(exc)
+    views = ctl.all_gather((step, scheduler is not None, error))
+    errors = [f"rank {r}: {v[2]}" for r, v in enumerate(views) if v[2]]
+    if errors:
+        raise CheckpointError(f"save refused before writing anything: {errors[0]}")
+    if len({v[:2] for v in views}) != 1:
+        raise CheckpointError(f"ranks disagree on (step, has scheduler): {[v[:2] for v in views]}.")
+    emit("save_begin", step=step)
+    final, stack, staging, refusal = run_dir / step_dir_name(step), ExitStack(), None, None
+    if ctl.rank == 0:
+        try:
+            clear_target(run_dir, final, emit)
+            staging = stack.enter_context(open_staging(run_dir, step)).name
+        except (CheckpointError, OSError) as exc:
+            stack.close()
+            refusal = str(exc)
+    staging, refusal = ctl.broadcast((staging, refusal))
+    if refusal:
+        raise CheckpointError(refusal)
+    covers = ["model", "optimizer", *(["scheduler"] if scheduler is not None else []), "rng", "data"]
+    fields = {
+        "world_size": ctl.world_size,
+        "per_rank_keys": [rank_key(r) for r in range(ctl.world_size)],
+        "state": {"step": step, "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch},
+        "covers": covers,
+        "metadata": writer_options["metadata"],
+    }
+    writer = CommitWriter(
+        run_dir / staging,
+        final,
+        step=step,
+        manifest_fields=fields,
+        algo=writer_options["algo"],
+        emit=emit,
+        after_publish=after_publish if ctl.rank == 0 else None,
+        thread_count=writer_options["thread_count"],
+    )
+    return SaveJob(step, final, writer, state_dict, stack)
+
+
+def clear_target(run_dir: Path, final: Path, emit: Emit) -> None:
+    """Rank 0, before writing: refuse over a good save; move a damaged one aside (kept, not deleted)."""
+    if not final.exists():
+        return
+    try:
+        verify_save(final, Comm.solo())
+    except CheckpointError as exc:
+        aside = run_dir / f"{QUARANTINE_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+        os.replace(final, aside)
+        fsync_dir(run_dir)
+        log.warning("%s was damaged (%s); moved it aside to %s", final.name, exc, aside.name)
+        emit("quarantined", step=step_of(final.name), path=str(aside))
+        return
+    raise CheckpointError(
+        f"step {step_of(final.name)} is already saved in {final} and verifies; a save is never "
+        "overwritten. Save a later step, or move that folder away by hand."
+    )
+
+
+def fail_save(job: SaveJob, exc: BaseException, rank: int) -> NoReturn:
+    """Clean up after a failed save (rank 0 removes its staging folder) and raise a CheckpointError."""
+    job.abort(exc)
+    if isinstance(exc, CheckpointException):  # DCP's gathered failures; a BaseException
+        raise_from_checkpoint_exception(exc, f"save of step {job.step}")
+    if isinstance(exc, Exception) and not isinstance(exc, CheckpointError):
+        # Typically a collective that failed because another rank died: say what it means.
+        raise CheckpointError(
+            f"save of step {job.step} failed on rank {rank} ({type(exc).__name__}: {exc}); "
+            "nothing was published, the previous save stays the latest."
+        ) from exc
+    raise exc
+
+
+class Retention:
+    """Known-good saves of one run directory, and the purge that follows each publish.
+
+    Args:
+        run_dir: The run directory.
+        policy: ``to_delete(steps, verified)``, e.g. ``KeepLastK(3)``.
+        emit: Event hook (``retention_delete`` before each delete).
+
+    Example:
+        >>> keeper = Retention(run, KeepLastK(2), emit=lambda name, **info: None)  # doctest: +SKIP
+        >>> keeper.published()  # doctest: +SKIP
+        [2, 4]
+    """
+
+    def __init__(self, run_dir: Path, policy: RetentionPolicy, emit: Emit) -> None:
+        self.run_dir, self.policy, self.emit = run_dir, policy, emit
+        #: Steps written or restored by this process: retention counts only these as good.
+        self.verified: set[int] = set()
+
+    def published(self) -> list[int]:
+        """Published steps, ascending (folder names only; nothing is read)."""
+        found = (step_of(e.name) for e in self.run_dir.iterdir() if e.is_dir() and not e.is_symlink())
+        return sorted(s for s in found if s is not None)
+
+    def after_publish(self, final: Path, manifest: dict[str, Any]) -> None:
+        """Count the new save as good and delete what the policy allows; errors are logged, not raised."""
+        try:
+            self.verified.add(manifest["step"])
+            published = self.published()
+            self.verified = {s for s in self.verified if s in published and self.sizes_ok(s)}
+            for step in self.policy.to_delete(published, set(self.verified)):
+                self.emit("retention_delete", step=step)
+                if delete_save(self.run_dir / step_dir_name(step)):
+                    self.verified.discard(step)
+        except Exception:  # the save is durable; a failed purge must not turn it into a failure
+            log.exception("retention after %s failed; the save itself is published", final.name)
+
+    def sizes_ok(self, step: int) -> bool:
+        """A known-good save still has its manifest and every part at its size (a stat each, no hashing)."""
+        folder = self.run_dir / step_dir_name(step)
+        try:
+            manifest, _ = read_dcp_manifest(folder)
+        except CheckpointError:
+            return False
+        for part in manifest["parts"]:
+            path = folder / part["file"]
+            if not path.is_file() or path.is_symlink() or path.stat().st_size != part["bytes"]:
+                return False
+        return True

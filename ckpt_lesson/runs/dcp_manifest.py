@@ -1,0 +1,265 @@
+"""The commit record of one distributed save: ``manifest.json`` beside DCP's files.
+
+DCP's ``.metadata`` says which tensor chunk lives at which offset of which
+file; it says nothing about whether those files are the bytes that were
+written. The manifest does, and it is written last, after every rank's files
+and ``.metadata``, so its presence means "this save finished"::
+
+    {
+      "schema": "ckpt.manifest.dcp.v1", "layout": "dcp", "step": 40, "world_size": 2,
+      "save_id": "5c1e...", "parts": [
+        {"file": ".metadata",    "bytes": 2911,  "algo": "xxh3_128", "digest": "..."},
+        {"file": "__0_0.distcp", "bytes": 91280, "algo": "xxh3_128", "digest": "..."},
+        ...
+      ],
+      "per_rank_keys": ["rank0_local", "rank1_local"], "state": {"step": 40, ...}, ...
+    }
+
+The manifest is JSON, never pickle: it is the one file read before anything
+has been verified, so it must be safe to parse whatever it contains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt_lesson.errors import (
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    SchemaError,
+    UnsafeCheckpointError,
+)
+from ckpt_lesson.files.schema import MANIFEST_NAME
+from ckpt_lesson.files.tagged_hash import check_hash_record, hash_file
+
+__all__ = [
+    "LAYOUT",
+    "MANIFEST_NAME",
+    "MANIFEST_SCHEMA",
+    "MAX_MANIFEST_BYTES",
+    "METADATA_FILE",
+    "build_manifest",
+    "check_dcp_part",
+    "read_dcp_manifest",
+    "validate_manifest",
+]
+
+MANIFEST_SCHEMA = "ckpt.manifest.dcp.v1"
+LAYOUT = "dcp"
+#: DCP's own index of the save (pickled by DCP; read here only through a restricted unpickler).
+METADATA_FILE = ".metadata"
+#: A manifest larger than this is refused unread: a save of a few thousand files is far below it.
+MAX_MANIFEST_BYTES = 16 << 20
+
+
+def build_manifest(
+    *,
+    step: int,
+    world_size: int,
+    parts: list[dict[str, Any]],
+    per_rank_keys: list[str],
+    state: dict[str, Any],
+    covers: list[str],
+    save_id: str,
+    dcp_version: str | None,
+    metadata: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Assemble (and validate) the manifest of one save.
+
+    Args:
+        step: The step saved; names the folder.
+        world_size: Ranks that wrote it; a restore with another count must re-map.
+        parts: ``{"file", "bytes", "algo", "digest"}`` for every file, ``.metadata`` included.
+        per_rank_keys: The state-dict key holding each rank's RNG and data position, by rank.
+        state: Rank 0's counters (step, epoch, batch_in_epoch), for humans and scans.
+        covers: The buckets saved (``model``, ``optimizer``, ``scheduler``, ``rng``, ``data``).
+        save_id: A fresh unique id (DCP's own ``save_id``).
+        dcp_version: The DCP format version written into ``.metadata``.
+        metadata: The caller's JSON dict (run id, config hash), copied in.
+
+    Returns:
+        The manifest dict, sorted parts.
+
+    Raises:
+        CorruptCheckpointError: A field is malformed (a writer bug: nothing is published).
+
+    Example:
+        >>> m = build_manifest(step=4, world_size=1, parts=[{"file": ".metadata", "bytes": 1,
+        ...     "algo": "sha256", "digest": "0" * 64}], per_rank_keys=["rank0_local"],
+        ...     state={"step": 4}, covers=["model"], save_id="x", dcp_version="1.0.0")
+        >>> m["layout"], m["world_size"]
+        ('dcp', 1)
+    """
+    manifest = {
+        "schema": MANIFEST_SCHEMA,
+        "layout": LAYOUT,
+        "step": step,
+        "world_size": world_size,
+        "save_id": save_id,
+        "parts": sorted(parts, key=lambda p: p["file"]),
+        "per_rank_keys": list(per_rank_keys),
+        "state": dict(state),
+        "covers": list(covers),
+        "dcp_version": dcp_version,
+        "torch": torch.__version__,
+        "metadata": dict(metadata or {}),
+        "created_at": time.time(),
+    }
+    validate_manifest(manifest, where=f"manifest of step {step}")
+    return manifest
+
+
+def read_dcp_manifest(folder: str | os.PathLike[str]) -> tuple[dict[str, Any], bytes]:
+    """Read and validate ``folder/manifest.json`` (structure only, no hashing).
+
+    Args:
+        folder: A published save (or a staging folder).
+
+    Returns:
+        ``(manifest, raw_bytes)``; the raw bytes let ranks check they all read the same record.
+
+    Raises:
+        IncompleteCheckpointError: No manifest: the save never finished.
+        CorruptCheckpointError: Not a regular file, too large, not JSON, or malformed.
+        SchemaError: Another manifest schema (e.g. a single-process save).
+        UnsafeCheckpointError: A part name that would leave the folder.
+
+    Example:
+        >>> manifest, raw = read_dcp_manifest("run/step-00000040")  # doctest: +SKIP
+    """
+    folder = Path(folder)
+    path = folder / MANIFEST_NAME
+    where = f"{folder.name}/{MANIFEST_NAME}"
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(
+            f"{folder.name}: no {MANIFEST_NAME}; the save never finished (it is written last). "
+            "Restore an older save."
+        ) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise CorruptCheckpointError(f"{where}: not a regular file; restore an older save.")
+    if info.st_size > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{where}: {info.st_size} bytes, over the {MAX_MANIFEST_BYTES} cap.")
+    raw = path.read_bytes()
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({exc}); restore an older save.") from exc
+    validate_manifest(manifest, where=where)
+    return manifest, raw
+
+
+def validate_manifest(manifest: Any, *, where: str) -> None:
+    """Check every field a restore relies on; see :func:`read_dcp_manifest` for what is raised.
+
+    Example:
+        >>> validate_manifest({"schema": "other"}, where="m")
+        Traceback (most recent call last):
+        ...
+        ckpt_lesson.errors.SchemaError: m: manifest schema 'other' is not ckpt.manifest.dcp.v1; ...
+    """
+    if not isinstance(manifest, dict):
+        raise CorruptCheckpointError(f"{where}: expected a JSON object; restore an older save.")
+    schema = manifest.get("schema")
+    if schema != MANIFEST_SCHEMA:
+        raise SchemaError(
+            f"{where}: manifest schema {schema!r} is not {MANIFEST_SCHEMA}; "
+            "this folder was not written by DistributedCheckpointManager (use CheckpointManager)."
+        )
+    if manifest.get("layout") != LAYOUT:
+        raise CorruptCheckpointError(f"{where}: 'layout' must be {LAYOUT!r}, got {manifest.get('layout')!r}.")
+    for key, low in (("step", 0), ("world_size", 1)):
+        value = manifest.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise CorruptCheckpointError(f"{where}: {key!r} must be an int >= {low}, got {value!r}.")
+    if not isinstance(manifest.get("save_id"), str):
+        raise CorruptCheckpointError(f"{where}: 'save_id' must be a string.")
+    keys = manifest.get("per_rank_keys")
+    if (
+        not isinstance(keys, list)
+        or len(keys) != manifest["world_size"]
+        or not all(isinstance(k, str) for k in keys)
+    ):
+        raise CorruptCheckpointError(f"{where}: 'per_rank_keys' must list one key per rank.")
+    if not isinstance(manifest.get("state"), dict):
+        raise CorruptCheckpointError(f"{where}: 'state' must be an object.")
+    covers = manifest.get("covers")
+    if not isinstance(covers, list) or not all(isinstance(c, str) for c in covers):
+        raise CorruptCheckpointError(f"{where}: 'covers' must list the saved buckets.")
+    parts = manifest.get("parts")
+    if not isinstance(parts, list) or not parts:
+        raise CorruptCheckpointError(f"{where}: 'parts' must be a non-empty list.")
+    seen: set[str] = set()
+    for part in parts:
+        _check_part(part, where)
+        if part["file"] in seen:
+            raise CorruptCheckpointError(f"{where}: part {part['file']!r} is listed twice.")
+        seen.add(part["file"])
+    if METADATA_FILE not in seen:
+        raise CorruptCheckpointError(f"{where}: no {METADATA_FILE} part; a DCP save always has one.")
+
+
+def _check_part(part: Any, where: str) -> None:
+    if not isinstance(part, dict) or set(part) != {"file", "bytes", "algo", "digest"}:
+        raise CorruptCheckpointError(f"{where}: every part must be an object with file, bytes, algo, digest.")
+    name = part["file"]
+    if not isinstance(name, str) or not name:
+        raise CorruptCheckpointError(f"{where}: a part has no 'file' name.")
+    # A manifest is data, and data can be hostile: a part may only name a plain file in this folder.
+    if "/" in name or "\\" in name or name in (".", "..") or name == MANIFEST_NAME or "\x00" in name:
+        raise UnsafeCheckpointError(
+            f"{where}: part name {name!r} is not a plain file name in the save folder."
+        )
+    size = part["bytes"]
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise CorruptCheckpointError(f"{where}: part {name!r} has no valid 'bytes' count.")
+    check_hash_record(part, where=f"{where}: part {name!r}")
+
+
+def check_dcp_part(folder: Path, part: dict[str, Any], *, hash_it: bool = True) -> str | None:
+    """Check one listed file of a distributed save: type, size, then digest.
+
+    The size comes first (a ``stat``, free); the file is read only when it could
+    still match. The scan of a run directory and the ranks of a restore both
+    call this, so one verdict serves both.
+
+    Args:
+        folder: The save folder.
+        part: A validated part record ``{"file", "bytes", "algo", "digest"}``.
+        hash_it: ``False`` stops after type and size.
+
+    Returns:
+        ``None`` when the file matches, else a short reason naming the file
+        (``"__0_0.distcp: missing"`` when it is not there).
+
+    Example:
+        >>> check_dcp_part(Path("run/step-00000040"), manifest["parts"][0])  # doctest: +SKIP
+        '__0_0.distcp: size 9 != recorded 91280'
+    """
+    name = part["file"]
+    try:
+        info = os.lstat(folder / name)
+    except FileNotFoundError:
+        return f"{name}: missing"
+    if not stat.S_ISREG(info.st_mode):
+        return f"{name}: not a regular file"
+    if info.st_size != part["bytes"]:
+        return f"{name}: size {info.st_size} != recorded {part['bytes']}"
+    if not hash_it:
+        return None
+    try:
+        _, record = hash_file(folder / name, part["algo"])
+    except OSError as exc:
+        return f"{name}: unreadable ({type(exc).__name__})"
+    if record["digest"] != part["digest"]:
+        found, recorded = record["digest"][:12], part["digest"][:12]
+        return f"{name}: {record['algo']} {found}... != recorded {recorded}..."
+    return None

@@ -1,0 +1,50 @@
+"""Collectives with a one-process fallback, and DCP's gathered failures turned into our errors."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ckpt_lesson import CheckpointError, UnsafeCheckpointError
+from ckpt_lesson.distributed import Comm
+from ckpt_lesson.distributed.comm import (
+    new_checkpoint_group,
+    quiet_single_process,
+    raise_from_checkpoint_exception,
+)
+
+
+def test_without_a_process_group_the_world_is_one_rank_and_collectives_are_identities() -> None:
+    for comm in (Comm(), Comm.solo()):
+        assert (comm.rank, comm.world_size, comm.is_coordinator) == (0, 1, True)
+        assert comm.broadcast({"a": 1}) == {"a": 1}
+        assert comm.all_gather("x") == ["x"]
+    assert new_checkpoint_group() is None
+
+
+def test_our_own_error_inside_dcps_exception_is_raised_with_its_type() -> None:
+    ours = UnsafeCheckpointError("value 'x' is not plain data")
+    wrapped = CheckpointException("read", {1: (ours, None), 0: (RuntimeError("peer gone"), None)})
+    with pytest.raises(UnsafeCheckpointError) as info:
+        raise_from_checkpoint_exception(wrapped, "loading step-00000004")
+    assert info.value is ours
+
+
+def test_other_failures_become_one_checkpoint_error_naming_ranks_and_types() -> None:
+    wrapped = CheckpointException("write", {1: (OSError("disk full"), None)})
+    with pytest.raises(CheckpointError, match=r"save of step 4 failed \(rank 1: OSError: disk full\)"):
+        raise_from_checkpoint_exception(wrapped, "save of step 4")
+
+
+def test_only_dcps_single_process_warning_is_silenced_and_only_when_asked() -> None:
+    message = "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with quiet_single_process(True):
+            warnings.warn(message, UserWarning, stacklevel=1)
+            warnings.warn("something else", UserWarning, stacklevel=1)
+        with quiet_single_process(False):
+            warnings.warn(message, UserWarning, stacklevel=1)
+    assert [str(w.message)[:20] for w in caught] == ["something else", message[:20]]
