@@ -21,22 +21,122 @@ import hashlib
 import os
 import stat
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 
 __all__ = [
+    "ALGORITHMS",
+    "DEFAULT_ALGO",
     "FOOTER_MAGIC",
     "FileDigest",
     "FooterWriter",
+    "check_algo",
+    "digest_bytes",
     "file_digest",
     "file_sha256",
+    "new_hasher",
+    "part_digest",
     "read_footer_digest",
     "sha256_bytes",
     "verify_footer",
 ]
+
+#: The integrity hash new records use. xxh3-128 runs at about 33 GB/s here
+#: (sha256: 1.8 GB/s), so hashing costs a few percent of a save instead of half.
+#: It detects damage, not tampering: the record sits beside the data, and
+#: anyone who can rewrite one can rewrite the other.
+DEFAULT_ALGO = "xxh3_128"
+
+#: Every algorithm a record may name, with the length of its hex digest.
+#: ``sha256`` and ``blake3`` are cryptographic: pick one when a digest is
+#: pinned somewhere trusted (a release note, a registry) and checked from there.
+ALGORITHMS: dict[str, int] = {"blake3": 64, "sha256": 64, "xxh3_128": 32}
+
+
+def check_algo(name: Any) -> str:
+    """Return ``name`` if it is a known algorithm, else raise.
+
+    Raises:
+        CheckpointError: ``name`` is not one of :data:`ALGORITHMS`.
+
+    Example:
+        >>> check_algo("sha256")
+        'sha256'
+    """
+    if not isinstance(name, str) or name not in ALGORITHMS:
+        raise CheckpointError(
+            f"unknown integrity algorithm {name!r}; choose one of {sorted(ALGORITHMS)} "
+            "(or upgrade ckpt_lesson if a newer version wrote this record)."
+        )
+    return name
+
+
+def new_hasher(algo: str = DEFAULT_ALGO) -> Any:
+    """A fresh incremental hasher (``update``, ``hexdigest``, ``copy``) for ``algo``.
+
+    Raises:
+        CheckpointError: Unknown algorithm, or ``blake3`` without its package.
+
+    Example:
+        >>> h = new_hasher("sha256"); h.update(b"abc"); h.hexdigest()[:8]
+        'ba7816bf'
+    """
+    check_algo(algo)
+    if algo == "sha256":
+        return hashlib.sha256()
+    if algo == "xxh3_128":
+        import xxhash  # imported here: only the algorithms in use need their package
+
+        return xxhash.xxh3_128()
+    try:
+        import blake3
+    except ImportError as exc:
+        raise CheckpointError(
+            "blake3 is selected but its package is missing; `pip install blake3`, or use sha256."
+        ) from exc
+    return blake3.blake3(max_threads=blake3.blake3.AUTO)
+
+
+def digest_bytes(data: bytes | bytearray | memoryview, algo: str = DEFAULT_ALGO) -> str:
+    """Hex digest of ``data`` with ``algo``.
+
+    Example:
+        >>> len(digest_bytes(b"abc"))  # xxh3-128: 32 hex characters
+        32
+    """
+    h = new_hasher(algo)
+    h.update(data)
+    return h.hexdigest()
+
+
+def part_digest(record: Mapping[str, Any]) -> tuple[str, str]:
+    """``(algo, hex digest)`` of a part record, old or new.
+
+    New records carry ``{"algo": ..., "digest": ...}``; records written before
+    the algorithm was recorded carry only ``{"sha256": ...}`` and still read.
+
+    Raises:
+        CorruptCheckpointError: Neither form is present, the algorithm is
+            unknown, or the digest is not lowercase hex of the right length.
+
+    Example:
+        >>> part_digest({"file": "a.pt", "bytes": 1, "sha256": "0" * 64})
+        ('sha256', '0000000000000000000000000000000000000000000000000000000000000000')
+    """
+    if "algo" in record or "digest" in record:
+        algo, digest = record.get("algo"), record.get("digest")
+    else:
+        algo, digest = "sha256", record.get("sha256")
+    if not isinstance(algo, str) or algo not in ALGORITHMS:
+        raise CorruptCheckpointError(f"record {dict(record)!r}: unknown integrity algorithm {algo!r}.")
+    if not isinstance(digest, str) or len(digest) != ALGORITHMS[algo] or not set(digest) <= _HEX:
+        raise CorruptCheckpointError(f"record names algorithm {algo!r} but has no valid digest.")
+    return algo, digest
+
 
 #: Prefix of the zip comment that records the sha256 of everything before it.
 FOOTER_MAGIC = b"ckpt-lesson-sha256:"
@@ -44,6 +144,7 @@ _FOOTER_LEN = len(FOOTER_MAGIC) + 64
 _EOCD_SIG = b"PK\x05\x06"
 _EOCD_LEN = 22
 _CHUNK = 1 << 20
+_HEX = frozenset("0123456789abcdef")
 
 
 @dataclass(frozen=True)
