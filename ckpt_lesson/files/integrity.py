@@ -292,7 +292,7 @@ def verify_footer(
     f.seek(0)
     if found is not None and found[1] != content:
         raise CorruptCheckpointError(
-            f"{name}: contents do not match the {footer_algo} digest recorded in the file's footer "
+            f"{name}: contents do not match the {footer_algo} recorded in the file's footer "
             f"(recorded {found[1][:12]}..., found {content[:12]}...). The file was changed "
             "or damaged after it was written; restore an older checkpoint."
         )
