@@ -130,13 +130,13 @@ def test_the_index_is_written_after_every_shard_and_meta(tmp_path: Path, monkeyp
     order: list[str] = []
     real_save, real_json = sharded.atomic_save, sharded.atomic_write_json
 
-    def spy_save(payload, path):
+    def spy_save(payload, path, **kwargs):
         order.append(Path(path).name)
-        return real_save(payload, path)
+        return real_save(payload, path, **kwargs)
 
-    def spy_json(obj, path):
+    def spy_json(obj, path, **kwargs):
         order.append(Path(path).name)
-        return real_json(obj, path)
+        return real_json(obj, path, **kwargs)
 
     monkeypatch.setattr(sharded, "atomic_save", spy_save)
     monkeypatch.setattr(sharded, "atomic_write_json", spy_json)
@@ -150,10 +150,10 @@ def test_a_crash_while_writing_a_shard_leaves_no_index_and_load_says_incomplete(
 ) -> None:
     real_save = sharded.atomic_save
 
-    def dies_on_second_shard(payload, path):
+    def dies_on_second_shard(payload, path, **kwargs):
         if Path(path).name == "model.shard-001.pt":
             raise KeyboardInterrupt("killed mid-save")
-        return real_save(payload, path)
+        return real_save(payload, path, **kwargs)
 
     monkeypatch.setattr(sharded, "atomic_save", dies_on_second_shard)
     with pytest.raises(KeyboardInterrupt):
