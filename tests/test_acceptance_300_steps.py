@@ -182,7 +182,7 @@ def publish_280_without_optimizer(run_dir, payload, *, covers_optimizer=True):
     manifest.update(
         save_id=uuid.uuid4().hex,
         step=280,
-        parts=[{"file": "checkpoint.pt", "bytes": digest.size, "sha256": digest.sha256}],
+        parts=[{"file": "checkpoint.pt", **digest.record()}],
         state={
             "step": 280,
             "epoch": payload["state"]["epoch"],

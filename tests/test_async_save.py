@@ -204,6 +204,38 @@ def test_a_snapshot_shares_no_memory_with_the_live_objects(tiny_run):
     assert len(snap.state.losses) == 2
 
 
+def test_three_saves_reusing_buffers_each_hold_exactly_their_own_snapshot(tmp_path, tiny_run):
+    run = tiny_run(SEED)
+    ckpt = AsyncCheckpointer(CheckpointManager(tmp_path, every_steps=100, keep_last=5))
+    expected, pointers = {}, []
+    for step in (2, 5, 9):
+        run.train(step)
+        ckpt.save_async(run.model, run.optimizer, run.scheduler, run.state)
+        expected[step] = {
+            "model": copy.deepcopy(run.model.state_dict()),
+            "optimizer": copy.deepcopy(run.optimizer.state_dict()),
+            "state": run.state.to_dict(),
+        }
+        pointers.append(ckpt._buffers.model.state_dict()["0.weight"].data_ptr())
+        ckpt.wait()
+    assert len(set(pointers)) == 1  # the second and third snapshots refilled the first one's buffer
+    for step, value in expected.items():
+        payload = saved_payload(tmp_path, step)
+        for bucket, tree in value.items():
+            assert_same_tree(payload[bucket], tree)
+    assert not torch.equal(expected[2]["model"]["0.weight"], expected[9]["model"]["0.weight"])
+
+
+def test_a_reused_buffer_whose_shape_changed_is_replaced_not_overwritten(tiny_run):
+    run = tiny_run(SEED)
+    first = TrainingSnapshot.capture(run.model, run.optimizer, run.scheduler, run.state)
+    bigger = torch.nn.Linear(8, 64)  # same key names as a Linear, different shapes
+    weight = first.model.state_dict()
+    second = TrainingSnapshot.capture(bigger, run.optimizer, run.scheduler, run.state, reuse=first)
+    assert torch.equal(second.model.state_dict()["weight"], bigger.weight.detach())
+    assert all(t.data_ptr() != second.model.state_dict()["weight"].data_ptr() for t in weight.values())
+
+
 def test_a_failed_background_save_surfaces_on_the_next_call_or_wait(tmp_path, monkeypatch, tiny_run):
     run = tiny_run(SEED)
     mgr = CheckpointManager(tmp_path, every_steps=5)

@@ -33,7 +33,7 @@ from ckpt_lesson.files.atomic import (
     is_temp_file,
 )
 from ckpt_lesson.files.checkpoint import load_verified_file
-from ckpt_lesson.files.integrity import sha256_bytes
+from ckpt_lesson.files.integrity import DEFAULT_ALGO, digest_bytes
 
 PART = 1 << 20  # float32 elements per part: 4 MB
 PARTS = 16  # 64 MB in all, written part by part so the temp file grows visibly
@@ -325,7 +325,8 @@ def test_atomic_write_json_writes_sorted_indented_json_and_returns_its_digest(tm
     text = path.read_text()
     assert json.loads(text) == {"a": {"y": None, "z": 1.5}, "b": [1, 2]}
     assert text.index('"a"') < text.index('"b"') and text.endswith("\n") and "\n  " in text
-    assert digest.sha256 == sha256_bytes(path.read_bytes()) and digest.size == len(path.read_bytes())
+    assert digest.algo == DEFAULT_ALGO and digest.size == len(path.read_bytes())
+    assert digest.digest == digest_bytes(path.read_bytes(), DEFAULT_ALGO)
 
 
 @pytest.mark.parametrize("bad", [{"x": float("nan")}, {"x": object()}, {"x": torch.ones(1)}])

@@ -328,7 +328,7 @@ def test_extras_data_and_env_blocks_are_saved(tmp_path, tiny_run):
 
 def test_expected_sha256_is_checked_on_load(saved, tiny_run):
     _, path = saved
-    good = file_digest(path).sha256
+    good = file_digest(path, algo="sha256").digest
     fresh = tiny_run(1)
     state = load_checkpoint(path, fresh.model, fresh.optimizer, fresh.scheduler, expected_sha256=good)
     assert state.step == 5

@@ -334,7 +334,7 @@ def test_skill_markdown_is_deterministic_and_leaves_global_rng_alone(tmp_path) -
     assert render_skill_markdown() == first
     path = write_skill_markdown(tmp_path / "skill.md")
     assert path.read_text(encoding="utf-8") == first
-    assert "/tmp" not in first and 'sha256": "<sha256>' in first
+    assert "/tmp" not in first and 'digest": "<digest>' in first
 
 
 def test_the_committed_skill_recipe_is_what_the_package_renders_now() -> None:

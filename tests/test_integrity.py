@@ -31,10 +31,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from ckpt_lesson.files.atomic import atomic_save
 from ckpt_lesson.files.checkpoint import load_checkpoint, load_verified_file
-from ckpt_lesson.files.integrity import FOOTER_MAGIC, FooterWriter, file_digest, read_footer_digest
+from ckpt_lesson.files.integrity import (
+    ALGORITHMS,
+    DEFAULT_ALGO,
+    FOOTER_MAGIC,
+    FooterWriter,
+    digest_bytes,
+    file_digest,
+    read_footer_digest,
+)
 
-FOOTER_LEN = len(FOOTER_MAGIC) + 64
+FOOTER_LEN = len(FOOTER_MAGIC) + len(DEFAULT_ALGO) + 1 + ALGORITHMS[DEFAULT_ALGO]
 
 
 @pytest.fixture
@@ -103,21 +112,25 @@ def sample_positions(data: bytes) -> list[int]:
     return sorted(positions)
 
 
-def test_footer_is_the_zip_comment_and_records_the_content_hash(saved):
+def test_footer_is_the_zip_comment_and_names_its_algorithm_and_the_content_hash(saved):
     path, digest, _ = saved
     data = path.read_bytes()
     with zipfile.ZipFile(path) as z:
-        assert z.comment == FOOTER_MAGIC + digest.content_sha256.encode()
-        assert z.testzip() is None  # every member's CRC still checks out
-    assert digest.content_sha256 == hashlib.sha256(data[:-FOOTER_LEN]).hexdigest()
+        assert z.comment == FOOTER_MAGIC + f"{DEFAULT_ALGO}:{digest.content_digest}".encode()
+    assert digest.algo == DEFAULT_ALGO
+    assert digest.content_digest == digest_bytes(data[:-FOOTER_LEN], DEFAULT_ALGO)
 
 
-def test_digest_sha256_is_the_plain_sha256_of_the_whole_file(saved):
+def test_digest_is_the_whole_files_hash_in_the_recorded_algorithm(saved):
     path, digest, _ = saved
     data = path.read_bytes()
     assert digest.size == len(data)
-    assert digest.sha256 == hashlib.sha256(data).hexdigest()
+    assert digest.digest == digest_bytes(data, digest.algo)
     assert file_digest(path) == digest
+    # Asked for another algorithm, a reader computes it in the same pass and still checks the footer.
+    as_sha = file_digest(path, algo="sha256")
+    assert as_sha.digest == hashlib.sha256(data).hexdigest()
+    assert as_sha.content_digest == digest.content_digest
 
 
 @pytest.mark.parametrize("mmap", [False, True], ids=["plain", "mmap"])
@@ -251,17 +264,98 @@ def test_a_plain_torch_save_file_has_no_footer_and_is_not_called_damaged(tmp_pat
     with open(path, "rb") as f:
         assert read_footer_digest(f, path.stat().st_size) is None
     digest = file_digest(path)
-    assert digest.content_sha256 is None
-    assert digest.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert not digest.has_footer and digest.content_digest is None
+    assert digest.digest == digest_bytes(path.read_bytes(), DEFAULT_ALGO)
 
 
 def test_expected_sha256_is_checked_and_may_be_upper_case(saved):
     path, digest, _ = saved
-    load_verified_file(path, expected_sha256=digest.sha256.upper())
+    load_verified_file(path, expected_sha256=hashlib.sha256(path.read_bytes()).hexdigest().upper())
+    load_verified_file(path, expected_digest=digest.digest.upper(), algo=digest.algo)
     with pytest.raises(CorruptCheckpointError, match="does not match"):
         load_verified_file(path, expected_sha256="0" * 64)
     with pytest.raises(CorruptCheckpointError, match="bytes on disk"):
         load_verified_file(path, expected_size=digest.size + 1)
+
+
+# Algorithms and files from earlier versions -----------------------------------------------
+
+
+def old_version_file(path: pathlib.Path, payload: object) -> str:
+    """Write ``payload`` the way versions before the algorithm was named did; returns its sha256.
+
+    Built by hand (not with FooterWriter): a plain torch.save archive whose end record
+    announces an 83-byte comment, then ``ckpt-lesson-sha256:`` and the sha256 of what precedes it.
+    """
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    data = bytearray(buf.getvalue())
+    assert data[-22:-18] == b"PK\x05\x06" and data[-2:] == b"\x00\x00"
+    data[-2:] = struct.pack("<H", 19 + 64)
+    content = hashlib.sha256(data).hexdigest()
+    path.write_bytes(bytes(data) + b"ckpt-lesson-sha256:" + content.encode())
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_file_from_an_earlier_version_with_a_sha256_footer_still_loads_and_verifies(tmp_path):
+    path = tmp_path / "old.pt"
+    whole = old_version_file(path, {"w": torch.arange(5.0)})
+    obj, digest = load_verified_file(path, expected_sha256=whole)
+    assert torch.equal(obj["w"], torch.arange(5.0))
+    assert digest.algo == "sha256" and digest.sha256 == whole and digest.has_footer
+    flipped_copy = tmp_path / "old_flipped.pt"
+    flipped_copy.write_bytes(flipped(path.read_bytes(), 100))
+    with pytest.raises(CorruptCheckpointError):
+        load_verified_file(flipped_copy)
+
+
+@pytest.mark.parametrize("algo", sorted(ALGORITHMS))
+def test_every_algorithm_detects_a_flipped_byte_in_tensor_data(tmp_path, algo):
+    if algo == "blake3":
+        pytest.importorskip("blake3")
+    path = tmp_path / "c.pt"
+    written = atomic_save({"w": torch.arange(1000.0)}, path, algo=algo)
+    assert written.algo == algo and len(written.digest) == ALGORITHMS[algo]
+    data = path.read_bytes()
+    assert data.endswith(FOOTER_MAGIC + algo.encode() + b":" + written.content_digest.encode())
+    assert load_verified_file(path, expected_digest=written.digest, algo=algo)[1] == written
+    start, end = zip_regions(data)["data of archive/data/0"]
+    for pos in (start, (start + end) // 2, end - 1):
+        path.write_bytes(flipped(data, pos))
+        with pytest.raises(CorruptCheckpointError, match="c.pt"):
+            load_verified_file(path)
+
+
+def test_a_save_never_reopens_its_file_to_hash_it(tmp_path, monkeypatch):
+    opened: list[str] = []
+    real_open, real_os_open = open, os.open
+    monkeypatch.setattr("builtins.open", lambda f, *a, **k: opened.append(str(f)) or real_open(f, *a, **k))
+    monkeypatch.setattr(
+        os, "open", lambda p, flags, *a, **k: opened.append(f"{p}:{flags}") or real_os_open(p, flags, *a, **k)
+    )
+    digest = atomic_save({"w": torch.ones(100)}, tmp_path / "w.pt")
+    monkeypatch.undo()
+    # One exclusive create of the temp file (write-only) and directory opens for fsync: no read of a file.
+    files = [o for o in opened if ".tmp-" in o or o.endswith("w.pt")]
+    assert len(files) == 1 and int(files[0].rsplit(":", 1)[1]) & os.O_WRONLY
+    assert digest == file_digest(tmp_path / "w.pt")
+
+
+def test_our_saves_skip_torchs_zip_crc32_and_put_the_setting_back(tmp_path):
+    from torch.utils.serialization import config
+
+    assert config.save.compute_crc32 is True
+    atomic_save({"w": torch.arange(10.0)}, tmp_path / "fast.pt")
+    assert config.save.compute_crc32 is True  # restored after the save
+    with zipfile.ZipFile(tmp_path / "fast.pt") as z:
+        assert z.testzip() is not None  # the cost: zip tools see CRCs that were never computed
+    assert torch.equal(torch.load(tmp_path / "fast.pt", weights_only=True)["w"], torch.arange(10.0))
+    atomic_save({"w": torch.arange(10.0)}, tmp_path / "crc.pt", zip_crc32=True)
+    with zipfile.ZipFile(tmp_path / "crc.pt") as z:
+        assert z.testzip() is None
+    with pytest.raises(Exception):  # noqa: B017 - any failure inside torch.save must restore it too
+        atomic_save({"f": lambda: 0}, tmp_path / "bad.pt")
+    assert config.save.compute_crc32 is True
 
 
 # Hostile and damaged files ------------------------------------------------------------------

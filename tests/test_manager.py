@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -25,6 +24,7 @@ from ckpt_lesson.course.training import (
 )
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
+from ckpt_lesson.files.integrity import DEFAULT_ALGO, digest_bytes
 from ckpt_lesson.runs.manager import CheckpointManager
 from ckpt_lesson.runs.manager_config import ManagerConfig
 from ckpt_lesson.runs.retention import KeepBest
@@ -94,7 +94,7 @@ def test_save_and_purge_keeps_last_k_checkpoints(tmp_path):
     assert sorted(os.listdir(tmp_path / "step-00000012")) == ["checkpoint.pt", "manifest.json"]
 
 
-def test_manifest_records_every_part_with_its_real_sha256_and_the_run_description(tmp_path):
+def test_manifest_records_every_part_with_its_real_digest_and_the_run_description(tmp_path):
     data = {"fingerprint": "abc", "order_seed": SEED}
     mgr = CheckpointManager(tmp_path, every_steps=5, data=data, metadata={"run_id": "r1"})
     run_with_manager(mgr, until_step=5)
@@ -107,7 +107,8 @@ def test_manifest_records_every_part_with_its_real_sha256_and_the_run_descriptio
     assert len(manifest["save_id"]) == 32
     [part] = manifest["parts"]
     blob = (tmp_path / "step-00000005" / "checkpoint.pt").read_bytes()
-    assert part == {"file": "checkpoint.pt", "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+    digest = digest_bytes(blob, DEFAULT_ALGO)
+    assert part == {"file": "checkpoint.pt", "bytes": len(blob), "algo": DEFAULT_ALGO, "digest": digest}
 
 
 def test_events_come_in_commit_order_and_retention_deletes_only_after_the_new_save_is_verified(tmp_path):

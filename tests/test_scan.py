@@ -18,7 +18,14 @@ from ckpt_lesson.errors import (
 )
 from ckpt_lesson.files.atomic import atomic_write_json
 from ckpt_lesson.files.checkpoint import TrainState, save_checkpoint
-from ckpt_lesson.runs.scan import ScanResult, read_manifest, scan_checkpoints, step_dir_name, verify_part
+from ckpt_lesson.runs.scan import (
+    ScanResult,
+    read_manifest,
+    scan_checkpoints,
+    step_dir_name,
+    verify_part,
+    verify_record,
+)
 
 
 def _tiny():
@@ -38,10 +45,23 @@ def make_save(run_dir: Path, step: int) -> Path:
         "save_id": "0" * 32,
         "step": step,
         "layout": "single",
-        "parts": [{"file": "checkpoint.pt", "bytes": digest.size, "sha256": digest.sha256}],
+        "parts": [{"file": "checkpoint.pt", **digest.record()}],
     }
     atomic_write_json(manifest, step_dir / "manifest.json")
     return step_dir
+
+
+def test_a_save_recorded_with_sha256_by_an_earlier_version_still_scans_ok(tmp_path):
+    step_dir = tmp_path / step_dir_name(7)
+    step_dir.mkdir()
+    model, opt = _tiny()
+    digest = save_checkpoint(model, opt, None, TrainState(step=7), step_dir / "checkpoint.pt", algo="sha256")
+    part = {"file": "checkpoint.pt", "bytes": digest.size, "sha256": digest.sha256}  # the old record form
+    head = {"schema": "ckpt.manifest.v1", "save_id": "0" * 32, "step": 7, "layout": "single"}
+    atomic_write_json({**head, "parts": [part]}, step_dir / "manifest.json")
+    assert [r.status for r in scan_checkpoints(tmp_path)] == ["ok"]
+    flip_byte(step_dir / "checkpoint.pt", 300)
+    assert [r.status for r in scan_checkpoints(tmp_path)] == ["corrupt"]
 
 
 def flip_byte(path: Path, offset: int) -> None:
@@ -126,7 +146,7 @@ def test_verify_part_notices_a_flipped_byte_even_when_the_size_is_right(tmp_path
     step_dir = make_save(tmp_path, 10)
     part = read_manifest(step_dir)["parts"][0]
     flip_byte(step_dir / "checkpoint.pt", 100)
-    reason = verify_part(step_dir / "checkpoint.pt", size=part["bytes"], sha256=part["sha256"])
+    reason = verify_record(step_dir / "checkpoint.pt", part)
     assert reason is not None and reason.startswith("checkpoint.pt:")
 
 

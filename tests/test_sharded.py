@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import builtins
-import hashlib
 import json
 import os
 import shutil
@@ -34,6 +33,7 @@ from ckpt_lesson.errors import (
     UnsafeCheckpointError,
 )
 from ckpt_lesson.files.checkpoint import TrainState
+from ckpt_lesson.files.integrity import DEFAULT_ALGO, digest_bytes
 from ckpt_lesson.files.sharded import (
     load_sharded_checkpoint,
     plan_shards,
@@ -130,13 +130,13 @@ def test_the_index_is_written_after_every_shard_and_meta(tmp_path: Path, monkeyp
     order: list[str] = []
     real_save, real_json = sharded.atomic_save, sharded.atomic_write_json
 
-    def spy_save(payload, path):
+    def spy_save(payload, path, **kwargs):
         order.append(Path(path).name)
-        return real_save(payload, path)
+        return real_save(payload, path, **kwargs)
 
-    def spy_json(obj, path):
+    def spy_json(obj, path, **kwargs):
         order.append(Path(path).name)
-        return real_json(obj, path)
+        return real_json(obj, path, **kwargs)
 
     monkeypatch.setattr(sharded, "atomic_save", spy_save)
     monkeypatch.setattr(sharded, "atomic_write_json", spy_json)
@@ -150,10 +150,10 @@ def test_a_crash_while_writing_a_shard_leaves_no_index_and_load_says_incomplete(
 ) -> None:
     real_save = sharded.atomic_save
 
-    def dies_on_second_shard(payload, path):
+    def dies_on_second_shard(payload, path, **kwargs):
         if Path(path).name == "model.shard-001.pt":
             raise KeyboardInterrupt("killed mid-save")
-        return real_save(payload, path)
+        return real_save(payload, path, **kwargs)
 
     monkeypatch.setattr(sharded, "atomic_save", dies_on_second_shard)
     with pytest.raises(KeyboardInterrupt):
@@ -170,9 +170,10 @@ def test_index_sizes_and_hashes_equal_those_of_the_bytes_on_disk(tmp_path: Path)
     for entry in [*index["shards"], index["meta"]]:
         raw = (result.out_dir / entry["file"]).read_bytes()
         assert entry["bytes"] == len(raw)
-        assert entry["sha256"] == hashlib.sha256(raw).hexdigest()
-    assert [e["sha256"] for e in index["shards"]] == [f["sha256"] for f in result.files]
-    assert result.index.sha256 == hashlib.sha256((result.out_dir / "index.json").read_bytes()).hexdigest()
+        assert entry["algo"] == DEFAULT_ALGO and entry["digest"] == digest_bytes(raw, DEFAULT_ALGO)
+    assert [e["digest"] for e in index["shards"]] == [f["digest"] for f in result.files]
+    index_bytes = (result.out_dir / "index.json").read_bytes()
+    assert result.index.digest == digest_bytes(index_bytes, result.index.algo)
     assert index["payload_schema"] == "ckpt.v2" and index["layout"] == "round_robin"
 
 
@@ -198,7 +199,7 @@ def test_save_never_reads_back_the_files_it_wrote(tmp_path: Path, monkeypatch) -
     result = save_after_steps(out, num_shards=3)
     monkeypatch.undo()
     assert reads == []
-    assert result.files[0]["sha256"] == hashlib.sha256((out / "model.shard-000.pt").read_bytes()).hexdigest()
+    assert result.files[0]["digest"] == digest_bytes((out / "model.shard-000.pt").read_bytes())
 
 
 # --- save-side validation -----------------------------------------------------------------
@@ -411,14 +412,14 @@ def test_load_refuses_an_index_that_is_a_symlink_leaving_the_directory(ckpt: Pat
 
 
 def test_load_refuses_an_index_recording_a_malformed_hash(ckpt: Path) -> None:
-    edit_index(ckpt, lambda index: index["shards"][0].update(sha256="not-a-hash"))
+    edit_index(ckpt, lambda index: index["shards"][0].update(digest="not-a-hash"))
     assert_refused(ckpt, CorruptCheckpointError)
 
 
 def test_verify_returns_the_digests_the_save_recorded(tmp_path: Path) -> None:
     result = save_after_steps(tmp_path / "ckpt", num_shards=3)
     digests = verify_sharded_checkpoint(result.out_dir)
-    assert [d.sha256 for d in digests] == [f["sha256"] for f in result.files] + [result.meta["sha256"]]
+    assert [d.digest for d in digests] == [f["digest"] for f in result.files] + [result.meta["digest"]]
     assert [d.size for d in digests] == [*result.shard_bytes, result.meta["bytes"]]
 
 

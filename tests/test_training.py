@@ -106,3 +106,24 @@ def test_the_dataset_is_a_pure_function_of_its_seed():
     assert a.fingerprint() == b.fingerprint() != c.fingerprint()
     b.x[0, 0] += 1e-6
     assert b.fingerprint() != a.fingerprint()
+
+
+def test_train_draws_each_epochs_permutation_once_and_the_same_batches_as_next_batch_ids(monkeypatch):
+    import ckpt_lesson.course.training as training
+
+    calls: list[int] = []
+    real = training.epoch_order
+    monkeypatch.setattr(
+        training, "epoch_order", lambda seed, epoch, n: calls.append(epoch) or real(seed, epoch, n)
+    )
+    data = SyntheticRegression(n=64, seed=3)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    records = train(model, opt, None, TrainState(), data, until_step=13, seed=5, batch_size=16)
+    assert calls == [0, 1, 2, 3]  # 13 steps of 4 batches per epoch: four epochs, one permutation each
+    replay, expected = TrainState(), []
+    for _ in range(13):
+        expected.append(tuple(training.next_batch_ids(replay, data, seed=5, batch_size=16)))
+        replay.batch_in_epoch += 1
+    assert [r.sample_ids for r in records] == expected

@@ -55,7 +55,7 @@ def save_without_optimizer(run_dir, model, opt, sched, step=280):
     payload = build_payload(model, opt, sched, TrainState(step=step))
     del payload["optimizer"]
     d = atomic_save(payload, step_dir / "checkpoint.pt")
-    return publish(run_dir, step, [{"file": "checkpoint.pt", "bytes": d.size, "sha256": d.sha256}])
+    return publish(run_dir, step, [{"file": "checkpoint.pt", **d.record()}])
 
 
 def weights_equal(a, b):
@@ -101,9 +101,14 @@ def test_warm_start_from_a_sharded_save_merges_only_the_model_shards(tmp_path):
     model, opt, sched = trained()
     step_dir = tmp_path / "old" / "step-00000040"
     result = save_sharded_checkpoint(model, opt, sched, TrainState(step=40), step_dir, num_shards=3)
-    parts = [{"file": f["name"], "bytes": f["bytes"], "sha256": f["sha256"]} for f in result.files]
+    parts = [
+        {"file": f["name"], "bytes": f["bytes"], "algo": f["algo"], "digest": f["digest"]}
+        for f in result.files
+    ]
     meta = result.meta
-    parts.append({"file": meta["name"], "bytes": meta["bytes"], "sha256": meta["sha256"]})
+    parts.append(
+        {"file": meta["name"], "bytes": meta["bytes"], "algo": meta["algo"], "digest": meta["digest"]}
+    )
     (step_dir / "meta.pt").unlink()  # the optimizer lives in meta.pt; a warm start never needs it
     publish(tmp_path / "old", 40, parts, layout="sharded")
     fresh = make_model()

@@ -16,6 +16,7 @@ from ckpt_lesson.errors import CheckpointError
 
 #: command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("ckpt_lesson.cli.bench", "time our saves and restores against plain torch (paired, shuffled)"),
     "chaos": ("ckpt_lesson.cli.chaos", "SIGKILL training at chosen points; check every restore"),
     "demo": ("ckpt_lesson.cli.demo", "kill a training run, resume it in a fresh process, compare losses"),
     "lesson-demo": (

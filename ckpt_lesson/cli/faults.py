@@ -195,8 +195,8 @@ def _arm(plan: KillPlan | None) -> Any:
 
         original_save = sharded.atomic_save
 
-        def counting_save(payload: Any, path: Any) -> Any:
-            digest = original_save(payload, path)
+        def counting_save(payload: Any, path: Any, **kwargs: Any) -> Any:
+            digest = original_save(payload, path, **kwargs)
             if armed["on"] and Path(path).name.startswith("model.shard-"):
                 armed["files"] += 1
                 if armed["files"] >= plan.arg:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ckpt_lesson.course.training import SyntheticRegression, batch_loss, next_batch_ids
+from ckpt_lesson.course.training import EpochOrderCache, SyntheticRegression, batch_loss
 from ckpt_lesson.errors import StateMismatchError
 from ckpt_lesson.runs.accumulation import AccumulationState
 
@@ -85,8 +85,9 @@ def train_accumulating(
     if state.micro_step == 0:
         optimizer.zero_grad(set_to_none=True)
     records: list[MicroStepRecord] = []
+    orders = EpochOrderCache(seed, len(data))  # one permutation per epoch, not one per micro-batch
     while state.step < until_step:
-        ids = next_batch_ids(state, data, seed=seed, batch_size=micro_batch_size)
+        ids = orders.next_ids(state, micro_batch_size)
         loss = batch_loss(model, data, ids)
         # Dividing by accum_steps makes the summed gradient the mean over the
         # effective batch, as one big batch of accum_steps * micro_batch_size.

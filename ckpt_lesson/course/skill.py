@@ -25,7 +25,7 @@ import ckpt_lesson.errors as errors
 from ckpt_lesson.files import sharded
 from ckpt_lesson.files.atomic import TEMP_MARKER, atomic_write_bytes
 from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, build_payload
-from ckpt_lesson.files.integrity import FOOTER_MAGIC
+from ckpt_lesson.files.integrity import DEFAULT_ALGO, FOOTER_MAGIC
 from ckpt_lesson.files.rng import RNG_SOURCES
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, KNOWN_SCHEMAS, MIGRATIONS
 
@@ -68,13 +68,13 @@ def _sharded_section() -> list[str]:
     return [
         "A sharded checkpoint is a directory: model weights spread over shard files, every other bucket "
         f"in `{sharded.META_NAME}`, and `{sharded.INDEX_NAME}` (schema `{sharded.SHARDED_SCHEMA}`) "
-        "listing each file's keys, size and sha256.",
+        "listing each file's keys, size, hash algorithm and digest.",
         "",
         f"- Layouts: {_codes(sharded.LAYOUTS)}.",
         f"- Write every shard and `{sharded.META_NAME}` atomically first, `{sharded.INDEX_NAME}` last: "
         "**its presence is the commit**. A directory without it is a save that never finished.",
         "- Never rewrite a finished checkpoint in place; save each step into a new directory.",
-        "- On load, check every file's size and sha256 against the index, every shard's keys against "
+        "- On load, check every file's size and digest against the index, every shard's keys against "
         "its entry, and every path (no absolute paths, no `..`, no symlink out of the directory) "
         "before merging anything.",
         "",
@@ -95,7 +95,7 @@ def _example_index() -> str:
         sharded.save_sharded_checkpoint(model, opt, None, TrainState(), Path(tmp) / "ckpt", num_shards=2)
         index = json.loads((Path(tmp) / "ckpt" / sharded.INDEX_NAME).read_text(encoding="utf-8"))
     for entry in [*index.get("shards", []), index.get("meta", {})]:
-        entry.update({k: f"<{k}>" for k in ("bytes", "sha256") if k in entry})
+        entry.update({k: f"<{k}>" for k in ("bytes", "digest", "sha256") if k in entry})
     return json.dumps(index, indent=2)
 
 
@@ -161,8 +161,10 @@ def render_skill_markdown() -> str:
         "",
         "1. `torch.save` into a uniquely named temp file in the *target's own directory* "
         f"(`.NAME{TEMP_MARKER}PID-XXXX`): a rename across file systems is a copy, not atomic.",
-        "2. Hash the bytes while they are written and store the sha256 in the zip comment "
-        f"(`{FOOTER_MAGIC.decode()}<hex>`); `torch.load` does not check the archive's CRCs.",
+        "2. Hash the bytes while they are written and store the digest in the zip comment "
+        f"(`{FOOTER_MAGIC.decode()}{DEFAULT_ALGO}:<hex>`); `torch.load` does not check the archive's CRCs. "
+        f"`{DEFAULT_ALGO}` detects damage at memory speed; pick `sha256` or `blake3` when a digest "
+        "is pinned somewhere trusted (a record beside the data stops accidents, not attackers).",
         "3. Flush and `os.fsync` the file.",
         "4. `os.replace(temp, target)`: other processes see the old file or the new one, never half.",
         "5. `os.fsync` the directory, so the rename survives a power loss.",
@@ -183,7 +185,7 @@ def render_skill_markdown() -> str:
         "",
         "## 5. Load rules",
         "",
-        "- Verify first: size and sha256 (footer, index or manifest) before the unpickler sees a byte.",
+        "- Verify first: size and digest (footer, index or manifest) before the unpickler sees a byte.",
         "- Always `torch.load(..., weights_only=True)`, passed explicitly; never the full unpickler.",
         "- Refuse paths that escape the checkpoint directory (absolute, `..`, outside symlinks).",
         "- Check shapes, optimizer groups and scheduler presence before changing anything, then "

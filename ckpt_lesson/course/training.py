@@ -29,6 +29,7 @@ from torch import nn
 from ckpt_lesson.files.checkpoint import TrainState
 
 __all__ = [
+    "EpochOrderCache",
     "StepRecord",
     "SyntheticRegression",
     "batch_loss",
@@ -153,6 +154,36 @@ def next_batch_ids(state: TrainState, data: SyntheticRegression, *, seed: int, b
     return batch_sample_ids(seed, state.epoch, state.batch_in_epoch, len(data), batch_size)
 
 
+class EpochOrderCache:
+    """:func:`next_batch_ids` for a loop: the epoch's permutation is drawn once per epoch.
+
+    ``next_batch_ids`` recomputes the whole permutation for every batch: O(n)
+    per step, 10 ms at a million samples. A loop keeps the current epoch's
+    order and slices it; since the order depends on ``(seed, epoch)`` alone
+    (its own generator, not the global one), the batches are bit-identical.
+
+    Example:
+        >>> data, cache = SyntheticRegression(64), EpochOrderCache(seed=0, n=64)
+        >>> cache.next_ids(TrainState(), 16) == next_batch_ids(TrainState(), data, seed=0, batch_size=16)
+        True
+    """
+
+    def __init__(self, seed: int, n: int) -> None:
+        self.seed, self.n = seed, n
+        self._epoch: int | None = None
+        self._order: torch.Tensor | None = None
+
+    def next_ids(self, state: Any, batch_size: int) -> list[int]:
+        """Roll ``state`` into the next epoch when this one is used up; return the next batch's ids."""
+        if state.batch_in_epoch >= self.n // batch_size:
+            state.epoch += 1
+            state.batch_in_epoch = 0
+        if self._order is None or self._epoch != state.epoch:  # checked every step: callers may move state
+            self._order, self._epoch = epoch_order(self.seed, state.epoch, self.n), state.epoch
+        start = state.batch_in_epoch * batch_size
+        return self._order[start : start + batch_size].tolist()
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -213,8 +244,9 @@ def train(
         # train on an empty slice (a NaN loss) while the epoch counter raced ahead.
         raise ValueError(f"batch_size must be between 1 and len(data)={len(data)}, got {batch_size}.")
     records: list[StepRecord] = []
+    orders = EpochOrderCache(seed, len(data))
     while state.step < until_step:
-        ids = next_batch_ids(state, data, seed=seed, batch_size=batch_size)
+        ids = orders.next_ids(state, batch_size)
         loss = train_step(model, optimizer, scheduler, data, ids)
         state.step += 1
         state.batch_in_epoch += 1

@@ -33,6 +33,7 @@ import torch
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from ckpt_lesson.files.atomic import atomic_save
+from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.files.integrity import FileDigest
 from ckpt_lesson.files.loading import load_verified_file
 from ckpt_lesson.files.rng import capture_rng_state, restore_rng_state, validate_rng_state
@@ -157,6 +158,7 @@ def save_checkpoint(
     extras: dict[str, Any] | None = None,
     data: dict[str, Any] | None = None,
     rng: dict[str, Any] | None = None,
+    algo: str = DEFAULT_ALGO,
 ) -> FileDigest:
     """Save a complete, resumable checkpoint to one file, atomically.
 
@@ -174,9 +176,10 @@ def save_checkpoint(
             ``{"fingerprint": "...", "order_seed": 11}``.
         rng: Generator state captured earlier (see :func:`build_payload`);
             ``None`` captures it now.
+        algo: Integrity hash of the footer (see :data:`~ckpt_lesson.files.hashing.ALGORITHMS`).
 
     Returns:
-        Size and sha256 of the file written.
+        Size and digest of the file written.
 
     Raises:
         CheckpointError: ``schema`` is not the current one (checked before
@@ -192,7 +195,7 @@ def save_checkpoint(
             f"{hint} or leave schema out."
         )
     payload = build_payload(model, optimizer, scheduler, state, extras=extras, data=data, rng=rng)
-    return atomic_save(payload, out_path)
+    return atomic_save(payload, out_path, algo=algo)
 
 
 def read_checkpoint(
@@ -200,14 +203,18 @@ def read_checkpoint(
     *,
     map_location: str | torch.device = "cpu",
     expected_sha256: str | None = None,
+    expected_digest: str | None = None,
+    algo: str | None = None,
 ) -> dict[str, Any]:
     """Verify, load (weights-only) and migrate a checkpoint file, applying nothing.
 
     Args:
         path: A file written by :func:`save_checkpoint` (or a legacy v1 file).
         map_location: Passed to ``torch.load``.
-        expected_sha256: The whole file's sha256 from an index or manifest;
-            checked in the same pass as the footer.
+        expected_sha256: The whole file's sha256 from an older index or
+            manifest; checked in the same pass as the footer.
+        expected_digest, algo: A recorded whole-file digest and its algorithm
+            (newer records); also checked in that pass.
 
     Returns:
         The payload, migrated to the current schema, with every bucket present.
@@ -223,10 +230,16 @@ def read_checkpoint(
         raise CheckpointError(
             f"{path}: is a directory; use load_sharded_checkpoint() for sharded checkpoints."
         )
-    payload, digest = load_verified_file(path, map_location=map_location, expected_sha256=expected_sha256)
+    payload, digest = load_verified_file(
+        path,
+        map_location=map_location,
+        expected_sha256=expected_sha256,
+        expected_digest=expected_digest,
+        algo=algo,
+    )
     original = payload.get("schema") if isinstance(payload, dict) else None
     payload = migrate_payload(payload, source=str(path))
-    if digest.content_sha256 is None:
+    if not digest.has_footer:
         if original != SCHEMA_V1:
             raise CorruptCheckpointError(
                 f"{path}: a {original} checkpoint without its integrity footer; the file's end was "
@@ -402,6 +415,8 @@ def load_checkpoint(
     *,
     map_location: str | torch.device = "cpu",
     expected_sha256: str | None = None,
+    expected_digest: str | None = None,
+    algo: str | None = None,
 ) -> TrainState:
     """Load a checkpoint written by :func:`save_checkpoint` and restore everything.
 
@@ -411,6 +426,7 @@ def load_checkpoint(
             state is replaced.
         map_location: Passed to ``torch.load``.
         expected_sha256: Optional whole-file sha256 to check against.
+        expected_digest, algo: Optional whole-file digest in ``algo`` to check against.
 
     Returns:
         The saved :class:`TrainState`; training continues at ``state.step + 1``.
@@ -421,5 +437,11 @@ def load_checkpoint(
     Example:
         >>> state = load_checkpoint("ckpt/last.pt", model, opt, sched)  # doctest: +SKIP
     """
-    payload = read_checkpoint(path, map_location=map_location, expected_sha256=expected_sha256)
+    payload = read_checkpoint(
+        path,
+        map_location=map_location,
+        expected_sha256=expected_sha256,
+        expected_digest=expected_digest,
+        algo=algo,
+    )
     return apply_payload(payload, model, optimizer, scheduler, source=str(path))

@@ -10,7 +10,9 @@ The trick: a zip archive ends with an "end of central directory" record whose
 last field is the length of an optional archive comment. :class:`FooterWriter`
 holds back those final 22 bytes while ``torch.save`` streams through it,
 hashes everything else as it passes, then sets the comment length and appends
-``ckpt-lesson-sha256:<hex digest>`` as the comment. The result is still a valid
+``ckpt-lesson-<algo>:<hex digest>`` as the comment (``algo`` is named, see
+:mod:`ckpt_lesson.files.hashing`; files from earlier versions carry
+``ckpt-lesson-sha256:`` and still verify). The result is still a valid
 zip (``torch.load`` and ``zipfile`` both read it) and the hash costs no second
 pass over the data.
 """
@@ -23,27 +25,52 @@ import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
+from ckpt_lesson.files.hashing import (
+    ALGORITHMS,
+    DEFAULT_ALGO,
+    check_algo,
+    digest_bytes,
+    new_hasher,
+    part_digest,
+    record_fields,
+)
 
 __all__ = [
+    "ALGORITHMS",
+    "DEFAULT_ALGO",
     "FOOTER_MAGIC",
     "FileDigest",
     "FooterWriter",
+    "check_algo",
+    "digest_bytes",
     "file_digest",
     "file_sha256",
+    "new_hasher",
+    "part_digest",
     "read_footer_digest",
+    "record_fields",
     "sha256_bytes",
     "verify_footer",
 ]
 
-#: Prefix of the zip comment that records the sha256 of everything before it.
-FOOTER_MAGIC = b"ckpt-lesson-sha256:"
-_FOOTER_LEN = len(FOOTER_MAGIC) + 64
+#: Prefix of the zip comment; the algorithm's name and ``:`` follow, then the hex digest.
+FOOTER_MAGIC = b"ckpt-lesson-"
 _EOCD_SIG = b"PK\x05\x06"
 _EOCD_LEN = 22
 _CHUNK = 1 << 20
+
+
+def _footer_len(algo: str) -> int:
+    return len(FOOTER_MAGIC) + len(algo) + 1 + ALGORITHMS[algo]
+
+
+#: Comment length -> algorithms whose footer has that length (sha256 and blake3 share 83).
+_LENGTHS: dict[int, list[str]] = {}
+for _algo in ALGORITHMS:
+    _LENGTHS.setdefault(_footer_len(_algo), []).append(_algo)
 
 
 @dataclass(frozen=True)
@@ -52,15 +79,38 @@ class FileDigest:
 
     Attributes:
         size: Bytes in the whole file.
-        sha256: Hex sha256 of the whole file, footer included. Indexes and
-            manifests record this one, so any tool (``sha256sum``) can check it.
-        content_sha256: Hex sha256 of the bytes before the footer (what the
-            footer itself records), or ``None`` for a file without footer.
+        digest: Hex digest of the whole file, footer included, in ``algo``.
+            Indexes and manifests record this one.
+        content_digest: Hex digest of the bytes before the footer (what the
+            footer itself records, in the footer's algorithm), or ``None`` for
+            a file without footer.
+        algo: The algorithm of ``digest`` (see :data:`ALGORITHMS`); the
+            footer's too, unless a reader asked for another one.
     """
 
     size: int
-    sha256: str
-    content_sha256: str | None = None
+    digest: str
+    content_digest: str | None = None
+    algo: str = "sha256"
+
+    @property
+    def sha256(self) -> str | None:
+        """The whole-file digest if it is a sha256 (older callers), else ``None``."""
+        return self.digest if self.algo == "sha256" else None
+
+    @property
+    def content_sha256(self) -> str | None:
+        """The footer's digest if it is a sha256 (older callers), else ``None``."""
+        return self.content_digest if self.algo == "sha256" else None
+
+    @property
+    def has_footer(self) -> bool:
+        """True when the file carried an intact footer that matched its bytes."""
+        return self.content_digest is not None
+
+    def record(self) -> dict[str, Any]:
+        """``{"bytes", "algo", "digest"}``: this file's fields in a part record."""
+        return {"bytes": self.size, **record_fields(self.algo, self.digest)}
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -73,6 +123,7 @@ class FooterWriter:
 
     Args:
         raw: A binary file opened for writing.
+        algo: The hash algorithm (default :data:`DEFAULT_ALGO`).
 
     Example:
         >>> import io, torch
@@ -84,9 +135,10 @@ class FooterWriter:
         True
     """
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: BinaryIO, algo: str = DEFAULT_ALGO) -> None:
         self._raw = raw
-        self._hash = hashlib.sha256()
+        self._algo = check_algo(algo)
+        self._hash = new_hasher(algo)
         self._tail = b""  # the last 22 bytes seen: the zip's end record, held back
         self._size = 0
 
@@ -122,13 +174,13 @@ class FooterWriter:
                 "only pass it to torch.save (the zip format, the default since torch 1.6)."
             )
         self._tail = b""
-        self._emit(tail[:-2] + struct.pack("<H", _FOOTER_LEN))
+        self._emit(tail[:-2] + struct.pack("<H", _footer_len(self._algo)))
         content = self._hash.hexdigest()
-        footer = FOOTER_MAGIC + content.encode("ascii")
+        footer = FOOTER_MAGIC + self._algo.encode("ascii") + b":" + content.encode("ascii")
         whole = self._hash.copy()
         whole.update(footer)
         self._raw.write(footer)
-        return FileDigest(self._size + len(footer), whole.hexdigest(), content)
+        return FileDigest(self._size + len(footer), whole.hexdigest(), content, self._algo)
 
     def _emit(self, chunk: bytes | memoryview) -> None:
         if len(chunk):
@@ -138,55 +190,70 @@ class FooterWriter:
 
 
 def read_footer_digest(f: BinaryIO, size: int) -> str | None:
-    """Return the sha256 recorded in the footer of an open file, or ``None``.
+    """Return the hex digest recorded in the footer of an open file, or ``None``.
 
     ``None`` means "no intact footer"; :func:`verify_footer` tells a file that
     never had one apart from a file whose footer was damaged.
     """
-    return _inspect_footer(f, size)[1]
+    found = _inspect_footer(f, size)[1]
+    return found[1] if found else None
 
 
-def _inspect_footer(f: BinaryIO, size: int) -> tuple[str, str | None]:
-    """Classify the end of a file: ``("ok", digest)``, ``("absent", None)`` or ``("damaged", None)``.
+def _inspect_footer(f: BinaryIO, size: int) -> tuple[str, tuple[str, str] | None]:
+    """Classify the end of a file: ``("ok", (algo, digest))``, ``("absent", None)`` or ``("damaged", None)``.
 
     A footer has three recognisable parts: the end record's signature, its
-    comment length (always ``_FOOTER_LEN`` for ours) and the magic prefix. One
-    flipped byte can spoil at most one of them, so two out of three mean "this
-    file had a footer and it was damaged", not "this file never had one". A
-    plain ``torch.save`` file has comment length 0 and matches none of them.
+    comment length (one of our footer lengths) and the magic prefix with a
+    known algorithm of that length. One flipped byte can spoil at most one of
+    them, so two out of three mean "this file had a footer and it was
+    damaged", not "this file never had one". A plain ``torch.save`` file has
+    comment length 0 and matches none of them.
     """
-    window = min(size, _EOCD_LEN + _FOOTER_LEN + 64)
+    longest = max(_LENGTHS)
+    window = min(size, _EOCD_LEN + longest + 64)
     f.seek(size - window)
     tail = f.read(window)
-    end = tail[-(_EOCD_LEN + _FOOTER_LEN) :]
-    if len(end) == _EOCD_LEN + _FOOTER_LEN:
+    damaged = False
+    for length, algos in _LENGTHS.items():
+        end = tail[-(_EOCD_LEN + length) :]
+        if len(end) != _EOCD_LEN + length:
+            continue
+        comment = end[_EOCD_LEN:]
+        named = next((a for a in algos if comment.startswith(FOOTER_MAGIC + a.encode() + b":")), None)
         marks = (
             end[:4] == _EOCD_SIG,
-            struct.unpack("<H", end[_EOCD_LEN - 2 : _EOCD_LEN])[0] == _FOOTER_LEN,
-            end[_EOCD_LEN:].startswith(FOOTER_MAGIC),
+            struct.unpack("<H", end[_EOCD_LEN - 2 : _EOCD_LEN])[0] == length,
+            named is not None,
         )
-        if all(marks):
-            return "ok", end[_EOCD_LEN + len(FOOTER_MAGIC) :].decode("ascii", errors="replace")
-        if sum(marks) == 2:
-            return "damaged", None
-    # An end record that announces our comment, but not where a complete footer
-    # would put it: the footer was cut off (truncation) or bytes were appended.
+        if all(marks) and named is not None:
+            return "ok", (named, comment[-ALGORITHMS[named] :].decode("ascii", errors="replace"))
+        damaged = damaged or sum(marks) == 2
+    if damaged:
+        return "damaged", None
+    # An end record that announces one of our comments, but not where a complete
+    # footer would put it: the footer was cut off (truncation) or bytes were appended.
     at = tail.rfind(_EOCD_SIG)
     if at >= 0 and at + _EOCD_LEN <= len(tail):
-        if struct.unpack("<H", tail[at + _EOCD_LEN - 2 : at + _EOCD_LEN])[0] == _FOOTER_LEN:
+        if struct.unpack("<H", tail[at + _EOCD_LEN - 2 : at + _EOCD_LEN])[0] in _LENGTHS:
             return "damaged", None
     return "absent", None
 
 
-def verify_footer(f: BinaryIO, *, name: str | os.PathLike[str] = "<file>") -> FileDigest:
+def verify_footer(
+    f: BinaryIO, *, name: str | os.PathLike[str] = "<file>", algo: str | None = None
+) -> FileDigest:
     """Hash an open file once and check it against its own footer.
 
     Args:
         f: A binary file opened for reading; left positioned at offset 0.
         name: Used in error messages.
+        algo: Algorithm of the whole-file digest to return (a record's
+            algorithm, to compare with it). ``None``: the footer's algorithm,
+            or :data:`DEFAULT_ALGO` for a file without footer. When it differs
+            from the footer's, both are computed in the same single pass.
 
     Returns:
-        The file's digests; ``content_sha256`` is ``None`` when the file has no
+        The file's digests; ``content_digest`` is ``None`` when the file has no
         footer (a file from elsewhere, or the lesson's legacy v1 format).
 
     Raises:
@@ -194,16 +261,19 @@ def verify_footer(f: BinaryIO, *, name: str | os.PathLike[str] = "<file>") -> Fi
             or the footer itself is damaged or cut off.
     """
     size = os.fstat(f.fileno()).st_size
-    status, recorded = _inspect_footer(f, size)
+    status, found = _inspect_footer(f, size)
     if status == "damaged":
         f.seek(0)
         raise CorruptCheckpointError(
             f"{name}: its integrity footer is damaged or cut off, so the file was truncated or "
             "changed after it was written. Restore an older checkpoint."
         )
-    content_len = size - len(FOOTER_MAGIC) - 64 if recorded is not None else size
+    footer_algo = found[0] if found else None
+    algo = check_algo(algo or footer_algo or DEFAULT_ALGO)
+    content_len = size - _footer_len(footer_algo) if footer_algo else size
     f.seek(0)
-    h = hashlib.sha256()
+    h = new_hasher(footer_algo or algo)
+    extra = new_hasher(algo) if footer_algo and algo != footer_algo else None
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
     left = content_len
@@ -212,29 +282,35 @@ def verify_footer(f: BinaryIO, *, name: str | os.PathLike[str] = "<file>") -> Fi
         if not got:
             break
         h.update(view[:got])
+        if extra is not None:
+            extra.update(view[:got])
         left -= got
     content = h.hexdigest()
-    whole = h.copy()
-    if recorded is not None:
+    whole = extra if extra is not None else h.copy()
+    if found is not None:
         whole.update(f.read())
     f.seek(0)
-    if recorded is not None and recorded != content:
+    if found is not None and found[1] != content:
         raise CorruptCheckpointError(
-            f"{name}: contents do not match the sha256 recorded in the file's footer "
-            f"(recorded {recorded[:12]}..., found {content[:12]}...). The file was changed "
+            f"{name}: contents do not match the {footer_algo} recorded in the file's footer "
+            f"(recorded {found[1][:12]}..., found {content[:12]}...). The file was changed "
             "or damaged after it was written; restore an older checkpoint."
         )
-    return FileDigest(size, whole.hexdigest(), content if recorded is not None else None)
+    return FileDigest(size, whole.hexdigest(), content if found is not None else None, algo)
 
 
-def file_digest(path: str | os.PathLike[str]) -> FileDigest:
-    """Size and sha256 of a file on disk, footer checked when present.
+def file_digest(path: str | os.PathLike[str], algo: str | None = None) -> FileDigest:
+    """Size and digest of a file on disk, footer checked when present.
+
+    Args:
+        path: The file.
+        algo: Algorithm of the returned whole-file digest; see :func:`verify_footer`.
 
     Raises:
         CorruptCheckpointError: The file's footer does not match its bytes.
     """
     with open(Path(path), "rb") as f:
-        return verify_footer(f, name=path)
+        return verify_footer(f, name=path, algo=algo)
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:

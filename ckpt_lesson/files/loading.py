@@ -6,9 +6,10 @@ purpose: one door is one place to get right. It does two things in order.
 
 1. **Verify** in a single read: the size on disk against the recorded size,
    the integrity footer (see :mod:`ckpt_lesson.files.integrity`) when the file has
-   one, and the whole file's sha256 against the one an index or manifest
-   recorded. ``torch.load`` checks none of this; a flipped bit inside tensor
-   data would load as different weights without a word.
+   one, and the whole file's digest against the one an index or manifest
+   recorded (in the record's algorithm: sha256 for old records).
+   ``torch.load`` checks none of this; a flipped bit inside tensor data
+   would load as different weights without a word.
 2. **Load** with ``torch.load(weights_only=True)``: a checkpoint is data, and
    the full unpickler would run any code a crafted file asks it to. Whatever
    the loader raises is translated into a :class:`~ckpt_lesson.errors.CheckpointError`
@@ -41,15 +42,25 @@ def load_verified_file(
     map_location: str | torch.device = "cpu",
     expected_sha256: str | None = None,
     expected_size: int | None = None,
+    expected_digest: str | None = None,
+    algo: str | None = None,
 ) -> tuple[Any, FileDigest]:
     """Hash a ``.pt`` file once, check it, then ``torch.load(weights_only=True)`` it.
 
     The building block of every load in this package: the footer (when the
-    file has one), the expected size and the expected whole-file sha256 are
+    file has one), the expected size and the expected whole-file digest are
     all checked in a single read before the unpickler sees a byte.
 
+    Args:
+        path: The file.
+        map_location: Passed to ``torch.load``.
+        expected_sha256: A recorded whole-file sha256 (older records).
+        expected_size: A recorded byte count.
+        expected_digest: A recorded whole-file digest in ``algo``.
+        algo: Algorithm of ``expected_digest`` (default: the footer's).
+
     Returns:
-        The loaded object and the file's digest (``content_sha256`` is ``None``
+        The loaded object and the file's digest (``has_footer`` is ``False``
         for a file without footer; callers decide whether that is allowed).
 
     Raises:
@@ -74,12 +85,14 @@ def load_verified_file(
                 f"{path}: {size} bytes on disk but {expected_size} recorded; the file was truncated "
                 "or replaced after it was saved. Restore an older checkpoint."
             )
-        digest = verify_footer(f, name=path)
+        if expected_sha256 is not None:
+            expected_digest, algo = expected_sha256, "sha256"
+        digest = verify_footer(f, name=path, algo=algo)
         # Compare case-insensitively: hex digests copied from other tools are sometimes upper case.
-        if expected_sha256 is not None and digest.sha256 != expected_sha256.lower():
+        if expected_digest is not None and digest.digest != expected_digest.lower():
             raise CorruptCheckpointError(
-                f"{path}: sha256 {digest.sha256[:12]}... does not match the recorded "
-                f"{expected_sha256[:12]}...; the file changed after it was saved. "
+                f"{path}: {digest.algo} {digest.digest[:12]}... does not match the recorded "
+                f"{expected_digest[:12]}...; the file changed after it was saved. "
                 "Restore an older checkpoint."
             )
         return _weights_only_load(f, path, map_location), digest

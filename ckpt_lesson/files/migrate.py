@@ -44,7 +44,7 @@ from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, StateMis
 from ckpt_lesson.files import schema
 from ckpt_lesson.files.atomic import atomic_save, fsync_dir, is_temp_file
 from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, load_verified_file
-from ckpt_lesson.files.integrity import file_digest
+from ckpt_lesson.files.integrity import FileDigest, file_digest
 from ckpt_lesson.files.rng import capture_rng_state
 from ckpt_lesson.files.schema import MANIFEST_NAME
 from ckpt_lesson.files.sharded import INDEX_NAME
@@ -181,7 +181,7 @@ def migrate_file(
     migrated = schema.migrate_payload(payload, source=str(path))
     current = schema.CURRENT_SCHEMA  # read at call time: tests register a fake v3
     if original == current:
-        if digest.content_sha256 is None:
+        if not digest.has_footer:
             raise CorruptCheckpointError(
                 f"{path}: a {current} checkpoint without its integrity footer; its end was damaged "
                 "or it was rewritten by other code. Adding a footer now would bless damaged bytes, "
@@ -198,29 +198,29 @@ def migrate_file(
     # Step 2: keep the original bytes, and make sure they are the bytes we just read. A backup
     # that already holds exactly these bytes is from a run killed after this step: reusing it
     # overwrites nothing, and rerunning is how an interrupted migration is finished.
-    if not _is_backup_of(backup, digest.sha256):
+    if not _is_backup_of(backup, digest):
         if backup.exists() or backup.is_symlink():
             raise _backup_exists(path, backup)
         _make_backup(path, backup)
-        _check_backup(path, backup, digest.sha256)
+        _check_backup(path, backup, digest)
 
     # Step 3: one atomic replace; the footer is the integrity record v1 lacked.
     atomic_save(migrated, path)
     return MigrationResult(path, backup, str(original), current)
 
 
-def _is_backup_of(backup: Path, sha256: str) -> bool:
-    """True when ``backup`` is a regular file holding exactly the bytes with ``sha256``."""
+def _is_backup_of(backup: Path, digest: FileDigest) -> bool:
+    """True when ``backup`` is a regular file holding exactly the bytes ``digest`` describes."""
     if backup.is_symlink() or not backup.is_file():
         return False
     try:
-        return file_digest(backup).sha256 == sha256
+        return file_digest(backup, algo=digest.algo).digest == digest.digest
     except CheckpointError:  # a damaged footer in whatever is there: not our backup
         return False
 
 
-def _check_backup(path: Path, backup: Path, sha256: str) -> None:
-    if file_digest(backup).sha256 != sha256:
+def _check_backup(path: Path, backup: Path, digest: FileDigest) -> None:
+    if file_digest(backup, algo=digest.algo).digest != digest.digest:
         backup.unlink(missing_ok=True)
         raise CheckpointError(
             f"{path}: the file changed while it was being migrated (another process is writing "
@@ -229,7 +229,7 @@ def _check_backup(path: Path, backup: Path, sha256: str) -> None:
 
 
 def _refuse_recorded_part(path: Path) -> None:
-    """Refuse a file that a manifest or shard index beside it records by sha256.
+    """Refuse a file that a manifest or shard index beside it records by digest.
 
     Rewriting such a file changes its bytes, so the record would no longer
     match and every scan and restore would call the whole save corrupt.
@@ -237,7 +237,7 @@ def _refuse_recorded_part(path: Path) -> None:
     for record in (MANIFEST_NAME, INDEX_NAME):
         if (path.parent / record).exists():
             raise CheckpointError(
-                f"{path}: is one part of a save recorded in {record}, which pins its sha256; "
+                f"{path}: is one part of a save recorded in {record}, which pins its digest; "
                 "rewriting it would make that save fail verification. Nothing was changed. Such "
                 "files are migrated in memory on every load; to upgrade them on disk, restore "
                 "and save again through the CheckpointManager."

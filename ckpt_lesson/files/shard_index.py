@@ -7,8 +7,8 @@ the reader here answers three questions from the index and the directory alone:
 * **Did the save finish?** No ``index.json`` means the writer died before its
   commit point; a listed file that is missing means the copy is incomplete.
 * **Is the index what the writer wrote?** Its structure, schema, shard count,
-  sizes and sha256 strings are all checked, and no key may be listed twice;
-  a damaged or hand-edited index is refused, naming what is wrong.
+  sizes and digests (algorithm named, or sha256 in older indexes) are all
+  checked, and no key may be listed twice; a damaged or hand-edited index is refused, naming what is wrong.
 * **Can it only point inside the directory?** An index is data from disk, and
   a checkpoint may come from someone else. A name like ``../../.ssh/id_rsa``,
   an absolute path or a symlink leading out would make the loader read (and
@@ -34,7 +34,7 @@ from ckpt_lesson.errors import (
     SchemaError,
     UnsafeCheckpointError,
 )
-from ckpt_lesson.files.integrity import FileDigest, verify_footer
+from ckpt_lesson.files.integrity import FileDigest, part_digest, verify_footer
 from ckpt_lesson.files.schema import KNOWN_SCHEMAS
 
 __all__ = [
@@ -72,8 +72,10 @@ def _check_entry(ckpt_dir: Path, entry: Any, where: str, *, with_keys: bool) -> 
     size = entry.get("bytes")
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise _bad(ckpt_dir, f"{where} has no valid 'bytes' (got {size!r})")
-    if not isinstance(entry.get("sha256"), str) or not _SHA_RE.match(entry["sha256"]):
-        raise _bad(ckpt_dir, f"{where} has no valid 'sha256'")
+    try:
+        part_digest(entry)  # {"algo", "digest"}, or {"sha256"} in indexes from earlier versions
+    except CorruptCheckpointError:
+        raise _bad(ckpt_dir, f"{where} has no valid 'algo' and 'digest' (or 'sha256')") from None
     if with_keys:
         keys = entry.get("keys")
         if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
@@ -199,7 +201,7 @@ def read_shard_index(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def verify_sharded_checkpoint(ckpt_dir: str | os.PathLike[str]) -> list[FileDigest]:
-    """Check every file's size and sha256 against the index, loading nothing.
+    """Check every file's size and digest against the index, loading nothing.
 
     Returns:
         One digest per shard (index order), then one for ``meta.pt``.
@@ -221,10 +223,11 @@ def verify_sharded_checkpoint(ckpt_dir: str | os.PathLike[str]) -> list[FileDige
                     f"{path}: {size} bytes on disk but {entry['bytes']} in the index; truncated or "
                     "replaced after the save. Restore an older checkpoint."
                 )
-            digest = verify_footer(f, name=path)
-        if digest.sha256 != entry["sha256"]:
+            algo, want = part_digest(entry)
+            digest = verify_footer(f, name=path, algo=algo)
+        if digest.digest != want:
             raise CorruptCheckpointError(
-                f"{path}: sha256 {digest.sha256[:12]}... differs from the index's {entry['sha256'][:12]}...; "
+                f"{path}: {algo} {digest.digest[:12]}... differs from the index's {want[:12]}...; "
                 "the file changed after the save. Restore an older checkpoint."
             )
         digests.append(digest)

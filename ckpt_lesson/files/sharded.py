@@ -43,7 +43,8 @@ import torch
 from ckpt_lesson.errors import CheckpointError, StateMismatchError
 from ckpt_lesson.files.atomic import atomic_save, atomic_write_json, make_dirs
 from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, apply_payload, build_payload, load_verified_file
-from ckpt_lesson.files.integrity import FileDigest
+from ckpt_lesson.files.hashing import DEFAULT_ALGO
+from ckpt_lesson.files.integrity import FileDigest, part_digest
 from ckpt_lesson.files.schema import migrate_payload
 
 # The read side (index validation, path safety, hashing against the index) lives in
@@ -96,8 +97,8 @@ class ShardedSaveResult:
 
     Attributes:
         out_dir: The checkpoint directory.
-        files: One ``{"name", "keys", "bytes", "sha256"}`` dict per shard, in order.
-        meta: ``{"name", "bytes", "sha256"}`` of ``meta.pt``.
+        files: One ``{"name", "keys", "bytes", "algo", "digest"}`` dict per shard, in order.
+        meta: ``{"name", "bytes", "algo", "digest"}`` of ``meta.pt``.
         index: Digest of ``index.json``; a manifest can record it to pin the whole save.
     """
 
@@ -227,6 +228,7 @@ def save_sharded_checkpoint(
     extras: dict[str, Any] | None = None,
     data: dict[str, Any] | None = None,
     rng: dict[str, Any] | None = None,
+    algo: str = DEFAULT_ALGO,
 ) -> ShardedSaveResult:
     """Save a resumable checkpoint as shards + ``meta.pt`` + ``index.json`` (last).
 
@@ -238,9 +240,10 @@ def save_sharded_checkpoint(
             in place. Leftover shards of an unfinished save (no index) are removed.
         num_shards: Number of shard files for the model's weights.
         layout: How keys are assigned; see :func:`plan_shards`.
+        algo: Integrity hash of every file and index entry.
 
     Returns:
-        A :class:`ShardedSaveResult` with every file's size and sha256.
+        A :class:`ShardedSaveResult` with every file's size and digest.
 
     Raises:
         CheckpointError: Bad ``num_shards``/``layout``, or ``out_dir`` already
@@ -268,21 +271,20 @@ def save_sharded_checkpoint(
             stale.unlink()
     files = []
     for i, keys in enumerate(plan):
-        digest = atomic_save({k: _own_storage(model_sd[k]) for k in keys}, out_dir / _shard_name(i))
-        files.append({"name": _shard_name(i), "keys": keys, "bytes": digest.size, "sha256": digest.sha256})
-    meta_digest = atomic_save(payload, out_dir / META_NAME)
-    meta = {"name": META_NAME, "bytes": meta_digest.size, "sha256": meta_digest.sha256}
+        body = {k: _own_storage(model_sd[k]) for k in keys}
+        digest = atomic_save(body, out_dir / _shard_name(i), algo=algo)
+        files.append({"name": _shard_name(i), "keys": keys, **digest.record()})
+    meta_digest = atomic_save(payload, out_dir / META_NAME, algo=algo)
+    meta = {"name": META_NAME, **meta_digest.record()}
     index = {
         "schema": SHARDED_SCHEMA,
         "payload_schema": payload["schema"],
         "num_shards": num_shards,
         "layout": layout,
-        "shards": [
-            {"file": f["name"], "keys": f["keys"], "bytes": f["bytes"], "sha256": f["sha256"]} for f in files
-        ],
-        "meta": {"file": META_NAME, "bytes": meta["bytes"], "sha256": meta["sha256"]},
+        "shards": [{"file": f["name"], **{k: v for k, v in f.items() if k != "name"}} for f in files],
+        "meta": {"file": META_NAME, **{k: v for k, v in meta.items() if k != "name"}},
     }
-    index_digest = atomic_write_json(index, out_dir / INDEX_NAME)  # the commit point
+    index_digest = atomic_write_json(index, out_dir / INDEX_NAME, algo=algo)  # the commit point
     return ShardedSaveResult(out_dir=out_dir, files=files, meta=meta, index=index_digest)
 
 
@@ -314,8 +316,9 @@ def load_sharded_checkpoint(
     index = read_shard_index(root)
     loaded = []
     for path, entry in _files(root, index):  # verify (and load) every file before merging any
+        algo, want = part_digest(entry)
         obj, _ = load_verified_file(
-            path, map_location=map_location, expected_sha256=entry["sha256"], expected_size=entry["bytes"]
+            path, map_location=map_location, expected_digest=want, algo=algo, expected_size=entry["bytes"]
         )
         loaded.append((path, entry, obj))
     *shards, (meta_path, _, meta) = loaded

@@ -13,19 +13,20 @@ cheap next to the write itself. xxh3-128 runs at about 33 GB/s here against
 1.8 GB/s for sha256, and 128 bits make an accidental collision negligible.
 sha256 stays available for callers who want a cryptographic record.
 
-:func:`new_hasher` is the one place that maps a name to an implementation; when
-the package grows its own tagged hasher, this function is what gets pointed at it.
+The algorithms themselves (names, digest lengths, implementations) live in
+:mod:`ckpt_lesson.files.hashing`, shared with single-process saves.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 from pathlib import Path
 from typing import Any, Protocol
 
-from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
+from ckpt_lesson.errors import CorruptCheckpointError
+from ckpt_lesson.files.hashing import ALGORITHMS, DEFAULT_ALGO
+from ckpt_lesson.files.hashing import new_hasher as _new_hasher
 
 __all__ = [
     "ALGORITHMS",
@@ -37,9 +38,6 @@ __all__ = [
     "new_hasher",
 ]
 
-DEFAULT_ALGO = "xxh3_128"
-#: Algorithm name -> hex digest length. Records with any other name are refused.
-ALGORITHMS = {"xxh3_128": 32, "sha256": 64}
 _CHUNK = 4 << 20
 _HEX = set("0123456789abcdef")
 
@@ -53,17 +51,14 @@ class Hasher(Protocol):
 
 
 def new_hasher(algo: str = DEFAULT_ALGO) -> Hasher:
-    """A fresh incremental hasher for ``algo``.
+    """A fresh incremental hasher for ``algo``, from :mod:`ckpt_lesson.files.hashing`.
 
-    Args:
-        algo: ``"xxh3_128"`` (default) or ``"sha256"``.
-
-    Returns:
-        An object with ``update(bytes_like)`` and ``hexdigest()``.
+    A record naming an algorithm this code does not know is *damage* here (the
+    record is read back from disk), so the refusal is a ``CorruptCheckpointError``.
 
     Raises:
-        CorruptCheckpointError: ``algo`` is not one this code knows.
-        CheckpointError: ``xxh3_128`` without the ``xxhash`` package installed.
+        CorruptCheckpointError: ``algo`` is not one of :data:`ALGORITHMS`.
+        CheckpointError: The algorithm's package is not installed.
 
     Example:
         >>> h = new_hasher("xxh3_128")
@@ -71,20 +66,12 @@ def new_hasher(algo: str = DEFAULT_ALGO) -> Hasher:
         >>> len(h.hexdigest())
         32
     """
-    if algo == "xxh3_128":
-        try:  # imported here: importing ckpt_lesson must not need it, only hashing with it
-            import xxhash
-        except ImportError as exc:
-            raise CheckpointError(
-                "xxh3_128 needs the xxhash package: `pip install xxhash` (or pass algo='sha256')."
-            ) from exc
-        return xxhash.xxh3_128()
-    if algo == "sha256":
-        return hashlib.sha256()
-    raise CorruptCheckpointError(
-        f"unknown hash algorithm {algo!r}; this code knows {sorted(ALGORITHMS)}. "
-        "Upgrade ckpt_lesson to read saves hashed with it."
-    )
+    if algo not in ALGORITHMS:
+        raise CorruptCheckpointError(
+            f"unknown hash algorithm {algo!r}; this code knows {sorted(ALGORITHMS)}. "
+            "Upgrade ckpt_lesson to read saves hashed with it."
+        )
+    return _new_hasher(algo)
 
 
 def hash_bytes(data: bytes | memoryview, algo: str = DEFAULT_ALGO) -> dict[str, str]:

@@ -43,6 +43,7 @@ from typing import Any
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.atomic import atomic_write_json, fsync_dir
 from ckpt_lesson.files.checkpoint import TrainState
+from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale, delete_save, open_staging, publish
 from ckpt_lesson.runs.contract import ENV_POLICIES
@@ -74,6 +75,8 @@ class CheckpointManager:
             sharded layout with that many model shards.
         clock: Time source for ``every_seconds`` (tests pass a fake one).
         verify_on_save: Re-hash the parts before publishing (see module doc).
+        hash_algo: Integrity hash of every part (default ``xxh3_128``, fast;
+            ``sha256`` or ``blake3`` when digests are pinned somewhere trusted).
         data: Dataset description recorded in payload and manifest, e.g.
             ``{"fingerprint": ds.fingerprint(), "order_seed": 11}``.
         metadata: Caller's dict copied into every manifest (run id, config hash).
@@ -115,6 +118,7 @@ class CheckpointManager:
         retention: RetentionPolicy | None = None,
         expect: Mapping[str, Any] | None = None,
         env_policy: str = "refuse",
+        hash_algo: str = DEFAULT_ALGO,
     ) -> None:
         if env_policy not in ENV_POLICIES:
             raise CheckpointError(f"env_policy must be one of {ENV_POLICIES}, got {env_policy!r}.")
@@ -130,6 +134,7 @@ class CheckpointManager:
             data=data,
             metadata=metadata or {},
             retention=retention,
+            hash_algo=hash_algo,
         )
         self.run_dir = Path(run_dir)
         if self.run_dir.exists() and not self.run_dir.is_dir():

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.hashing import DEFAULT_ALGO, check_algo
 from ckpt_lesson.runs.cadence import validate_cadence
 from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
 
@@ -49,7 +50,8 @@ class ManagerConfig:
 
     Raises:
         CheckpointError: ``keep_last < 1``; ``every_steps < 1``; ``every_seconds <= 0``;
-            neither cadence set; ``num_shards < 1``; ``data``/``metadata`` not JSON dicts.
+            neither cadence set; ``num_shards < 1``; ``data``/``metadata`` not JSON dicts;
+            ``hash_algo`` not one of :data:`~ckpt_lesson.files.hashing.ALGORITHMS`.
 
     Example:
         >>> ManagerConfig(keep_last=2, every_steps=10).num_shards is None
@@ -65,8 +67,10 @@ class ManagerConfig:
     data: dict[str, Any] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     retention: RetentionPolicy | None = None
+    hash_algo: str = DEFAULT_ALGO
 
     def __post_init__(self) -> None:
+        check_algo(self.hash_algo)
         keep = self.keep_last
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise CheckpointError(

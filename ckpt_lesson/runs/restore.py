@@ -8,7 +8,7 @@ the checks inside is the lesson:
 2. the resume contract passes, from the manifest alone: same data, model,
    config and environment, every bucket covered (nothing loaded yet);
 3. every part exists with its recorded size (a ``stat`` each, no reading);
-4. every part hashes to its recorded sha256, and only then is the payload
+4. every part hashes to its recorded digest, and only then is the payload
    unpickled (safely, ``weights_only``) and applied.
 
 Damage (``CorruptCheckpointError``, ``IncompleteCheckpointError``) makes the
@@ -32,10 +32,11 @@ from ckpt_lesson.errors import (
     StateMismatchError,
 )
 from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, apply_payload, read_checkpoint
+from ckpt_lesson.files.integrity import part_digest
 from ckpt_lesson.files.schema import current_env
 from ckpt_lesson.files.sharded import INDEX_NAME, load_sharded_checkpoint
 from ckpt_lesson.runs.contract import ResumeReport, check_contract, resume_report
-from ckpt_lesson.runs.scan import read_manifest, step_dir_name, verify_part
+from ckpt_lesson.runs.scan import read_manifest, step_dir_name, verify_record
 
 __all__ = ["check_resume_contract", "index_parts", "load_newest_good", "load_save", "verify_other_parts"]
 
@@ -71,7 +72,7 @@ def load_save(
 
     Raises:
         IncompleteCheckpointError: A part is missing.
-        CorruptCheckpointError: Wrong step, size or sha256, or an unreadable part.
+        CorruptCheckpointError: Wrong step, size or digest, or an unreadable part.
         CheckpointError: Whatever ``check_contract`` or the loaders raise.
 
     Example:
@@ -95,10 +96,10 @@ def load_save(
     if manifest["layout"] == "single":
         by_name = {p["file"]: p for p in manifest["parts"]}
         verify_other_parts(target, manifest, skip={"checkpoint.pt"})
-        # One pass: load_verified_file checks footer and the manifest's sha256 while hashing.
+        # One pass: load_verified_file checks footer and the manifest's digest while hashing.
         path = target / "checkpoint.pt"
-        sha = by_name["checkpoint.pt"]["sha256"]
-        payload = read_checkpoint(path, map_location=map_location, expected_sha256=sha)
+        algo, want = part_digest(by_name["checkpoint.pt"])
+        payload = read_checkpoint(path, map_location=map_location, expected_digest=want, algo=algo)
         saved = TrainState.from_dict(payload["state"], source=str(path))
         if saved.step != step:
             raise CorruptCheckpointError(f"{target.name}: payload holds step {saved.step}")
@@ -161,7 +162,7 @@ def verify_other_parts(target: Path, manifest: dict[str, Any], *, skip: set[str]
     """Hash every manifest part except ``skip`` (and, when sharded, the files the index covers).
 
     Raises:
-        CorruptCheckpointError: A part's size or sha256 differs from the manifest.
+        CorruptCheckpointError: A part's size or digest differs from the manifest.
 
     Example:
         >>> verify_other_parts(target, manifest, skip={"checkpoint.pt"})  # doctest: +SKIP
@@ -172,7 +173,7 @@ def verify_other_parts(target: Path, manifest: dict[str, Any], *, skip: set[str]
     for part in manifest["parts"]:
         if part["file"] in skip:
             continue
-        problem = verify_part(target / part["file"], size=part["bytes"], sha256=part["sha256"])
+        problem = verify_record(target / part["file"], part)
         if problem:
             raise CorruptCheckpointError(f"{target.name}: {problem}")
 

@@ -24,7 +24,7 @@ from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, save_checkpoint
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, MANIFEST_SCHEMA, current_env
 from ckpt_lesson.files.sharded import INDEX_NAME, save_sharded_checkpoint
 from ckpt_lesson.runs.manager_config import ManagerConfig
-from ckpt_lesson.runs.scan import inspect_save, read_manifest, verify_part
+from ckpt_lesson.runs.scan import inspect_save, read_manifest, verify_record
 
 __all__ = ["build_manifest", "refuse_if_already_saved", "verify_staged", "write_parts"]
 
@@ -53,14 +53,22 @@ def write_parts(
     rng: dict[str, Any] | None,
     emit: Emit,
 ) -> list[dict[str, Any]]:
-    """Write one save's files into ``staging``; returns ``[{"file", "bytes", "sha256"}, ...]``."""
+    """Write one save's files into ``staging``; returns ``[{"file", "bytes", "algo", "digest"}, ...]``."""
     step, data = state.step, config.data
     if config.num_shards is None:
         emit("part_begin", step=step, file="checkpoint.pt")
         digest = save_checkpoint(
-            model, optimizer, scheduler, state, staging / "checkpoint.pt", extras=extras, data=data, rng=rng
+            model,
+            optimizer,
+            scheduler,
+            state,
+            staging / "checkpoint.pt",
+            extras=extras,
+            data=data,
+            rng=rng,
+            algo=config.hash_algo,
         )
-        part = {"file": "checkpoint.pt", "bytes": digest.size, "sha256": digest.sha256}
+        part = {"file": "checkpoint.pt", **digest.record()}
         emit("part_written", step=step, **part)
         return [part]
     emit("part_begin", step=step, file="*")
@@ -75,11 +83,11 @@ def write_parts(
         extras=extras,
         data=data,
         rng=rng,
+        algo=config.hash_algo,
     )
-    parts = [{"file": f["name"], "bytes": f["bytes"], "sha256": f["sha256"]} for f in result.files]
-    meta = result.meta
-    parts.append({"file": meta["name"], "bytes": meta["bytes"], "sha256": meta["sha256"]})
-    parts.append({"file": INDEX_NAME, "bytes": result.index.size, "sha256": result.index.sha256})
+    fields = ("bytes", "algo", "digest")
+    parts = [{"file": f["name"], **{k: f[k] for k in fields}} for f in [*result.files, result.meta]]
+    parts.append({"file": INDEX_NAME, **result.index.record()})
     for part in parts:
         emit("part_written", step=step, **part)
     return parts
@@ -113,7 +121,7 @@ def verify_staged(staging: Path, parts: list[dict[str, Any]]) -> None:
         CorruptCheckpointError: A part's bytes differ from what was written,
             or the manifest does not parse back (nothing is published then).
     """
-    problems = [verify_part(staging / p["file"], size=p["bytes"], sha256=p["sha256"]) for p in parts]
+    problems = [verify_record(staging / p["file"], p) for p in parts]
     found = [p for p in problems if p]
     if found:
         raise CorruptCheckpointError(

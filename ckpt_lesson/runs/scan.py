@@ -7,14 +7,16 @@ looks like this::
       step-00000240/          a published save
         checkpoint.pt         (or model.shard-NNN.pt + meta.pt + index.json,
                               or DCP's __R_N.distcp + .metadata from a multi-rank save)
-        manifest.json         the commit record: every part's size and sha256
+        manifest.json         the commit record: every part's size and digest
       .staging-step-00000280-<pid>-<hex8>/   a save in progress (or abandoned)
 
 A save is *ok* only if its ``manifest.json`` exists and every part it lists
-has the recorded size and sha256 (and, for ``.pt`` files, matches its own
-in-file footer). A step folder without a manifest is *incomplete*; one whose
-bytes differ is *corrupt*. Nothing here loads a tensor: a scan costs one read
-of every byte (about 1.4 GB/s of sha256 on the course machine), no unpickling.
+has the recorded size and digest (and, for ``.pt`` files, matches its own
+in-file footer). Each record names its algorithm (``xxh3_128`` by default;
+records from earlier versions carry a ``sha256`` and still verify). A step
+folder without a manifest is *incomplete*; one whose bytes differ is *corrupt*.
+Nothing here loads a tensor: a scan costs one read of every byte (xxh3-128
+hashes far faster than the disk reads), no unpickling.
 
 ``python -m ckpt_lesson scan RUN_DIR [--json]`` prints the same table; it
 exits 0 when every save is ok, 1 when something is corrupt or incomplete, and
@@ -38,7 +40,7 @@ from ckpt_lesson.errors import (
     SchemaError,
     UnsafeCheckpointError,
 )
-from ckpt_lesson.files.integrity import file_digest
+from ckpt_lesson.files.integrity import file_digest, part_digest
 from ckpt_lesson.files.schema import MANIFEST_NAME, MANIFEST_SCHEMA
 from ckpt_lesson.runs.dcp_manifest import MANIFEST_SCHEMA as DCP_MANIFEST_SCHEMA
 from ckpt_lesson.runs.dcp_manifest import check_dcp_part, read_dcp_manifest
@@ -56,6 +58,7 @@ __all__ = [
     "step_dir_name",
     "step_of",
     "verify_part",
+    "verify_record",
 ]
 
 LAYOUTS = ("single", "sharded")
@@ -178,7 +181,7 @@ def read_manifest(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _check_part_entry(part: Any, where: str) -> None:
     if not isinstance(part, dict):
-        raise CorruptCheckpointError(f"{where}: every part must be an object with file, bytes, sha256.")
+        raise CorruptCheckpointError(f"{where}: every part must be an object with file, bytes, algo, digest.")
     name = part.get("file")
     if not isinstance(name, str) or not name:
         raise CorruptCheckpointError(f"{where}: a part has no 'file' name.")
@@ -190,21 +193,44 @@ def _check_part_entry(part: Any, where: str) -> None:
     size = part.get("bytes")
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise CorruptCheckpointError(f"{where}: part {name!r} has no valid 'bytes' count.")
-    digest = part.get("sha256")
-    if not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _HEX:
-        raise CorruptCheckpointError(f"{where}: part {name!r} has no valid 'sha256'.")
+    try:
+        part_digest(part)  # {"algo", "digest"}, or {"sha256"} from earlier versions
+    except CorruptCheckpointError:
+        raise CorruptCheckpointError(
+            f"{where}: part {name!r} has no valid 'algo' and 'digest' (or 'sha256')."
+        ) from None
 
 
-def verify_part(path: Path, *, size: int, sha256: str) -> str | None:
-    """Check one file against its recorded size and sha256.
+def verify_record(path: Path, part: dict[str, Any]) -> str | None:
+    """:func:`verify_part` against a manifest or index record, old or new form.
+
+    Example:
+        >>> verify_record(Path("run/step-00000240/checkpoint.pt"), part)  # doctest: +SKIP
+    """
+    algo, digest = part_digest(part)
+    return verify_part(path, size=part["bytes"], digest=digest, algo=algo)
+
+
+def verify_part(
+    path: Path,
+    *,
+    size: int,
+    sha256: str | None = None,
+    digest: str | None = None,
+    algo: str | None = None,
+) -> str | None:
+    """Check one file against its recorded size and digest.
 
     The size is checked first (a ``stat``, free); only then is the file read,
-    once, to compute its sha256 and check its in-file footer when it has one.
+    once, to compute its digest and check its in-file footer when it has one.
 
     Args:
         path: The file.
         size: Recorded byte count.
-        sha256: Recorded hex sha256 of the whole file.
+        sha256: Recorded hex sha256 of the whole file (the older form).
+        digest: Recorded hex digest of the whole file in ``algo`` (the newer
+            form; ``algo`` defaults to sha256 when only ``digest`` is given).
+        algo: The recorded digest's algorithm.
 
     Returns:
         ``None`` if the file matches, else a short reason naming the file,
@@ -225,14 +251,19 @@ def verify_part(path: Path, *, size: int, sha256: str) -> str | None:
     actual = path.stat().st_size
     if actual != size:
         return f"{name}: size {actual} != recorded {size}"
+    if sha256 is not None:
+        digest, algo = sha256, "sha256"
+    if digest is None:
+        raise CheckpointError(f"{name}: verify_part needs the recorded sha256=, or digest= and algo=.")
+    algo = algo or "sha256"
     try:
-        digest = file_digest(path)
+        found = file_digest(path, algo=algo)
     except CorruptCheckpointError:
         return f"{name}: contents do not match the file's own integrity footer"
     except OSError as exc:
         return f"{name}: unreadable ({type(exc).__name__}: {exc.strerror or exc})"
-    if digest.sha256 != sha256:
-        return f"{name}: sha256 {digest.sha256[:12]}... != recorded {sha256[:12]}..."
+    if found.digest != digest:
+        return f"{name}: {algo} {found.digest[:12]}... != recorded {digest[:12]}..."
     return None
 
 
@@ -273,7 +304,7 @@ def inspect_save(
         if is_dcp:  # DCP's files carry no footer: size, then the tagged digest (never unpickled)
             problem = check_dcp_part(step_dir, part, hash_it=hash_parts)
         elif hash_parts:
-            problem = verify_part(path, size=part["bytes"], sha256=part["sha256"])
+            problem = verify_record(path, part)
         elif not path.is_file() or path.is_symlink():
             problem = f"{part['file']}: missing"
         elif path.stat().st_size != part["bytes"]:

@@ -36,6 +36,7 @@ import torch
 from ckpt_lesson.errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
 from ckpt_lesson.files.atomic import atomic_write_json
 from ckpt_lesson.files.checkpoint import check_model_state, load_verified_file
+from ckpt_lesson.files.integrity import part_digest
 from ckpt_lesson.runs.contract import model_fingerprint
 from ckpt_lesson.runs.scan import MANIFEST_NAME, read_manifest
 
@@ -56,11 +57,14 @@ class WarmStartRecord:
         source: The file or save folder the weights came from (as given).
         source_save_id: The source manifest's ``save_id``, or ``None`` for a bare file.
         source_step: The step the source was saved at, when known.
-        source_sha256: sha256 of each weight-bearing file, by file name.
+        source_sha256: Digest of each weight-bearing file, by file name, in
+            ``source_algo`` (the name predates the choice of algorithm).
         verified_by: ``"manifest"`` (hashes recorded at save time),
             ``"footer"`` (the file's own integrity footer) or ``"none"``.
         model_fingerprint: Names/shapes/dtypes fingerprint of the loaded weights.
         created_at: Wall-clock time of the warm start.
+        source_algo: Algorithm of ``source_sha256``'s digests (records from
+            earlier versions lack it: they are sha256).
     """
 
     kind: str
@@ -72,6 +76,7 @@ class WarmStartRecord:
     verified_by: str
     model_fingerprint: str
     created_at: float
+    source_algo: str = "sha256"
 
 
 def warm_start_from(
@@ -121,10 +126,12 @@ def warm_start_from(
         source=str(src),
         source_save_id=save_id,
         source_step=step,
-        source_sha256=hashes,
+        source_sha256={name: digest for name, (_, digest) in hashes.items()},
         verified_by=verified_by,
         model_fingerprint=model_fingerprint(weights),
         created_at=time.time(),
+        # One save writes every part with one algorithm; "+" joins them if a hand-made save mixed some.
+        source_algo="+".join(sorted({algo for algo, _ in hashes.values()})),
     )
     if new_dir is not None:
         new_dir.mkdir(parents=True, exist_ok=True)
@@ -173,18 +180,18 @@ def _model_block(obj: Any, where: str) -> dict[str, Any]:
 
 def _weights_from_file(
     path: Path, map_location: Any
-) -> tuple[dict[str, Any], str | None, int | None, dict[str, str], str]:
+) -> tuple[dict[str, Any], str | None, int | None, dict[str, tuple[str, str]], str]:
     obj, digest = load_verified_file(path, map_location=map_location)
     step = None
     if isinstance(obj, dict) and isinstance(obj.get("state"), dict):
         step = obj["state"].get("step")
-    verified_by = "footer" if digest.content_sha256 is not None else "none"
-    return _model_block(obj, str(path)), None, step, {path.name: digest.sha256}, verified_by
+    verified_by = "footer" if digest.has_footer else "none"
+    return _model_block(obj, str(path)), None, step, {path.name: (digest.algo, digest.digest)}, verified_by
 
 
 def _weights_from_save_dir(
     step_dir: Path, map_location: Any
-) -> tuple[dict[str, Any], str | None, int | None, dict[str, str], str]:
+) -> tuple[dict[str, Any], str | None, int | None, dict[str, tuple[str, str]], str]:
     if not (step_dir / MANIFEST_NAME).is_file():
         raise IncompleteCheckpointError(
             f"{step_dir}: no {MANIFEST_NAME}; the save never finished. Warm start from a published save."
@@ -198,15 +205,17 @@ def _weights_from_save_dir(
         if not names:
             raise IncompleteCheckpointError(f"{step_dir}: the manifest lists no model shards.")
     weights: dict[str, Any] = {}
-    hashes: dict[str, str] = {}
+    hashes: dict[str, tuple[str, str]] = {}
     for name in names:
         part = parts[name]
         # Only the weight-bearing parts are read, but each one is checked against
         # the hash recorded at save time before torch.load sees a byte.
+        algo, want = part_digest(part)
         obj, digest = load_verified_file(
             step_dir / name,
             map_location=map_location,
-            expected_sha256=part["sha256"],
+            expected_digest=want,
+            algo=algo,
             expected_size=part["bytes"],
         )
         block = _model_block(obj, f"{step_dir.name}/{name}")
@@ -216,5 +225,5 @@ def _weights_from_save_dir(
                 f"{step_dir}: key {dup[0]!r} appears in two shards; the save is malformed."
             )
         weights.update(block)
-        hashes[name] = digest.sha256
+        hashes[name] = (digest.algo, digest.digest)
     return weights, manifest.get("save_id"), manifest.get("step"), hashes, "manifest"
