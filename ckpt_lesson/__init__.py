@@ -92,6 +92,7 @@ from .runs.cost import (  # noqa: E402
     expected_wall_time,
     young_interval,
 )
+from .runs.folder_manifest import latest_verified_folder, verify_folder, write_folder_manifest  # noqa: E402
 from .runs.manager import CheckpointManager  # noqa: E402
 from .runs.manager_config import ManagerConfig  # noqa: E402
 from .runs.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler  # noqa: E402
@@ -164,6 +165,7 @@ __all__ = [
     "file_sha256",
     "fsync_dir",
     "keep_last_k",
+    "latest_verified_folder",
     "load_accumulating",
     "load_checkpoint",
     "load_sharded_checkpoint",
@@ -203,10 +205,12 @@ __all__ = [
     "train_until",
     "train_until_preempted",
     "tuple_from_nested",
+    "verify_folder",
     "verify_part",
     "verify_sharded_checkpoint",
     "warm_start_from",
     "write_demo_artifacts",
+    "write_folder_manifest",
     "write_legacy_v1_checkpoint",
     "write_skill_markdown",
     "young_interval",

@@ -44,6 +44,7 @@ from ckpt_lesson.files.integrity import file_digest, part_digest
 from ckpt_lesson.files.schema import MANIFEST_NAME, MANIFEST_SCHEMA
 from ckpt_lesson.runs.dcp_manifest import MANIFEST_SCHEMA as DCP_MANIFEST_SCHEMA
 from ckpt_lesson.runs.dcp_manifest import check_dcp_part, read_dcp_manifest
+from ckpt_lesson.runs.folder_manifest import FOLDER_MANIFEST_NAME, checkpoint_folder_step, verify_folder
 
 __all__ = [
     "LAYOUTS",
@@ -340,6 +341,16 @@ def _check_run_dir(run_dir: Path) -> None:
         )
 
 
+def _inspect_checkpoint_folder(folder: Path) -> ScanResult:
+    """A Hugging Face ``checkpoint-N`` folder, judged by its folder manifest (runs/folder_manifest.py)."""
+    step = checkpoint_folder_step(folder.name) or 0
+    reason = verify_folder(folder)
+    if reason is None:
+        return ScanResult(folder, step, "ok", "")
+    missing = not (folder / FOLDER_MANIFEST_NAME).exists() or reason.endswith(": missing")
+    return ScanResult(folder, step, "incomplete" if missing else "corrupt", reason)
+
+
 def scan_checkpoints(run_dir: str | os.PathLike[str]) -> list[ScanResult]:
     """Verify every save in ``run_dir`` without loading any tensor.
 
@@ -347,7 +358,9 @@ def scan_checkpoints(run_dir: str | os.PathLike[str]) -> list[ScanResult]:
         run_dir: A manager's run directory.
 
     Returns:
-        One :class:`ScanResult` per published save folder and per staging
+        One :class:`ScanResult` per published save folder, per Hugging Face
+        ``checkpoint-N`` folder (judged by the manifest that
+        :mod:`ckpt_lesson.integrations.hf` records) and per staging
         folder (``incomplete``, reason ``"unpublished save (staging)"``), sorted
         by step.
 
@@ -373,4 +386,6 @@ def scan_checkpoints(run_dir: str | os.PathLike[str]) -> list[ScanResult]:
                 results.append(inspect_save(entry)[0])
             except SchemaError as exc:
                 results.append(ScanResult(entry, step_of(entry.name) or 0, "corrupt", str(exc)))
+        elif checkpoint_folder_step(entry.name) is not None:
+            results.append(_inspect_checkpoint_folder(entry))
     return sorted(results, key=lambda r: (r.step, r.path.name.startswith("."), r.path.name))

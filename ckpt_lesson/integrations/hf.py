@@ -1,0 +1,105 @@
+"""A Hugging Face ``Trainer`` callback: a ``checkpoint-N`` folder counts only once its manifest exists.
+
+The stock ``Trainer`` writes a checkpoint's files straight into
+``output_dir/checkpoint-N`` (weights, ``optimizer.pt``, ``scheduler.pt``,
+``rng_state.pth``, ``trainer_state.json``), one after another, without fsync.
+``transformers.trainer_utils.get_last_checkpoint`` (read in transformers 5.24)
+returns the highest-numbered such folder without opening a file in it. A kill
+half-way through a save leaves exactly that folder, and the next
+``resume_from_checkpoint=get_last_checkpoint(...)`` picks it.
+
+:class:`VerifiedCheckpointCallback` runs after every save (``on_save``, which
+the Trainer calls once the folder is written) and records
+``ckpt_lesson_manifest.json`` in it with every file's size and sha256, having
+fsynced the files and the folder (see :mod:`ckpt_lesson.runs.folder_manifest`).
+:func:`latest_verified_checkpoint` returns the newest folder whose manifest
+verifies, logging why newer ones were skipped.
+
+One caveat, from the Trainer's order of work: with ``save_total_limit`` the
+Trainer deletes old folders *before* ``on_save`` runs, so the newest verified
+folder can be deleted while the newest folder is still unrecorded. Keep
+``save_total_limit`` at 2 or more (or unset) so a verified folder always remains.
+
+Example:
+    >>> callbacks = [VerifiedCheckpointCallback()]
+    >>> trainer = Trainer(model, args, train_dataset=ds, callbacks=callbacks)  # doctest: +SKIP
+    >>> trainer.train(resume_from_checkpoint=latest_verified_checkpoint(args.output_dir))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.runs.folder_manifest import latest_verified_folder, write_folder_manifest
+
+__all__ = ["VerifiedCheckpointCallback", "latest_verified_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+try:  # transformers is optional: the module imports without it; the callback says what to install.
+    from transformers import TrainerCallback as _CallbackBase
+
+    _MISSING: str | None = None
+except ImportError as exc:  # pragma: no cover - exercised only where transformers is absent
+    _CallbackBase = object  # type: ignore[assignment,misc]
+    _MISSING = f"{exc}"
+
+# The Trainer names its folders f"{PREFIX_CHECKPOINT_DIR}-{global_step}"; the prefix is "checkpoint".
+_PREFIX = "checkpoint"
+
+
+class VerifiedCheckpointCallback(_CallbackBase):  # type: ignore[misc,valid-type]
+    """After each Trainer save, fsync the ``checkpoint-N`` folder and record its manifest, last.
+
+    Only the process that saves (``args.should_save``, the main process)
+    writes the manifest. Pass it as ``Trainer(..., callbacks=[VerifiedCheckpointCallback()])``.
+
+    Raises:
+        CheckpointError: transformers is not installed.
+
+    Example:
+        >>> trainer.add_callback(VerifiedCheckpointCallback())  # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        if _MISSING is not None:
+            raise CheckpointError(
+                f"VerifiedCheckpointCallback needs 'transformers' ({_MISSING}); "
+                "install it with 'pip install transformers>=4.46 accelerate'."
+            )
+        super().__init__()
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """Record ``output_dir/checkpoint-{global_step}``; a missing folder is logged, not fatal."""
+        if not args.should_save:
+            return control
+        folder = Path(args.output_dir) / f"{_PREFIX}-{state.global_step}"
+        if not folder.is_dir():
+            # A hyper-parameter search saves under run-N/; nothing of ours to vouch for here.
+            log.warning("no %s after the save; nothing recorded", folder)
+            return control
+        manifest = write_folder_manifest(folder, step=state.global_step)
+        log.info("recorded %s (%d files)", folder.name, len(manifest["files"]))
+        return control
+
+
+def latest_verified_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
+    """The newest ``checkpoint-N`` folder in ``output_dir`` whose manifest verifies, as a string.
+
+    Newer folders that fail (no manifest: the save was interrupted, or a file
+    changed since) are skipped with a warning naming the reason. Returns
+    ``None`` when none verifies, which ``trainer.train(resume_from_checkpoint=None)``
+    reads as "start fresh".
+
+    Raises:
+        CheckpointError: ``output_dir`` is not a directory.
+
+    Example:
+        >>> trainer.train(resume_from_checkpoint=latest_verified_checkpoint("out"))  # doctest: +SKIP
+    """
+    found = latest_verified_folder(output_dir)
+    return str(found) if found is not None else None

@@ -1,0 +1,216 @@
+"""A commit record for a folder written by someone else (a Hugging Face ``checkpoint-N``).
+
+Our own saves publish a folder by renaming it into place once its manifest is
+written. A trainer we do not control writes its files straight into the final
+folder, one after another, and never fsyncs them; a kill half-way leaves a
+folder with the right name and some of the files. We cannot change *how* it
+writes, but we can decide *what counts*: after the trainer says the save is
+done, :func:`write_folder_manifest`
+
+1. fsyncs every file (the trainer did not), hashing it in the same read;
+2. fsyncs the folder (and any sub-folder), so the names are durable;
+3. writes ``ckpt_lesson_manifest.json`` atomically, **last**: every file's
+   relative path, size and sha256;
+4. fsyncs the parent, so the folder itself survives a power cut.
+
+A folder counts as a save only if its manifest exists and every listed file
+has its recorded size and sha256, and nothing unlisted was added after it.
+:func:`latest_verified_folder` walks the folders newest first and returns the
+first that passes, logging why each newer one was skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.atomic import atomic_write_json, fsync_dir, is_temp_file
+
+__all__ = [
+    "FOLDER_MANIFEST_NAME",
+    "FOLDER_MANIFEST_SCHEMA",
+    "checkpoint_folder_step",
+    "latest_verified_folder",
+    "verify_folder",
+    "write_folder_manifest",
+]
+
+log = logging.getLogger(__name__)
+
+#: Written last into each folder it vouches for.
+FOLDER_MANIFEST_NAME = "ckpt_lesson_manifest.json"
+FOLDER_MANIFEST_SCHEMA = "ckpt.folder-manifest.v1"
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+_MAX_MANIFEST_BYTES = 16 << 20
+_CHUNK = 1 << 20
+
+
+def checkpoint_folder_step(name: str) -> int | None:
+    """The step of a Hugging Face folder name (``checkpoint-500`` -> 500), else ``None``."""
+    found = _CHECKPOINT_RE.match(name)
+    return int(found.group(1)) if found else None
+
+
+def _files_in(folder: Path) -> list[Path]:
+    """Every regular file under ``folder`` (relative paths), manifest and our temp files excluded."""
+    found = []
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder)
+        if path.is_symlink():
+            raise CheckpointError(f"{folder.name}/{rel}: is a symlink; a save folder holds its own files.")
+        if path.is_file() and rel.as_posix() != FOLDER_MANIFEST_NAME and not is_temp_file(path):
+            found.append(rel)
+    return found
+
+
+def _sync_and_hash(path: Path) -> tuple[int, str]:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            h.update(chunk)
+        # fsync through a read-only descriptor flushes the file's dirty pages all the same on Linux.
+        os.fsync(f.fileno())
+        return os.fstat(f.fileno()).st_size, h.hexdigest()
+
+
+def write_folder_manifest(folder: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
+    """Make a finished folder durable and record every file's size and sha256, manifest last.
+
+    Args:
+        folder: A folder whose writer has finished (e.g. ``checkpoint-500``).
+        step: Recorded in the manifest; defaults to the number in the folder's name.
+
+    Returns:
+        The manifest written.
+
+    Raises:
+        CheckpointError: ``folder`` is missing, holds a symlink, or holds no files.
+
+    Example:
+        >>> write_folder_manifest("out/checkpoint-500")["files"][0]["file"]  # doctest: +SKIP
+        'config.json'
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such folder to record; was the save written elsewhere?")
+    files = _files_in(folder)
+    if not files:
+        raise CheckpointError(f"{folder.name}: holds no files; nothing to record as a save.")
+    entries = []
+    for rel in files:
+        size, digest = _sync_and_hash(folder / rel)
+        entries.append({"file": rel.as_posix(), "bytes": size, "sha256": digest})
+    for sub in sorted({(folder / rel).parent for rel in files}, key=lambda p: -len(p.parts)):
+        fsync_dir(sub)
+    manifest = {
+        "schema": FOLDER_MANIFEST_SCHEMA,
+        "step": step if step is not None else checkpoint_folder_step(folder.name),
+        "files": entries,
+    }
+    atomic_write_json(manifest, folder / FOLDER_MANIFEST_NAME)  # last: from here on the save counts
+    fsync_dir(folder.parent)
+    return manifest
+
+
+def _read(folder: Path) -> tuple[dict[str, Any] | None, str]:
+    path = folder / FOLDER_MANIFEST_NAME
+    if path.is_symlink() or not path.is_file():
+        return None, f"no {FOLDER_MANIFEST_NAME} (the save never finished, or no callback recorded it)"
+    if path.stat().st_size > _MAX_MANIFEST_BYTES:
+        return None, f"{FOLDER_MANIFEST_NAME}: larger than {_MAX_MANIFEST_BYTES} bytes; not ours"
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return None, f"{FOLDER_MANIFEST_NAME}: unreadable ({type(exc).__name__})"
+    if not isinstance(manifest, dict) or manifest.get("schema") != FOLDER_MANIFEST_SCHEMA:
+        return None, f"{FOLDER_MANIFEST_NAME}: not a {FOLDER_MANIFEST_SCHEMA} manifest"
+    files = manifest.get("files")
+    if not isinstance(files, list) or not files:
+        return None, f"{FOLDER_MANIFEST_NAME}: 'files' must be a non-empty list"
+    for entry in files:
+        name = entry.get("file") if isinstance(entry, dict) else None
+        # Data can be hostile: a listed name may only point inside the folder.
+        if (
+            not isinstance(name, str)
+            or not name
+            or name.startswith("/")
+            or "\\" in name
+            or "\x00" in name
+            or ".." in name.split("/")
+            or not isinstance(entry.get("bytes"), int)
+            or not isinstance(entry.get("sha256"), str)
+        ):
+            return None, f"{FOLDER_MANIFEST_NAME}: malformed entry {str(entry)[:80]}"
+    return manifest, ""
+
+
+def verify_folder(folder: str | os.PathLike[str]) -> str | None:
+    """Check a folder against its manifest; ``None`` when it verifies, else the first reason it does not.
+
+    Sizes are compared first (a ``stat`` each); only then is every file read once and hashed.
+
+    Example:
+        >>> verify_folder("out/checkpoint-500")  # doctest: +SKIP
+        'optimizer.pt: size 1024 != recorded 5120'
+    """
+    folder = Path(folder)
+    manifest, reason = _read(folder)
+    if manifest is None:
+        return reason
+    listed = {e["file"]: e for e in manifest["files"]}
+    try:
+        present = {rel.as_posix() for rel in _files_in(folder)}
+    except CheckpointError as exc:
+        return str(exc)
+    extra = sorted(present - set(listed))
+    if extra:
+        return f"{extra[0]}: not in the manifest (written after the save was recorded)"
+    for name, entry in listed.items():
+        path = folder / name
+        if name not in present:
+            return f"{name}: missing"
+        if path.stat().st_size != entry["bytes"]:
+            return f"{name}: size {path.stat().st_size} != recorded {entry['bytes']}"
+    for name, entry in listed.items():
+        h = hashlib.sha256()
+        with open(folder / name, "rb") as f:
+            for chunk in iter(lambda f=f: f.read(_CHUNK), b""):
+                h.update(chunk)
+        if h.hexdigest() != entry["sha256"]:
+            return f"{name}: sha256 {h.hexdigest()[:12]}... != recorded {entry['sha256'][:12]}..."
+    return None
+
+
+def latest_verified_folder(output_dir: str | os.PathLike[str]) -> Path | None:
+    """The highest-numbered ``checkpoint-N`` folder in ``output_dir`` that verifies, or ``None``.
+
+    Each newer folder that fails is skipped with a warning on this module's
+    logger naming the folder and the reason.
+
+    Raises:
+        CheckpointError: ``output_dir`` is not a directory.
+
+    Example:
+        >>> latest_verified_folder("out")  # doctest: +SKIP
+        PosixPath('out/checkpoint-400')
+    """
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        raise CheckpointError(f"{output_dir}: no such output directory; pass the Trainer's output_dir.")
+    found = []
+    for entry in output_dir.iterdir():
+        step = checkpoint_folder_step(entry.name)
+        if step is not None and entry.is_dir() and not entry.is_symlink():
+            found.append((step, entry))
+    for _, folder in sorted(found, reverse=True):
+        reason = verify_folder(folder)
+        if reason is None:
+            return folder
+        log.warning("skipping %s: %s", folder.name, reason)
+    return None

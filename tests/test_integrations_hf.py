@@ -1,0 +1,203 @@
+"""The Hugging Face callback, with the real ``transformers.Trainer``: CPU, a tiny GPT-2 from a config."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is not installed: pip install -r requirements.txt")
+pytest.importorskip("accelerate", reason="the Trainer needs accelerate: pip install -r requirements.txt")
+
+from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
+
+from ckpt_lesson.errors import CheckpointError  # noqa: E402
+from ckpt_lesson.integrations.hf import VerifiedCheckpointCallback, latest_verified_checkpoint  # noqa: E402
+from ckpt_lesson.runs.folder_manifest import (  # noqa: E402
+    FOLDER_MANIFEST_NAME,
+    verify_folder,
+    write_folder_manifest,
+)
+from ckpt_lesson.runs.scan import scan_checkpoints  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A tiny seeded Trainer run: GPT-2 with ~1k parameters built from a config (nothing downloaded),
+# 16 sequences, 2 steps per epoch, a checkpoint-N folder every 2 steps (at epoch ends, so a
+# resume is exact), dropout off. In-process, or in a child behind KILL_PATCH (the n-th
+# torch.save writes 4 KiB, then the process SIGKILLs itself).
+TRAIN = r"""
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers.utils import logging as hf_logging
+from ckpt_lesson.integrations.hf import VerifiedCheckpointCallback
+
+def train(output_dir, resume=None, max_steps=6, verified=True):
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    config = GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    ids = torch.randint(0, 16, (16, 8), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = TrainingArguments(
+        output_dir=output_dir, max_steps=max_steps, save_steps=2, per_device_train_batch_size=8,
+        report_to=[], disable_tqdm=True, logging_strategy="no", use_cpu=True, seed=0,
+    )
+    callbacks = [VerifiedCheckpointCallback()] if verified else []
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=resume)
+    weights = [p.detach().flatten().tolist() for p in model.parameters()]
+    return {"global_step": trainer.state.global_step, "weights": weights}
+"""
+
+KILL_PATCH = r"""
+import os, signal, sys
+import torch
+_save, calls, kill_at = torch.save, [0], int(sys.argv[2])
+
+class KillMidWrite:
+    def __init__(self, f):
+        self.f, self.n = f, 0
+    def write(self, data):
+        self.f.write(data)
+        self.n += memoryview(data).nbytes
+        if self.n >= 4096:
+            self.f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return memoryview(data).nbytes
+    def flush(self):
+        self.f.flush()
+
+def save(obj, f, *a, **k):
+    calls[0] += 1
+    if calls[0] == kill_at:
+        f = open(f, "wb") if isinstance(f, (str, os.PathLike)) else f  # torch.save truncates the same way
+        f = KillMidWrite(f)
+    return _save(obj, f, *a, **k)
+
+torch.save = save
+"""
+
+
+def train(output_dir: Path, **kwargs) -> dict:
+    namespace: dict = {}
+    exec(TRAIN, namespace)
+    return namespace["train"](str(output_dir), **kwargs)
+
+
+def run_killed_child(tmp_path: Path, output_dir: Path, kill_at: int) -> int:
+    script = tmp_path / "child.py"
+    script.write_text(KILL_PATCH + TRAIN + "\ntrain(sys.argv[1])\n")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
+    args = [sys.executable, str(script), str(output_dir), str(kill_at)]
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    if proc.returncode != -9:
+        raise AssertionError(
+            f"the child should have been killed, got {proc.returncode}:\n{proc.stderr[-3000:]}"
+        )
+    return proc.returncode
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted 6-step run with the callback: its output_dir and final weights."""
+    out = tmp_path_factory.mktemp("reference") / "out"
+    result = train(out)
+    assert result["global_step"] == 6
+    return out, result
+
+
+def test_every_checkpoint_folder_gets_a_manifest_listing_each_file(reference):
+    out, _ = reference
+    for step in (2, 4, 6):
+        folder = out / f"checkpoint-{step}"
+        assert verify_folder(folder) is None
+        listed = (folder / FOLDER_MANIFEST_NAME).read_text()
+        for name in ("optimizer.pt", "trainer_state.json", "model.safetensors"):
+            assert f'"{name}"' in listed
+
+
+def test_a_run_killed_mid_save_resumes_from_the_last_recorded_folder_and_ends_like_an_unkilled_run(
+    tmp_path, reference
+):
+    out = tmp_path / "out"
+    # torch.save calls per checkpoint: training_args.bin, optimizer.pt, scheduler.pt, rng_state.pth.
+    # The 6th is checkpoint-4's optimizer.pt: killed 4 KiB in, with weights already written.
+    assert run_killed_child(tmp_path, out, kill_at=6) == -9
+    half = out / "checkpoint-4"
+    assert (half / "model.safetensors").exists() and not (half / "trainer_state.json").exists()
+    assert get_last_checkpoint(str(out)) == str(half)  # the stock helper picks the half-written folder
+    assert latest_verified_checkpoint(out) == str(out / "checkpoint-2")
+    statuses = {r.path.name: r.status for r in scan_checkpoints(out)}
+    assert statuses == {"checkpoint-2": "ok", "checkpoint-4": "incomplete"}
+
+    resumed = train(out, resume=latest_verified_checkpoint(out))
+    assert resumed["global_step"] == 6
+    # Close, not bit-equal: the resumed Trainer reorders a few float additions (last-digit
+    # differences here); a resume from the wrong step would miss by orders of magnitude more.
+    for got, want in zip(resumed["weights"], reference[1]["weights"], strict=True):
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-7)
+    assert verify_folder(out / "checkpoint-4") is None  # rewritten by the resumed run, and recorded
+
+
+def test_a_byte_flipped_in_the_newest_folder_makes_the_helper_pick_the_previous_one(
+    tmp_path, reference, caplog
+):
+    out = tmp_path / "out"
+    shutil.copytree(reference[0], out)
+    weights = out / "checkpoint-6" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        assert latest_verified_checkpoint(out) == str(out / "checkpoint-4")
+    assert "checkpoint-6" in caplog.text and "model.safetensors: sha256" in caplog.text
+    statuses = {r.path.name: r.status for r in scan_checkpoints(out)}
+    assert statuses == {"checkpoint-2": "ok", "checkpoint-4": "ok", "checkpoint-6": "corrupt"}
+
+
+def test_a_file_added_after_the_manifest_or_a_missing_one_fails_verification(tmp_path):
+    folder = tmp_path / "checkpoint-3"
+    folder.mkdir()
+    (folder / "a.bin").write_bytes(b"abc")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "b.bin").write_bytes(b"def")
+    manifest = write_folder_manifest(folder)
+    assert manifest["step"] == 3 and [e["file"] for e in manifest["files"]] == ["a.bin", "sub/b.bin"]
+    (folder / "late.bin").write_bytes(b"x")
+    assert verify_folder(folder) == "late.bin: not in the manifest (written after the save was recorded)"
+    (folder / "late.bin").unlink()
+    (folder / "sub" / "b.bin").unlink()
+    assert verify_folder(folder) == "sub/b.bin: missing"
+
+
+def test_a_manifest_naming_a_path_outside_its_folder_is_rejected(tmp_path):
+    folder = tmp_path / "checkpoint-1"
+    folder.mkdir()
+    (folder / "a.bin").write_bytes(b"abc")
+    write_folder_manifest(folder)
+    text = (folder / FOLDER_MANIFEST_NAME).read_text().replace('"a.bin"', '"../a.bin"')
+    (folder / FOLDER_MANIFEST_NAME).write_text(text)
+    assert "malformed entry" in verify_folder(folder)
+
+
+def test_the_helper_returns_none_without_a_verified_folder_and_refuses_a_missing_dir(tmp_path):
+    (tmp_path / "checkpoint-5").mkdir()
+    assert latest_verified_checkpoint(tmp_path) is None
+    with pytest.raises(CheckpointError, match="no such output directory"):
+        latest_verified_checkpoint(tmp_path / "nope")
+
+
+def test_the_callback_is_a_trainer_callback():
+    from transformers import TrainerCallback
+
+    assert isinstance(VerifiedCheckpointCallback(), TrainerCallback)

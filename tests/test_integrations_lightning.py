@@ -1,0 +1,288 @@
+"""The Lightning plugin, with the real ``lightning.Trainer``: CPU, a tiny model, nothing downloaded."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning", reason="lightning is not installed: pip install -r requirements.txt")
+
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
+
+from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError  # noqa: E402
+from ckpt_lesson.integrations.lightning import OrderedAsyncCheckpointIO, VerifiedCheckpointIO  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A tiny seeded Lightning run: an MLP, 2 batches per epoch, a checkpoint every 2 steps (so every
+# save falls on an epoch boundary and a resume is exact) plus last.ckpt. Run in-process, or in a
+# child process behind KILL_PATCH, which makes the n-th torch.save write 4 KiB and then SIGKILL its
+# own process: a kill in the middle of a save, at a chosen save.
+TRAIN = r"""
+import logging, warnings
+import torch, lightning as L
+from torch.utils.data import DataLoader, TensorDataset
+from ckpt_lesson.integrations.lightning import OrderedAsyncCheckpointIO, VerifiedCheckpointIO
+
+class Tiny(L.LightningModule):
+    def __init__(self, width=8):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
+    def training_step(self, batch, i):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+def train(ckdir, plugin="ours", resume="", max_steps=8):
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
+    torch.manual_seed(0)
+    model = Tiny()
+    plugins = {"ours": [VerifiedCheckpointIO()], "async": [OrderedAsyncCheckpointIO()], "stock": []}[plugin]
+    every = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=ckdir, filename="{step}", every_n_train_steps=2, save_top_k=-1, save_last=True
+    )
+    trainer = L.Trainer(
+        max_steps=max_steps, accelerator="cpu", plugins=plugins, callbacks=[every], logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=8), ckpt_path=resume or None)
+    weights = [p.detach().flatten().tolist() for p in model.parameters()]
+    return {"global_step": trainer.global_step, "weights": weights}
+"""
+
+KILL_PATCH = r"""
+import os, signal, sys
+import torch
+_save, calls, kill_at = torch.save, [0], int(sys.argv[2])
+
+class KillMidWrite:
+    def __init__(self, f):
+        self.f, self.n = f, 0
+    def write(self, data):
+        self.f.write(data)
+        self.n += memoryview(data).nbytes
+        if self.n >= 4096:
+            self.f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return memoryview(data).nbytes
+    def flush(self):
+        self.f.flush()
+
+def save(obj, f, *a, **k):
+    calls[0] += 1
+    return _save(obj, KillMidWrite(f) if calls[0] == kill_at else f, *a, **k)
+
+torch.save = save
+"""
+
+
+def train(ckdir: Path, **kwargs) -> dict:
+    """The run above, in this process."""
+    namespace: dict = {}
+    exec(TRAIN, namespace)
+    return namespace["train"](str(ckdir), **kwargs)
+
+
+def run_killed_child(tmp_path: Path, ckdir: Path, kill_at: int) -> int:
+    """The run above in a child process, killed in its ``kill_at``-th ``torch.save``; its exit code."""
+    script = tmp_path / "child.py"
+    script.write_text(KILL_PATCH + TRAIN + "\ntrain(sys.argv[1])\n")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, str(script), str(ckdir), str(kill_at)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if proc.returncode != -9:
+        raise AssertionError(
+            f"the child should have been killed, got {proc.returncode}:\n{proc.stderr[-3000:]}"
+        )
+    return proc.returncode
+
+
+def flip_byte(path: Path, offset: int | None = None) -> None:
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2 if offset is None else offset
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted 8-step run with the plugin: its checkpoints and final weights."""
+    tmp = tmp_path_factory.mktemp("reference")
+    result = train(tmp / "ck")
+    assert result["global_step"] == 8
+    return tmp / "ck", result
+
+
+def test_a_run_killed_while_rewriting_last_ckpt_resumes_from_it_and_ends_where_an_unkilled_run_ends(
+    tmp_path, reference
+):
+    ckdir = tmp_path / "ck"
+    # Saves: step=2 (1), last (2), step=4 (3), last (4), step=6 (5), last (6) <- killed 4 KiB into it.
+    assert run_killed_child(tmp_path, ckdir, kill_at=6) == -9
+    assert any(".last.ckpt.tmp-" in p.name for p in ckdir.iterdir()), "the kill should leave only a temp file"
+    survivor = VerifiedCheckpointIO().load_checkpoint(ckdir / "last.ckpt")
+    assert survivor["global_step"] == 4  # the previous last.ckpt, whole and verified
+
+    resumed = train(ckdir, resume=str(ckdir / "last.ckpt"))
+    assert resumed["global_step"] == 8
+    assert resumed["weights"] == reference[1]["weights"]
+
+
+def test_a_byte_flipped_in_the_newest_checkpoint_is_refused_and_the_previous_one_loads(tmp_path, reference):
+    ckdir = tmp_path / "ck"
+    ckdir.mkdir()
+    for name in ("step=6.ckpt", "step=8.ckpt"):
+        (ckdir / name).write_bytes((reference[0] / name).read_bytes())
+    flip_byte(ckdir / "step=8.ckpt")
+    plugin = VerifiedCheckpointIO()
+    with pytest.raises(CorruptCheckpointError, match=r"step=8\.ckpt"):
+        plugin.load_checkpoint(ckdir / "step=8.ckpt")
+    assert plugin.load_checkpoint(ckdir / "step=6.ckpt")["global_step"] == 6
+    # The stock loader takes the same damaged file without a word.
+    assert TorchCheckpointIO().load_checkpoint(ckdir / "step=8.ckpt", weights_only=True)["global_step"] == 8
+
+
+def test_an_unsafe_hyper_parameter_type_is_named_and_the_allowlist_lets_it_load(tmp_path):
+    path = tmp_path / "hp.ckpt"
+    plugin = VerifiedCheckpointIO()
+    plugin.save_checkpoint(
+        {"state_dict": {"w": torch.ones(2)}, "hyper_parameters": {"data": Path("x")}}, path
+    )
+    with pytest.raises(UnsafeCheckpointError, match=r"pathlib\.PosixPath.*safe_globals"):
+        plugin.load_checkpoint(path)
+    loaded = VerifiedCheckpointIO(safe_globals=[pathlib.PosixPath]).load_checkpoint(path)
+    assert loaded["hyper_parameters"]["data"] == Path("x")
+
+
+def test_files_from_the_stock_writer_are_refused_unless_integrity_is_waived(tmp_path):
+    path = tmp_path / "stock.ckpt"
+    TorchCheckpointIO().save_checkpoint({"global_step": 3}, path)
+    with pytest.raises(CheckpointError, match="no integrity footer"):
+        VerifiedCheckpointIO().load_checkpoint(path)
+    assert VerifiedCheckpointIO(require_integrity=False).load_checkpoint(path)["global_step"] == 3
+
+
+def test_the_full_unpickler_and_urls_are_refused(tmp_path):
+    plugin = VerifiedCheckpointIO()
+    with pytest.raises(CheckpointError, match="safe_globals"):
+        plugin.load_checkpoint(tmp_path / "x.ckpt", weights_only=False)
+    with pytest.raises(CheckpointError, match="local"):
+        plugin.save_checkpoint({}, "s3://bucket/x.ckpt")
+
+
+def test_remove_checkpoint_deletes_the_file_and_tolerates_a_missing_one(tmp_path):
+    plugin = VerifiedCheckpointIO()
+    plugin.save_checkpoint({"a": 1}, tmp_path / "a.ckpt")
+    plugin.remove_checkpoint(tmp_path / "a.ckpt")
+    plugin.remove_checkpoint(tmp_path / "a.ckpt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def lightning_like_checkpoint(layers: int = 24, width: int = 128) -> dict:
+    """About 3 MB in many tensors, shaped like a Lightning checkpoint (weights plus AdamW moments)."""
+    weights = {f"layer{i}.weight": torch.randn(width, width) for i in range(layers)}
+    moments = {
+        i: {"exp_avg": torch.randn(width, width), "exp_avg_sq": torch.rand(width, width)}
+        for i in range(layers)
+    }
+    return {
+        "global_step": 1,
+        "state_dict": weights,
+        "optimizer_states": [{"state": moments, "param_groups": []}],
+    }
+
+
+def peak_python_bytes(save) -> int:
+    tracemalloc.start()
+    try:
+        save()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_save_streams_peak_memory_stays_under_a_tenth_of_the_file_while_the_stock_writer_copies_it_all(
+    tmp_path,
+):
+    checkpoint = lightning_like_checkpoint()
+    ours, stock = tmp_path / "ours.ckpt", tmp_path / "stock.ckpt"
+    ours_peak = peak_python_bytes(lambda: VerifiedCheckpointIO().save_checkpoint(checkpoint, ours))
+    stock_peak = peak_python_bytes(lambda: TorchCheckpointIO().save_checkpoint(checkpoint, stock))
+    size = ours.stat().st_size
+    assert ours_peak < 0.10 * size
+    # The control: the same measurement does see a full in-memory copy when there is one.
+    assert stock_peak > 0.90 * stock.stat().st_size
+
+
+class RecordingIO(VerifiedCheckpointIO):
+    """Blocks each save until released, and records the order in which jobs ran."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.release, self.order, self.fail = threading.Event(), [], fail
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        self.release.wait(timeout=30)
+        if self.fail:
+            raise OSError("disk full (simulated)")
+        super().save_checkpoint(checkpoint, path)
+        self.order.append(("save", Path(path).name))
+
+    def remove_checkpoint(self, path):
+        super().remove_checkpoint(path)
+        self.order.append(("remove", Path(path).name))
+
+
+def test_the_async_plugin_removes_the_old_file_only_after_the_new_one_is_saved(tmp_path):
+    old = tmp_path / "old.ckpt"
+    VerifiedCheckpointIO().save_checkpoint({"global_step": 1}, old)
+    inner = RecordingIO()
+    plugin = OrderedAsyncCheckpointIO(inner)
+    plugin.save_checkpoint({"global_step": 2, "w": torch.ones(3)}, tmp_path / "new.ckpt")
+    plugin.remove_checkpoint(old)
+    assert old.exists()  # the save ahead of it has not run yet, so neither has the removal
+    inner.release.set()
+    plugin.wait()
+    plugin.teardown()
+    assert inner.order == [("save", "new.ckpt"), ("remove", "old.ckpt")]
+    assert not old.exists()
+    assert VerifiedCheckpointIO().load_checkpoint(tmp_path / "new.ckpt")["global_step"] == 2
+
+
+def test_the_async_plugin_keeps_the_old_file_when_the_new_save_fails_and_reports_the_error(tmp_path):
+    old = tmp_path / "old.ckpt"
+    VerifiedCheckpointIO().save_checkpoint({"global_step": 1}, old)
+    inner = RecordingIO(fail=True)
+    plugin = OrderedAsyncCheckpointIO(inner)
+    plugin.save_checkpoint({"global_step": 2}, tmp_path / "new.ckpt")
+    plugin.remove_checkpoint(old)
+    inner.release.set()
+    with pytest.raises(OSError, match="disk full"):
+        plugin.wait()
+    assert old.exists() and not (tmp_path / "new.ckpt").exists()
+
+
+def test_an_async_lightning_run_writes_verified_checkpoints(tmp_path):
+    result = train(tmp_path / "ck", plugin="async", max_steps=4)
+    assert result["global_step"] == 4
+    loaded = VerifiedCheckpointIO().load_checkpoint(tmp_path / "ck" / "last.ckpt")
+    assert loaded["global_step"] == 4
