@@ -24,6 +24,7 @@ import torch
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files import integrity
 from ckpt_lesson.files.checkpoint import TrainState, build_payload, read_checkpoint
+from ckpt_lesson.files.payload import optimizer_state_with_bindings
 from ckpt_lesson.files.rng import capture_rng_state, restore_rng_state
 from ckpt_lesson.runs.async_save import AsyncCheckpointer, TrainingSnapshot
 from ckpt_lesson.runs.manager import CheckpointManager
@@ -147,7 +148,7 @@ def test_training_after_save_async_does_not_leak_into_the_save(tmp_path, tiny_ru
     ckpt.save_async(run.model, run.optimizer, run.scheduler, run.state)
     expected = {
         "model": copy.deepcopy(run.model.state_dict()),
-        "optimizer": copy.deepcopy(run.optimizer.state_dict()),
+        "optimizer": copy.deepcopy(optimizer_state_with_bindings(run.model, run.optimizer)),
         "scheduler": copy.deepcopy(run.scheduler.state_dict()),
         "state": run.state.to_dict(),
         "rng": capture_rng_state(),

@@ -35,6 +35,13 @@ from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, StateMis
 from ckpt_lesson.files.atomic import atomic_save
 from ckpt_lesson.files.integrity import FileDigest
 from ckpt_lesson.files.loading import load_verified_file
+from ckpt_lesson.files.payload import (
+    check_model_state,
+    check_optimizer_fit,
+    optimizer_state_with_bindings,
+    strip_bindings,
+    validate_payload,
+)
 from ckpt_lesson.files.rng import capture_rng_state, restore_rng_state, validate_rng_state
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, SCHEMA_V1, current_env, migrate_payload
 
@@ -130,12 +137,18 @@ def build_payload(
     """
     if not isinstance(state, TrainState):
         raise CheckpointError(f"state must be a TrainState, got {type(state).__name__}.")
+    # The state must survive its own parser: a step of -1, 5.0, True, np.int64(5) or a tensor would
+    # be written fine and refused by every load, so it is refused here, before anything is written.
+    try:
+        TrainState.from_dict(state.to_dict(), source="state to save")
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{exc} Nothing was written.") from None
     if rng is not None:
         validate_rng_state(rng)  # a bad state must fail this save, not the resume months later
-    return {
+    payload = {
         "schema": CURRENT_SCHEMA,
         "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer_state_with_bindings(model, optimizer),
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         "state": state.to_dict(),
         "rng": capture_rng_state() if rng is None else rng,
@@ -144,6 +157,8 @@ def build_payload(
         "env": current_env(),
         "data": {"recorded": data is not None, **(data or {"fingerprint": None, "order_seed": None})},
     }
+    validate_payload(payload)  # every value one a weights-only load accepts, no meta tensors
+    return payload
 
 
 def save_checkpoint(
@@ -256,6 +271,7 @@ def apply_payload(
     *,
     source: str = "<payload>",
     allow_device_change: bool = False,
+    allow_dtype_cast: bool = False,
     handles: Collection[str] = (),
 ) -> TrainState:
     """Check that ``payload`` fits the live objects, then restore all five buckets.
@@ -271,6 +287,8 @@ def apply_payload(
             ``None`` when the saved run had none).
         source: Names the checkpoint in error messages.
         allow_device_change: See :func:`ckpt_lesson.files.rng.restore_rng_state`.
+        allow_dtype_cast: Accept model tensors saved in another dtype (cast on load);
+            refused by default, see :func:`~ckpt_lesson.files.payload.check_model_state`.
         handles: Names in ``extras["requires"]`` that the caller restores
             itself (e.g. ``"accumulation"`` for gradients saved mid-step).
             Any other required name is refused: a plain load would drop it.
@@ -293,7 +311,7 @@ def apply_payload(
         raise StateMismatchError(f"{source}: payload lacks {missing}; a resume needs every bucket.")
     _check_requirements(payload.get("extras"), handles, source=source)
     state = TrainState.from_dict(payload["state"], source=source)
-    check_model_state(payload["model"], model, source=source)
+    check_model_state(payload["model"], model, source=source, allow_dtype_cast=allow_dtype_cast)
     opt_sd = payload["optimizer"]
     if (
         not isinstance(opt_sd, dict)
@@ -312,6 +330,8 @@ def apply_payload(
             f"{source}: optimizer has parameter groups of sizes {saved_sizes}, the live one "
             f"{live_sizes}; build the optimizer the same way as the saved run."
         )
+    check_optimizer_fit(opt_sd, optimizer, model, source=source)
+    opt_sd = strip_bindings(opt_sd)
     if (payload["scheduler"] is None) != (scheduler is None):
         have = "no scheduler" if scheduler is None else "a scheduler"
         saved = "none" if payload["scheduler"] is None else "one"
@@ -372,28 +392,6 @@ def _check_requirements(extras: Any, handles: Collection[str], *, source: str) -
         )
 
 
-def check_model_state(saved: Any, model: torch.nn.Module, *, source: str = "<payload>") -> None:
-    """Raise :class:`StateMismatchError` unless ``saved`` has exactly the model's keys and shapes."""
-    if not isinstance(saved, dict):
-        raise StateMismatchError(f"{source}: 'model' must be a state_dict, got {type(saved).__name__}.")
-    live = model.state_dict()
-    missing = sorted(set(live) - set(saved))
-    unexpected = sorted(set(saved) - set(live))
-    if missing or unexpected:
-        raise StateMismatchError(
-            f"{source}: model keys differ: missing {missing[:5]}, unexpected {unexpected[:5]}; "
-            "build the same architecture as the saved run."
-        )
-    for key, tensor in live.items():
-        got = saved[key]
-        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(tensor.shape):
-            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-            raise StateMismatchError(
-                f"{source}: model key {key!r} has shape {shape} in the checkpoint but "
-                f"{tuple(tensor.shape)} in the model; build the same architecture as the saved run."
-            )
-
-
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: torch.nn.Module,
@@ -402,6 +400,7 @@ def load_checkpoint(
     *,
     map_location: str | torch.device = "cpu",
     expected_sha256: str | None = None,
+    allow_dtype_cast: bool = False,
 ) -> TrainState:
     """Load a checkpoint written by :func:`save_checkpoint` and restore everything.
 
@@ -411,6 +410,7 @@ def load_checkpoint(
             state is replaced.
         map_location: Passed to ``torch.load``.
         expected_sha256: Optional whole-file sha256 to check against.
+        allow_dtype_cast: Accept weights saved in another dtype (see :func:`apply_payload`).
 
     Returns:
         The saved :class:`TrainState`; training continues at ``state.step + 1``.
@@ -422,4 +422,6 @@ def load_checkpoint(
         >>> state = load_checkpoint("ckpt/last.pt", model, opt, sched)  # doctest: +SKIP
     """
     payload = read_checkpoint(path, map_location=map_location, expected_sha256=expected_sha256)
-    return apply_payload(payload, model, optimizer, scheduler, source=str(path))
+    return apply_payload(
+        payload, model, optimizer, scheduler, source=str(path), allow_dtype_cast=allow_dtype_cast
+    )

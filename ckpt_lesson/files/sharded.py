@@ -44,6 +44,7 @@ from ckpt_lesson.errors import CheckpointError, StateMismatchError
 from ckpt_lesson.files.atomic import atomic_save, atomic_write_json, make_dirs
 from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, apply_payload, build_payload, load_verified_file
 from ckpt_lesson.files.integrity import FileDigest
+from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.schema import migrate_payload
 
 # The read side (index validation, path safety, hashing against the index) lives in
@@ -282,7 +283,7 @@ def save_sharded_checkpoint(
         ],
         "meta": {"file": META_NAME, "bytes": meta["bytes"], "sha256": meta["sha256"]},
     }
-    index_digest = atomic_write_json(index, out_dir / INDEX_NAME)  # the commit point
+    index_digest = atomic_write_json(seal_record(index), out_dir / INDEX_NAME)  # the commit point
     return ShardedSaveResult(out_dir=out_dir, files=files, meta=meta, index=index_digest)
 
 

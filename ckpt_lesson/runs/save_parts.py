@@ -21,6 +21,7 @@ from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, save_checkpoint
+from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, MANIFEST_SCHEMA, current_env
 from ckpt_lesson.files.sharded import INDEX_NAME, save_sharded_checkpoint
 from ckpt_lesson.runs.manager_config import ManagerConfig
@@ -103,7 +104,8 @@ def build_manifest(config: ManagerConfig, state: TrainState, parts: list[dict[st
     }
     if config.num_shards is not None:
         manifest["num_shards"] = config.num_shards
-    return manifest
+    # Sealed last: the record's own checksum, so a flipped bit in it reads as damage, not as a contract.
+    return seal_record(manifest)
 
 
 def verify_staged(staging: Path, parts: list[dict[str, Any]]) -> None:
