@@ -339,7 +339,8 @@ class CheckpointManager:
         """
         self.check_open()
         self._contract = None
-        self.last_restore, found = restore_newest(
+        self.last_restore = {}
+        found = restore_newest(
             self.run_dir,
             self._published(),
             model,
@@ -347,6 +348,7 @@ class CheckpointManager:
             scheduler,
             map_location=map_location,
             check_contract=self._check_contract,
+            record=self.last_restore,
         )
         self._verified.difference_update(s["step"] for s in self.last_restore["skipped"])
         if found is None:

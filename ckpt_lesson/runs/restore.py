@@ -265,34 +265,31 @@ def restore_newest(
     *,
     map_location: Any,
     check_contract: ContractCheck,
-) -> tuple[dict[str, Any], tuple[int, TrainState] | None]:
-    """:func:`load_newest_good` plus the record of what happened (the manager's ``last_restore``).
+    record: dict[str, Any],
+) -> tuple[int, TrainState] | None:
+    """:func:`load_newest_good`, filling ``record`` (the manager's ``last_restore``) as it goes.
+
+    Args:
+        record: Filled with ``step``, ``save_id``, ``path``, ``skipped`` and
+            ``manifest`` at once (so a failed restore still reports what it
+            skipped), and ``layout`` and ``seconds`` after a restore.
 
     Returns:
-        ``(record, found)``: ``record`` has ``step``, ``save_id``, ``path``,
-        ``skipped``, ``manifest`` (and ``layout``, ``seconds`` after a
-        restore); ``found`` is ``(step, state)``, or ``None`` when ``steps`` is
-        empty (a fresh start).
+        ``(step, state)``, or ``None`` when ``steps`` is empty (a fresh start).
 
     Raises:
         CheckpointError: As :func:`load_newest_good`.
 
     Example:
-        >>> record, found = restore_newest(run_dir, [40, 80], model, opt, sched,  # doctest: +SKIP
-        ...                                map_location="cpu", check_contract=lambda t, m: None)
+        >>> found = restore_newest(run_dir, [40, 80], model, opt, sched, map_location="cpu",  # doctest: +SKIP
+        ...                        check_contract=lambda t, m: None, record={})
     """
     started = time.perf_counter()
     skipped: list[dict[str, Any]] = []
-    record: dict[str, Any] = {
-        "step": None,
-        "save_id": None,
-        "path": None,
-        "skipped": skipped,
-        "manifest": None,
-    }
+    record.update(step=None, save_id=None, path=None, skipped=skipped, manifest=None)
     if not steps:
         log.info("%s: no saves; starting fresh", run_dir)
-        return record, None
+        return None
     step, target, manifest, state = load_newest_good(
         run_dir, steps, model, optimizer, scheduler,
         map_location=map_location, check_contract=check_contract, skipped=skipped,
@@ -305,4 +302,4 @@ def restore_newest(
         manifest=manifest,
         seconds=time.perf_counter() - started,
     )
-    return record, (step, state)
+    return step, state
