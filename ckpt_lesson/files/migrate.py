@@ -297,6 +297,9 @@ def _make_backup(path: Path, backup: Path) -> None:
     except OSError:
         try:
             with open(path, "rb") as src, open(backup, "xb") as dst:
+                os.fchmod(
+                    dst.fileno(), stat.S_IMODE(os.fstat(src.fileno()).st_mode)
+                )  # a private file stays private
                 shutil.copyfileobj(src, dst, length=1 << 20)
                 dst.flush()
                 os.fsync(dst.fileno())

@@ -59,8 +59,10 @@ __all__ = [
 LAYOUTS = ("single", "sharded")
 #: Prefix of a save in progress: ``.staging-step-00000280-<pid>-<hex8>``.
 STAGING_PREFIX = ".staging-step-"
-_STEP_RE = re.compile(r"^step-(\d{8,})$")
-_STAGING_RE = re.compile(r"^\.staging-step-(\d{8,})-")
+# [0-9], not \d: \d also matches other scripts' digits ("step-٣٣٣٣٣٣٣٣"), which int() accepts but
+# step_dir_name() never writes, so scan would list a save that restore can never find.
+_STEP_RE = re.compile(r"^step-([0-9]{8,})$")
+_STAGING_RE = re.compile(r"^\.staging-step-([0-9]{8,})-")
 _HEX = set(string.hexdigits.lower())
 #: Every top-level key a manifest had before manifests carried their own checksum.
 LEGACY_MANIFEST_KEYS = frozenset(
