@@ -486,3 +486,92 @@ def test_the_unsafe_pickle_message_names_the_blocked_global(tmp_path):
         load_checkpoint(
             path, torch.nn.Linear(1, 1), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]), None
         )
+
+
+# ---------------------------------------------------------------- 7. files keep their owner and mode
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o640, 0o604])
+def test_overwriting_a_checkpoint_keeps_its_mode(tmp_path, tiny_run, mode):
+    run = tiny_run(0)
+    path = tmp_path / "last.pt"
+    run.save(path)
+    os.chmod(path, mode)
+    run.train(1)
+    run.save(path)
+    assert (path.stat().st_mode & 0o777) == mode
+
+
+def test_migrate_keeps_a_private_files_mode_on_the_file_and_its_backup(tmp_path, tiny_run):
+    from ckpt_lesson.files.migrate import write_legacy_v1_checkpoint
+
+    run = tiny_run(0)
+    path = tmp_path / "old.pt"
+    write_legacy_v1_checkpoint(run.model, run.optimizer, run.scheduler, run.state, path)
+    os.chmod(path, 0o600)
+    result = migrate_file(path)
+    assert (path.stat().st_mode & 0o777) == 0o600
+    assert (Path(result.backup).stat().st_mode & 0o777) == 0o600
+
+
+def test_a_new_file_follows_the_umask(tmp_path, tiny_run):
+    old = os.umask(0o077)
+    try:
+        tiny_run(0).save(tmp_path / "new.pt")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "new.pt").stat().st_mode & 0o777 == 0o600
+
+
+# ---------------------------------------------------------------- 9. smaller ones
+
+
+@pytest.mark.parametrize("name", ["step-٣٣٣٣٣٣٣٣", "step-１２３４５６７８", "step-۱۲۳۴۵۶۷۸"])
+def test_step_folders_with_non_ascii_digits_are_not_saves(tmp_path, name):
+    from ckpt_lesson.runs.scan import step_of
+
+    (tmp_path / name).mkdir()
+    assert step_of(name) is None
+    assert scan_checkpoints(tmp_path) == []
+
+
+@pytest.mark.parametrize("jump", [-3600.0, -60.0, -1e6])
+def test_a_clock_stepped_back_delays_a_timed_save_by_at_most_one_interval(jump):
+    from ckpt_lesson.runs.cadence import SaveCadence
+
+    now = [1000.0]
+    cadence = SaveCadence(every_seconds=60, clock=lambda: now[0])
+    now[0] += 30
+    assert not cadence.should_save(1)
+    now[0] += jump  # the wall clock is corrected backwards
+    assert not cadence.should_save(2)
+    now[0] += 61
+    assert cadence.should_save(3)
+
+
+def test_warm_start_refuses_a_v2_file_whose_footer_was_stripped_like_read_checkpoint(tmp_path, tiny_run):
+    from ckpt_lesson.runs.warm_start import warm_start_from
+
+    run = tiny_run(0)
+    path = tmp_path / "x.pt"
+    run.save(path)
+    payload = torch.load(path, weights_only=True)
+    buf = io.BytesIO()
+    torch.save(payload, buf)  # the same v2 payload, written by plain torch.save: no footer
+    path.write_bytes(buf.getvalue())
+    with pytest.raises(CorruptCheckpointError, match="footer"):
+        load_checkpoint(path, run.model, run.optimizer, run.scheduler)
+    with pytest.raises(CorruptCheckpointError, match="footer"):
+        warm_start_from(path, run.model)
+
+
+@pytest.mark.parametrize("error", [28, 30, 5], ids=["ENOSPC", "EROFS", "EIO"])
+def test_the_heartbeat_never_stops_training_and_leaves_no_temp_file(tmp_path, monkeypatch, error):
+    from ckpt_lesson.runs import report
+
+    def failing_replace(src, dst):
+        raise OSError(error, os.strerror(error))
+
+    monkeypatch.setattr(report.os, "replace", failing_replace)
+    assert report.record_progress(tmp_path, 3) is False
+    assert list(tmp_path.iterdir()) == []

@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.atomic import atomic_write_json, fsync_dir
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale, open_staging, publish
@@ -50,7 +49,7 @@ from ckpt_lesson.runs.manager_config import EventHook, ManagerConfig
 from ckpt_lesson.runs.restore import check_resume_contract, restore_newest
 from ckpt_lesson.runs.retain import apply_retention
 from ckpt_lesson.runs.retention import RetentionPolicy
-from ckpt_lesson.runs.save_parts import build_manifest, refuse_if_already_saved, verify_staged, write_parts
+from ckpt_lesson.runs.save_parts import refuse_if_already_saved, stage_save
 from ckpt_lesson.runs.scan import (
     MANIFEST_NAME,
     ScanResult,
@@ -258,7 +257,8 @@ class CheckpointManager:
         # (garbage, never a save) and releases the lock, so the error surfaces with nothing half-made.
         with open_staging(self.run_dir, step) as staging:
             self._emit("save_begin", step=step, staging=staging.name)
-            parts = write_parts(
+            # Parts, then the sealed manifest (fsynced), then the optional re-read: see save_parts.
+            manifest = stage_save(
                 staging,
                 self.config,
                 model,
@@ -269,14 +269,6 @@ class CheckpointManager:
                 rng=rng,
                 emit=self._emit,
             )
-            self._emit("parts_complete", step=step, files=[p["file"] for p in parts])
-            manifest = build_manifest(self.config, state, parts)
-            atomic_write_json(manifest, staging / MANIFEST_NAME)
-            fsync_dir(staging)
-            self._emit("manifest_written", step=step, save_id=manifest["save_id"])
-            if self.config.verify_on_save:
-                verify_staged(staging, parts)
-                self._emit("verified", step=step, save_id=manifest["save_id"])
             final = publish(
                 staging,
                 self.step_dir(step),
@@ -305,16 +297,7 @@ class CheckpointManager:
         return apply_retention(self.run_dir, self.config.policy, self._verified, emit=self._emit, fresh=fresh)
 
     def clean_stale(self) -> list[str]:
-        """Remove staging folders of dead writers and leftover ``.deleting-`` folders.
-
-        A staging folder is stale only if its ``.lock`` can be locked (its
-        writer is dead: the kernel drops a dead process's flock), or it has no
-        ``.lock`` and is older than :data:`~ckpt_lesson.runs.commit.STALE_UNLOCKED_SECONDS`.
-        A folder a live writer holds is never touched.
-
-        Returns:
-            Names of the folders removed.
-        """
+        """Remove staging folders of dead writers and ``.deleting-`` leftovers; see ``commit.clean_stale``."""
         return clean_stale(self.run_dir)
 
     # ------------------------------------------------------------------ restore

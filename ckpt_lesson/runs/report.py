@@ -201,6 +201,7 @@ def read_recovery_log(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
         return []
     raw = read_regular_file(path, what="recovery log")  # regular, size-capped: see files/safe_read.py
     lines = raw.split(b"\n")
+    torn_tail = not raw.endswith(b"\n")  # a crash mid-append leaves a last line without its newline
     if lines and not lines[-1].strip():
         lines.pop()
     records, bad = [], 0
@@ -208,7 +209,7 @@ def read_recovery_log(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
         try:
             rec = parse_json_text(line, where=f"{path.name} line {i + 1}")
         except CheckpointError:
-            if i < len(lines) - 1:  # only the last line may be torn by a crash mid-append
+            if i < len(lines) - 1 or not torn_tail:  # only an unterminated last line may be torn
                 bad += 1
             continue
         if _is_record(rec):
