@@ -66,7 +66,7 @@ def _plan_run(
             # deletes only once it knows keep_last + 1 of them.
             need = k + 1 - (1 if restored else 0)
             candidates = saves[need - 1 :]
-        elif point == "bitrot":
+        elif point in ("bitrot", "manifest_rot"):
             candidates = [s for s in saves if s >= 2 * e]  # an older save must exist to fall back to
         else:
             candidates = saves
