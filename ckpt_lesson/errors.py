@@ -16,6 +16,7 @@ __all__ = [
     "ContractMismatchError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
+    "LoadEnvironmentError",
     "SchemaError",
     "StateMismatchError",
     "UnsafeCheckpointError",
@@ -32,6 +33,10 @@ class CorruptCheckpointError(CheckpointError):
 
 class IncompleteCheckpointError(CheckpointError):
     """A save never finished: a part, the index or the manifest is missing."""
+
+
+class LoadEnvironmentError(CheckpointError):
+    """The bytes verified, but this machine cannot load them (device, memory, version): not damage."""
 
 
 class UnsafeCheckpointError(CheckpointError):

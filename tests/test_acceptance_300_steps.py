@@ -40,6 +40,7 @@ from ckpt_lesson.course.training import (
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.atomic import atomic_save, atomic_write_json
 from ckpt_lesson.files.checkpoint import TrainState, build_payload
+from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.runs.manager import CheckpointManager
 from ckpt_lesson.runs.report import RecoveryRecorder, read_recovery_log
 from ckpt_lesson.runs.scan import read_manifest
@@ -191,6 +192,7 @@ def publish_280_without_optimizer(run_dir, payload, *, covers_optimizer=True):
     )
     if not covers_optimizer:
         manifest["covers"] = [b for b in manifest["covers"] if b != "optimizer"]
+    manifest = seal_record(manifest)  # a verified record: its refusal is the contract's, not damage
     atomic_write_json(manifest, step_dir / "manifest.json")
     return step_dir, manifest
 

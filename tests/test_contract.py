@@ -11,6 +11,7 @@ import torch
 
 from ckpt_lesson.course.training import SyntheticRegression, make_model
 from ckpt_lesson.errors import CheckpointError, ContractMismatchError, StateMismatchError
+from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.schema import current_env
 from ckpt_lesson.runs.contract import (
     check_contract,
@@ -223,7 +224,9 @@ def edit_manifest(step_dir, **changes):
     path = step_dir / "manifest.json"
     manifest = json.loads(path.read_text())
     manifest.update(changes)
-    path.write_text(json.dumps(manifest))
+    # Re-sealed: these tests are about a *verified* manifest that disagrees (a contract refusal);
+    # an unsealed edit would read as damage instead (tests/test_hostile_inputs.py covers that).
+    path.write_text(json.dumps(seal_record(manifest)))
 
 
 def test_manager_restore_checks_the_contract_and_records_the_report(tmp_path, caplog):

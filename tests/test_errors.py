@@ -20,6 +20,6 @@ def test_every_specific_error_is_caught_by_except_checkpoint_error(cls):
         raise cls("ckpt.pt: names the file")
 
 
-def test_the_module_exports_six_distinct_subclasses():
-    assert len(set(SUBCLASSES)) == 6
+def test_the_module_exports_seven_distinct_subclasses():
+    assert len(set(SUBCLASSES)) == 7
     assert all(cls is not CheckpointError and issubclass(cls, CheckpointError) for cls in SUBCLASSES)

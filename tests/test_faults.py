@@ -44,6 +44,8 @@ def test_lost_saves_leave_incomplete_staging_and_bitrot_is_skipped(named_campaig
         assert by_point[point].incomplete_found >= 1, point  # the torn save was there, unpublished
     assert by_point["bitrot"].skipped == 1  # the flipped byte was caught by its hash
     assert by_point["bitrot"].chosen == by_point["bitrot"].plan.step - 5
+    assert by_point["manifest_rot"].skipped == 1  # the manifest's own checksum caught it: damage
+    assert by_point["manifest_rot"].chosen == by_point["manifest_rot"].plan.step - 5
 
 
 def test_recovery_records_count_redone_steps(named_campaign):

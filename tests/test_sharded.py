@@ -34,6 +34,7 @@ from ckpt_lesson.errors import (
 )
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.integrity import DEFAULT_ALGO, digest_bytes
+from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.sharded import (
     load_sharded_checkpoint,
     plan_shards,
@@ -74,7 +75,8 @@ def edit_index(ckpt_dir: Path, change) -> None:
     path = ckpt_dir / "index.json"
     index = json.loads(path.read_text())
     change(index)
-    path.write_text(json.dumps(index))
+    # Re-sealed like an attacker would: the index's own checksum is public, so the checks behind it must hold.
+    path.write_text(json.dumps(seal_record(index)))
 
 
 def assert_refused(ckpt_dir: Path, error: type[CheckpointError], model=None) -> CheckpointError:

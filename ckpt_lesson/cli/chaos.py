@@ -66,7 +66,7 @@ def _plan_run(
             # deletes only once it knows keep_last + 1 of them.
             need = k + 1 - (1 if restored else 0)
             candidates = saves[need - 1 :]
-        elif point == "bitrot":
+        elif point in ("bitrot", "manifest_rot"):
             candidates = [s for s in saves if s >= 2 * e]  # an older save must exist to fall back to
         else:
             candidates = saves
@@ -225,6 +225,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.kills < 1:
         raise CheckpointError(f"--kills must be >= 1, got {args.kills}.")
+    if args.workdir is not None and Path(args.workdir).exists() and not Path(args.workdir).is_dir():
+        raise CheckpointError(f"--workdir {args.workdir}: is a file, not a folder; pick another --workdir.")
     started = time.perf_counter()
     result = run_campaign(
         args.kills, seed=args.seed, workdir=args.workdir, named_points=not args.random_only, keep=args.keep

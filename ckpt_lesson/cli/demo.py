@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ckpt_lesson.course.demo import DEFAULT_OUT, _validate, demo_failures, run_full_demo
 from ckpt_lesson.course.demo_artifacts import write_demo_artifacts
+from ckpt_lesson.errors import CheckpointError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +33,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the demo, print a table, write the artifacts; 1 if a resume diverged, else 0."""
     _validate(args.total_steps, args.interrupt_at, args.num_shards)
+    # Checked before 30 s of training, not after: every output folder must be usable as one.
+    for flag, folder in (("--out", args.out), ("--ckpt-dir", args.ckpt_dir)):
+        for p in () if folder is None else (Path(folder), *Path(folder).parents):
+            if p.exists() and not p.is_dir():
+                raise CheckpointError(f"{flag} {folder}: {p} is a file, not a folder; pick another {flag}.")
     kwargs = {
         "total_steps": args.total_steps,
         "interrupt_at": args.interrupt_at,

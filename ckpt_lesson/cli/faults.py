@@ -31,7 +31,9 @@ bytes of a part), ``after_shards`` (after k of the shard files),
 ``parts_complete``, ``manifest_written`` (the save is lost: the previous one
 must be chosen); ``between_saves`` (killed after a step with no save);
 ``bitrot`` (killed after a save, then one byte of that save is flipped on disk,
-so the restorer must detect it and fall back). Which kills to make, many runs
+so the restorer must detect it and fall back); ``manifest_rot`` (the same, but
+the flipped byte is in the save's ``manifest.json``: the commit record's own
+checksum must call it damage, not a contract refusal). Which kills to make, many runs
 of them drawn from a seed, and the table that sums them up are
 :mod:`ckpt_lesson.cli.chaos`.
 """
@@ -73,6 +75,7 @@ POINTS: dict[str, bool] = {
     "manifest_written": False,
     "between_saves": True,
     "bitrot": False,
+    "manifest_rot": False,
 }
 _SHARDED_ONLY = {"after_shards"}
 
@@ -214,7 +217,7 @@ def _arm(plan: KillPlan | None) -> Any:
             _suicide()
         if name == plan.point and info["step"] == plan.step:
             _suicide()
-        if name == "save_end" and info["step"] == plan.step and plan.point == "bitrot":
+        if name == "save_end" and info["step"] == plan.step and plan.point in ("bitrot", "manifest_rot"):
             _suicide()
 
     return hook
@@ -273,6 +276,15 @@ def _flip_byte_of_newest(run_dir: Path, step: int) -> None:
     raw = bytearray(victim.read_bytes())
     raw[len(raw) // 2] ^= 0x01
     victim.write_bytes(bytes(raw))
+
+
+def _flip_byte_of_manifest(run_dir: Path, step: int) -> None:
+    # '"rng"' -> '"rnf"' when present: the flip that once turned a damaged record into a refusal.
+    path = run_dir / f"step-{step:08d}" / "manifest.json"
+    raw = bytearray(path.read_bytes())
+    at = raw.find(b'"rng"')
+    raw[at + 3 if at >= 0 else len(raw) // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
 
 
 @dataclass
@@ -363,5 +375,7 @@ def run_kill_sequence(
             return outcomes, diffs, finished_equal
         if plan.point == "bitrot":
             _flip_byte_of_newest(run_dir, plan.step)
+        elif plan.point == "manifest_rot":
+            _flip_byte_of_manifest(run_dir, plan.step)
         pending = outcome
     return outcomes, diffs, finished_equal

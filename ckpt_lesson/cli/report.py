@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 
@@ -19,7 +20,12 @@ def run(args: argparse.Namespace) -> int:
     records = read_recovery_log(args.run_dir)
     summary = summarize_recoveries(records)
     if args.json:
-        print(json.dumps(asdict(summary), indent=2, sort_keys=True))
+        # Strict JSON: NaN and Infinity are not JSON, so they become null (unknown).
+        clean = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in asdict(summary).items()
+        }
+        print(json.dumps(clean, indent=2, sort_keys=True, allow_nan=False))
     elif not records:
         print(f"{Path(args.run_dir).name}: no restores recorded ({RECOVERY_LOG} is absent or empty)")
     else:

@@ -9,6 +9,7 @@ import argparse
 import json
 from dataclasses import asdict
 
+from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.runs.scan import ScanResult, scan_checkpoints
 
 # ---------------------------------------------------------------- CLI: python -m ckpt_lesson scan
@@ -18,12 +19,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``python -m ckpt_lesson scan``."""
     parser.add_argument("run_dir", metavar="DIR", help="run directory holding step-XXXXXXXX save folders")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-    parser.epilog = "Exit status: 0 all saves ok, 1 something corrupt or incomplete, 2 bad DIR."
+    parser.epilog = "Exit status: 0 all saves ok, 1 something corrupt or incomplete, 2 bad DIR or no saves."
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the scan; exit 0 when every save is ok, 1 otherwise."""
     results = scan_checkpoints(args.run_dir)
+    if not results:
+        # "0 saves, exit 0" would read as "all good" for a typo'd path or the parent of run folders.
+        raise CheckpointError(
+            f"{args.run_dir}: no saves found; expected a run directory holding step-XXXXXXXX folders "
+            "(written by CheckpointManager). Pass the run directory itself, not its parent or a step folder."
+        )
     if args.json:
         rows = [{**asdict(r), "path": str(r.path), "name": r.path.name} for r in results]
         print(json.dumps(rows, indent=2))

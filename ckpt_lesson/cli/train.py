@@ -7,10 +7,13 @@ this module only turns flags into its arguments and prints a summary.
 from __future__ import annotations
 
 import argparse
+import math
+from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.course.managed import DEFAULT_EVERY_STEPS, RESUME_MODES, run_managed_training
 from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.runs.contract import ENV_POLICIES
 from ckpt_lesson.runs.preemption import PreemptionHandler
 
 # ---------------------------------------------------------------- CLI: python -m ckpt_lesson train
@@ -49,15 +52,63 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="stop after this step without a final save (simulates a crash)",
     )
     parser.add_argument("--no-progress", action="store_true", help="never show the progress bar")
+    parser.add_argument(
+        "--env-policy",
+        choices=ENV_POLICIES,
+        default="refuse",
+        help="a resume on a changed environment (torch/Python version, devices): refuse (default), "
+        "warn and continue, or allow silently",
+    )
+
+
+#: Samples in the teaching data set (SyntheticRegression's default size).
+DATA_SIZE = 256
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse bad flags before anything is built or written, naming the flag.
+
+    Raises:
+        CheckpointError: The first bad flag.
+    """
+    _at_least(args.total_steps, 1, "--total-steps")
+    _at_least(args.keep_last, 1, "--keep-last")
+    _at_least(args.num_shards, 0, "--num-shards", " (0 = single file)")
+    if args.ckpt_every_steps is not None:
+        _at_least(args.ckpt_every_steps, 1, "--ckpt-every-steps")
+    if args.ckpt_every_seconds is not None and not (0 < args.ckpt_every_seconds < math.inf):
+        raise CheckpointError(
+            f"--ckpt-every-seconds must be a finite number > 0, got {args.ckpt_every_seconds}."
+        )
+    if not 1 <= args.batch_size <= DATA_SIZE:
+        raise CheckpointError(
+            f"--batch-size must be between 1 and {DATA_SIZE} (the data set's size), got {args.batch_size}."
+        )
+    if not 0 <= args.seed < 2**32:
+        raise CheckpointError(f"--seed must be between 0 and 2**32 - 1, got {args.seed}.")
+    if args.stop_after_step is not None:
+        _at_least(args.stop_after_step, 1, "--stop-after-step")
+    ckpt_dir = Path(args.ckpt_dir)
+    for p in (ckpt_dir, *ckpt_dir.parents):
+        if p.exists() and not p.is_dir():
+            raise CheckpointError(
+                f"--ckpt-dir {ckpt_dir}: {p} is a file, not a folder; pick another --ckpt-dir."
+            )
+    if ckpt_dir.resolve().parts[1:2] in (("proc",), ("sys",), ("dev",)):
+        raise CheckpointError(f"--ckpt-dir {ckpt_dir}: is on a pseudo file system; pick a folder on a disk.")
+
+
+def _at_least(value: int, low: int, flag: str, note: str = "") -> None:
+    if value < low:
+        raise CheckpointError(f"{flag} must be >= {low}{note}, got {value}.")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the managed training and print a one-line summary."""
+    check_arguments(args)
     every_steps = args.ckpt_every_steps
     if every_steps is None and args.ckpt_every_seconds is None:
         every_steps = DEFAULT_EVERY_STEPS
-    if args.num_shards < 0:
-        raise CheckpointError(f"--num-shards must be >= 0 (0 = single file), got {args.num_shards}.")
     with PreemptionHandler() as preemption:  # SIGTERM/SIGINT: finish the step, save, exit 75
         out = _run_cli_training(args, every_steps, preemption)
     start = "scratch" if out["resumed_from"] is None else f"step {out['resumed_from']}"
@@ -86,4 +137,5 @@ def _run_cli_training(
         progress=not args.no_progress,
         stop_after_step=args.stop_after_step,
         preemption=preemption,
+        env_policy=args.env_policy,
     )

@@ -20,8 +20,11 @@ included) removes it.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
+import stat
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -125,14 +128,55 @@ def atomic_save(
 
     def write(f: BinaryIO) -> FileDigest:
         writer = FooterWriter(f, algo)
-        if zip_crc32:
-            torch.save(payload, writer)
-        else:
-            with zip_crc32_off():
+        try:
+            if zip_crc32:
                 torch.save(payload, writer)
+            else:
+                with zip_crc32_off():
+                    torch.save(payload, writer)
+        except RuntimeError as exc:
+            # torch's zip writer reports a failed write (a full disk) as "unexpected pos"; say what it is.
+            if "unexpected pos" not in str(exc) and "write" not in str(exc).lower():
+                raise
+            raise _no_space(Path(path), _payload_bytes(payload)) from exc
         return writer.finish()
 
-    return _atomic_write(Path(path), write)
+    try:
+        return _atomic_write(Path(path), write)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        raise _no_space(Path(path), _payload_bytes(payload)) from exc
+
+
+def _payload_bytes(payload: Any) -> int:
+    """Bytes of tensor data in ``payload``: about what a save needs on disk."""
+    if isinstance(payload, torch.Tensor):
+        return payload.untyped_storage().nbytes() if payload.device.type != "meta" else 0
+    if isinstance(payload, dict):
+        return sum(_payload_bytes(v) for v in payload.values())
+    if isinstance(payload, (list, tuple)):
+        return sum(_payload_bytes(v) for v in payload)
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def _no_space(path: Path, needed: int) -> CheckpointError:
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        free = -1
+    have = f"{_size(free)} free" if free >= 0 else "free space unknown"
+    return CheckpointError(
+        f"{path}: no space left on device while saving (about {_size(needed)} needed, {have}); "
+        "nothing was replaced. Free space, lower keep_last, or save to another disk."
+    )
 
 
 def atomic_write_bytes(data: bytes, path: str | os.PathLike[str], *, algo: str = DEFAULT_ALGO) -> FileDigest:
@@ -161,6 +205,21 @@ def atomic_write_json(obj: Any, path: str | os.PathLike[str], *, algo: str = DEF
     return atomic_write_bytes(text.encode("utf-8"), path, algo=algo)
 
 
+def _keep_mode_and_owner(path: Path, fd: int) -> None:
+    """Give the temp file the mode (and, as root, the owner) of the file it will replace.
+
+    Replacing a private ``0600`` checkpoint must not make it world-readable: the
+    rename swaps in a new inode, which would otherwise carry the default mode.
+    """
+    try:
+        old = os.stat(path)
+    except FileNotFoundError:
+        return
+    os.fchmod(fd, stat.S_IMODE(old.st_mode))
+    if os.geteuid() == 0 and hasattr(os, "fchown"):
+        os.fchown(fd, old.st_uid, old.st_gid)
+
+
 def _atomic_write(path: Path, write: Callable[[BinaryIO], FileDigest]) -> FileDigest:
     directory = path.parent
     if path.is_dir():
@@ -168,8 +227,10 @@ def _atomic_write(path: Path, write: Callable[[BinaryIO], FileDigest]) -> FileDi
         raise CheckpointError(f"{path}: is a directory; choose a file name inside it instead.")
     make_dirs(directory)
     tmp = directory / f".{path.name}{TEMP_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    # 0o666 minus the umask: a new file gets the mode any new file would get here.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
+        _keep_mode_and_owner(path, fd)
         with os.fdopen(fd, "wb") as f:
             digest = write(f)
             f.flush()

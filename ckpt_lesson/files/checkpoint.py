@@ -24,20 +24,25 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Collection
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
+from ckpt_lesson.errors import CheckpointError, StateMismatchError
+from ckpt_lesson.files.apply import apply_payload, require_footer
 from ckpt_lesson.files.atomic import atomic_save
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.files.integrity import FileDigest
 from ckpt_lesson.files.loading import load_verified_file
-from ckpt_lesson.files.rng import capture_rng_state, restore_rng_state, validate_rng_state
+from ckpt_lesson.files.payload import (
+    check_model_state,
+    optimizer_state_with_bindings,
+    validate_payload,
+)
+from ckpt_lesson.files.rng import capture_rng_state, validate_rng_state
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, SCHEMA_V1, current_env, migrate_payload
+from ckpt_lesson.files.train_state import BUCKETS, REQUIRES_KEY, TrainState
 
 __all__ = [
     "BUCKETS",
@@ -49,63 +54,11 @@ __all__ = [
     "load_verified_file",
     "load_checkpoint",
     "read_checkpoint",
+    "require_footer",
     "save_checkpoint",
 ]
 
 log = logging.getLogger(__name__)
-
-#: Key in ``extras`` listing state that only a special loader restores.
-REQUIRES_KEY = "requires"
-
-#: The buckets a resume needs; a payload missing any of them is refused.
-BUCKETS = ("model", "optimizer", "scheduler", "state", "rng")
-
-
-@dataclass
-class TrainState:
-    """Where training is: the counters a resume continues from.
-
-    Attributes:
-        step: Optimizer steps completed.
-        epoch: Current epoch (0-based).
-        batch_in_epoch: Batches of ``epoch`` already consumed; the next batch
-            to train on has this index.
-        losses: One training loss per completed step.
-    """
-
-    step: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0
-    losses: list[float] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-Python form, safe for a weights-only load."""
-        out = asdict(self)
-        out["losses"] = [float(x) for x in self.losses]
-        return out
-
-    @classmethod
-    def from_dict(cls, data: Any, *, source: str = "<state>") -> TrainState:
-        """Validate and build; raises :class:`StateMismatchError` on bad input."""
-        if not isinstance(data, dict):
-            raise StateMismatchError(f"{source}: 'state' must be a dict, got {type(data).__name__}.")
-        missing = [k for k in ("step", "epoch", "batch_in_epoch", "losses") if k not in data]
-        if missing:
-            raise StateMismatchError(f"{source}: 'state' lacks {missing}; re-save with save_checkpoint().")
-        for key in ("step", "epoch", "batch_in_epoch"):
-            value = data[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise StateMismatchError(f"{source}: state[{key!r}] must be an int >= 0, got {value!r}.")
-        if not isinstance(data["losses"], (list, tuple)) or not all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) for x in data["losses"]
-        ):
-            raise StateMismatchError(f"{source}: state['losses'] must be a list of floats.")
-        return cls(
-            step=data["step"],
-            epoch=data["epoch"],
-            batch_in_epoch=data["batch_in_epoch"],
-            losses=[float(x) for x in data["losses"]],
-        )
 
 
 def build_payload(
@@ -131,12 +84,18 @@ def build_payload(
     """
     if not isinstance(state, TrainState):
         raise CheckpointError(f"state must be a TrainState, got {type(state).__name__}.")
+    # The state must survive its own parser: a step of -1, 5.0, True, np.int64(5) or a tensor would
+    # be written fine and refused by every load, so it is refused here, before anything is written.
+    try:
+        TrainState.from_dict(state.to_dict(), source="state to save")
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{exc} Nothing was written.") from None
     if rng is not None:
         validate_rng_state(rng)  # a bad state must fail this save, not the resume months later
-    return {
+    payload = {
         "schema": CURRENT_SCHEMA,
         "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer_state_with_bindings(model, optimizer),
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         "state": state.to_dict(),
         "rng": capture_rng_state() if rng is None else rng,
@@ -145,6 +104,8 @@ def build_payload(
         "env": current_env(),
         "data": {"recorded": data is not None, **(data or {"fingerprint": None, "order_seed": None})},
     }
+    validate_payload(payload)  # every value one a weights-only load accepts, no meta tensors
+    return payload
 
 
 def save_checkpoint(
@@ -239,12 +200,8 @@ def read_checkpoint(
     )
     original = payload.get("schema") if isinstance(payload, dict) else None
     payload = migrate_payload(payload, source=str(path))
+    require_footer({"schema": original}, digest, path)
     if not digest.has_footer:
-        if original != SCHEMA_V1:
-            raise CorruptCheckpointError(
-                f"{path}: a {original} checkpoint without its integrity footer; the file's end was "
-                "damaged or it was re-written by other code. Restore an older checkpoint."
-            )
         log.warning(
             "%s: legacy v1 checkpoint with no integrity record; "
             "run 'python -m ckpt_lesson migrate %s' to add one.",
@@ -261,152 +218,6 @@ def read_checkpoint(
     return payload
 
 
-def apply_payload(
-    payload: dict[str, Any],
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    *,
-    source: str = "<payload>",
-    allow_device_change: bool = False,
-    handles: Collection[str] = (),
-) -> TrainState:
-    """Check that ``payload`` fits the live objects, then restore all five buckets.
-
-    Everything that can be checked cheaply is checked before anything is
-    changed, and the one part torch checks only while loading (the optimizer's
-    state entries) is rolled back on failure, so a refused checkpoint leaves
-    model, optimizer, scheduler and random generators as they were.
-
-    Args:
-        payload: A current-schema payload, e.g. from :func:`read_checkpoint`.
-        model, optimizer, scheduler: The live objects (``scheduler`` may be
-            ``None`` when the saved run had none).
-        source: Names the checkpoint in error messages.
-        allow_device_change: See :func:`ckpt_lesson.files.rng.restore_rng_state`.
-        handles: Names in ``extras["requires"]`` that the caller restores
-            itself (e.g. ``"accumulation"`` for gradients saved mid-step).
-            Any other required name is refused: a plain load would drop it.
-
-    Returns:
-        The saved :class:`TrainState`.
-
-    Raises:
-        StateMismatchError: A bucket is missing, model keys or shapes differ,
-            the optimizer's parameter groups or state entries do not fit,
-            scheduler presence differs, the RNG block is malformed or was
-            saved on a different number of CUDA devices, or ``extras`` requires
-            state that this caller does not restore.
-
-    Example:
-        >>> state = apply_payload(read_checkpoint("ckpt/last.pt"), model, opt, sched)  # doctest: +SKIP
-    """
-    missing = [b for b in BUCKETS if not isinstance(payload, dict) or b not in payload]
-    if missing:
-        raise StateMismatchError(f"{source}: payload lacks {missing}; a resume needs every bucket.")
-    _check_requirements(payload.get("extras"), handles, source=source)
-    state = TrainState.from_dict(payload["state"], source=source)
-    check_model_state(payload["model"], model, source=source)
-    opt_sd = payload["optimizer"]
-    if (
-        not isinstance(opt_sd, dict)
-        or not isinstance(opt_sd.get("state"), dict)
-        or not isinstance(opt_sd.get("param_groups"), (list, tuple))
-        or not all(_is_param_group(g) for g in opt_sd["param_groups"])
-    ):
-        raise StateMismatchError(
-            f"{source}: 'optimizer' is not an optimizer state_dict; a resume needs the saved "
-            "moments. Use warm_start_from() to start a new experiment from the weights instead."
-        )
-    saved_sizes = [len(g["params"]) for g in opt_sd["param_groups"]]
-    live_sizes = [len(g["params"]) for g in optimizer.param_groups]
-    if saved_sizes != live_sizes:
-        raise StateMismatchError(
-            f"{source}: optimizer has parameter groups of sizes {saved_sizes}, the live one "
-            f"{live_sizes}; build the optimizer the same way as the saved run."
-        )
-    if (payload["scheduler"] is None) != (scheduler is None):
-        have = "no scheduler" if scheduler is None else "a scheduler"
-        saved = "none" if payload["scheduler"] is None else "one"
-        raise StateMismatchError(
-            f"{source}: the checkpoint saved {saved} but {have} was passed; pass the same kind."
-        )
-    if scheduler is not None and not isinstance(payload["scheduler"], dict):
-        raise StateMismatchError(
-            f"{source}: 'scheduler' must be a scheduler state_dict, "
-            f"got {type(payload['scheduler']).__name__}."
-        )
-    # The RNG block is checked here too, before the first assignment below: a
-    # refused checkpoint must leave the live objects exactly as they were.
-    try:
-        validate_rng_state(payload["rng"], allow_device_change=allow_device_change)
-    except CheckpointError as exc:
-        raise StateMismatchError(f"{source}: {exc}") from exc
-    # The optimizer goes first because its values are the least checkable: torch
-    # casts every state entry and raises on odd ones, sometimes after it has
-    # already replaced its state. Its current state_dict (references, no copies)
-    # lets a failed load be rolled back before anything else has changed.
-    previous = optimizer.state_dict()
-    try:
-        optimizer.load_state_dict(opt_sd)
-    except Exception as exc:
-        optimizer.load_state_dict(previous)
-        raise StateMismatchError(
-            f"{source}: the optimizer state does not fit the live optimizer ({type(exc).__name__}: "
-            f"{str(exc)[:200]}); build the same optimizer class and groups as the saved run."
-        ) from exc
-    model.load_state_dict(payload["model"], strict=True)
-    if scheduler is not None:
-        scheduler.load_state_dict(payload["scheduler"])
-    restore_rng_state(payload["rng"], allow_device_change=allow_device_change)
-    return state
-
-
-def _is_param_group(group: Any) -> bool:
-    """A saved param group: a dict whose ``params`` is a list of integer ids."""
-    if not isinstance(group, dict) or not isinstance(group.get("params"), list):
-        return False
-    return all(isinstance(i, int) and not isinstance(i, bool) for i in group["params"])
-
-
-def _check_requirements(extras: Any, handles: Collection[str], *, source: str) -> None:
-    # A save can carry state beyond the five buckets that only a special loader
-    # restores (partial gradients mid-accumulation). It lists that state in
-    # extras["requires"], so the plain loader refuses instead of dropping it.
-    required = extras.get(REQUIRES_KEY, []) if isinstance(extras, dict) else []
-    if not isinstance(required, (list, tuple)):
-        raise StateMismatchError(f"{source}: extras[{REQUIRES_KEY!r}] must be a list of names.")
-    unknown = [name for name in required if name not in handles]
-    if unknown:
-        raise StateMismatchError(
-            f"{source}: the checkpoint also holds {unknown} state that this loader does not restore "
-            "(e.g. gradients saved in the middle of an accumulation); loading it here would silently "
-            "drop that state. Use the matching loader: load_accumulating() for 'accumulation'."
-        )
-
-
-def check_model_state(saved: Any, model: torch.nn.Module, *, source: str = "<payload>") -> None:
-    """Raise :class:`StateMismatchError` unless ``saved`` has exactly the model's keys and shapes."""
-    if not isinstance(saved, dict):
-        raise StateMismatchError(f"{source}: 'model' must be a state_dict, got {type(saved).__name__}.")
-    live = model.state_dict()
-    missing = sorted(set(live) - set(saved))
-    unexpected = sorted(set(saved) - set(live))
-    if missing or unexpected:
-        raise StateMismatchError(
-            f"{source}: model keys differ: missing {missing[:5]}, unexpected {unexpected[:5]}; "
-            "build the same architecture as the saved run."
-        )
-    for key, tensor in live.items():
-        got = saved[key]
-        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(tensor.shape):
-            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-            raise StateMismatchError(
-                f"{source}: model key {key!r} has shape {shape} in the checkpoint but "
-                f"{tuple(tensor.shape)} in the model; build the same architecture as the saved run."
-            )
-
-
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: torch.nn.Module,
@@ -417,6 +228,7 @@ def load_checkpoint(
     expected_sha256: str | None = None,
     expected_digest: str | None = None,
     algo: str | None = None,
+    allow_dtype_cast: bool = False,
 ) -> TrainState:
     """Load a checkpoint written by :func:`save_checkpoint` and restore everything.
 
@@ -427,6 +239,7 @@ def load_checkpoint(
         map_location: Passed to ``torch.load``.
         expected_sha256: Optional whole-file sha256 to check against.
         expected_digest, algo: Optional whole-file digest in ``algo`` to check against.
+        allow_dtype_cast: Accept weights saved in another dtype (see :func:`apply_payload`).
 
     Returns:
         The saved :class:`TrainState`; training continues at ``state.step + 1``.
@@ -444,4 +257,6 @@ def load_checkpoint(
         expected_digest=expected_digest,
         algo=algo,
     )
-    return apply_payload(payload, model, optimizer, scheduler, source=str(path))
+    return apply_payload(
+        payload, model, optimizer, scheduler, source=str(path), allow_dtype_cast=allow_dtype_cast
+    )

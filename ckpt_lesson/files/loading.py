@@ -24,16 +24,24 @@ from __future__ import annotations
 
 import os
 import pickle
+import pickletools
 import re
+import stat
+import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
-from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from ckpt_lesson.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    LoadEnvironmentError,
+    UnsafeCheckpointError,
+)
 from ckpt_lesson.files.integrity import FileDigest, verify_footer
 
-__all__ = ["load_verified_file"]
+__all__ = ["check_archive", "load_verified_file"]
 
 
 def load_verified_file(
@@ -75,11 +83,17 @@ def load_verified_file(
             "'python -m ckpt_lesson scan DIR'."
         )
     try:
-        f = open(path, "rb")
+        # O_NONBLOCK: a FIFO swapped in after the check above must not block the open forever.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot open ({exc.strerror}); check its permissions.") from exc
-    with f:
-        size = os.fstat(f.fileno()).st_size
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(
+                f"{path}: is not a regular file (a device or pipe); refusing to read it."
+            )
+        size = st.st_size
         if expected_size is not None and size != expected_size:
             raise CorruptCheckpointError(
                 f"{path}: {size} bytes on disk but {expected_size} recorded; the file was truncated "
@@ -87,7 +101,13 @@ def load_verified_file(
             )
         if expected_sha256 is not None:
             expected_digest, algo = expected_sha256, "sha256"
-        digest = verify_footer(f, name=path, algo=algo)
+        try:
+            digest = verify_footer(f, name=path, algo=algo)
+        except OSError as exc:  # EIO and friends: this copy cannot be read back, which is damage
+            raise CorruptCheckpointError(
+                f"{path}: I/O error while reading ({exc.strerror or exc}); this copy is damaged. "
+                "Restore an older checkpoint."
+            ) from exc
         # Compare case-insensitively: hex digests copied from other tools are sometimes upper case.
         if expected_digest is not None and digest.digest != expected_digest.lower():
             raise CorruptCheckpointError(
@@ -95,12 +115,82 @@ def load_verified_file(
                 f"{expected_digest[:12]}...; the file changed after it was saved. "
                 "Restore an older checkpoint."
             )
+        check_archive(f, size, name=path)
         return _weights_only_load(f, path, map_location), digest
+
+
+def check_archive(f: BinaryIO, size: int, *, name: str | os.PathLike[str] = "<file>") -> None:
+    """Refuse an archive whose members could expand beyond the file: bounded reads of hostile files.
+
+    ``torch.save`` always *stores* its records uncompressed, so a record's size
+    on disk is its size in memory. A crafted archive with DEFLATE-compressed
+    records (and a footer anyone can recompute) would make a 2 MB file load a
+    2 GiB tensor. So every member must be stored, its sizes must agree, and it
+    must lie inside the file.
+
+    Raises:
+        CorruptCheckpointError: Not a zip archive, a compressed member, or sizes
+            that point past the end of the file.
+
+    Example:
+        >>> with open("ckpt/last.pt", "rb") as f:  # doctest: +SKIP
+        ...     check_archive(f, os.fstat(f.fileno()).st_size, name="ckpt/last.pt")
+    """
+    try:
+        with zipfile.ZipFile(f) as archive:
+            members = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
+        f.seek(0)
+        hostile = _named_global(f.read(1 << 20))
+        if hostile:
+            raise UnsafeCheckpointError(
+                f"{name}: a bare pickle stream that names the global {hostile[:120]} (code to call); never "
+                "unpickled. No ckpt_lesson checkpoint is a bare pickle; treat the file as untrusted."
+            ) from exc
+        raise CorruptCheckpointError(
+            f"{name}: not a torch.save archive ({str(exc)[:120]}); it is truncated, damaged or some other "
+            "kind of file. Restore an older checkpoint."
+        ) from exc
+    finally:
+        f.seek(0)
+    total = 0
+    for info in members:
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            raise CorruptCheckpointError(
+                f"{name}: member {info.filename[:80]!r} is compressed (method {info.compress_type}); "
+                "torch.save never compresses, so this file was crafted or rewritten by another tool, and "
+                "loading it could expand far beyond its size. Refused; restore an older checkpoint."
+            )
+        total += info.file_size
+        if info.header_offset + info.file_size > size or total > size:
+            raise CorruptCheckpointError(
+                f"{name}: member {info.filename[:80]!r} declares more bytes than the file holds; "
+                "it is damaged or crafted. Restore an older checkpoint."
+            )
+
+
+def _named_global(head: bytes) -> str | None:
+    """The first global a pickle stream would import, read from its opcodes without executing any."""
+    try:
+        for op, arg, _ in pickletools.genops(head):
+            if op.name == "GLOBAL":
+                return str(arg).replace(" ", ".")
+            if op.name == "STACK_GLOBAL":
+                return "(given on the stack)"
+    except Exception:  # not a pickle, or cut off at the 1 MiB window: nothing found
+        return None
+    return None
 
 
 def _weights_only_load(f: Any, path: Path, map_location: Any) -> Any:
     try:
         return torch.load(f, map_location=map_location, weights_only=True)
+    except MemoryError as exc:
+        raise _environment_error(path, exc) from exc
+    except RuntimeError as exc:
+        if _ENVIRONMENT_RE.search(str(exc)):
+            raise _environment_error(path, exc) from exc
+        raise _damaged(path, exc) from exc
     except pickle.UnpicklingError as exc:
         if re.search(r"Unsupported operand", str(exc)):
             # Not a pickle at all (a text file, random bytes): damaged, not hostile.
@@ -108,8 +198,12 @@ def _weights_only_load(f: Any, path: Path, map_location: Any) -> Any:
                 f"{path}: not a torch.save archive (its bytes are not a pickle stream); "
                 "it is damaged or some other kind of file. Restore an older checkpoint."
             ) from exc
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-        first = found.group(0) if found else "a construct outside tensors and plain values"
+        # The wording changes between torch versions ("Unsupported global: GLOBAL x.y", "Trying to
+        # load unsupported GLOBAL x.y whose module x is blocked"); the global's name follows GLOBAL.
+        found = re.search(r"GLOBAL\s+([\w.]+)", str(exc))
+        first = (
+            f"blocked global {found.group(1)}" if found else "a construct outside tensors and plain values"
+        )
         raise UnsafeCheckpointError(
             f"{path}: refused by the weights-only loader ({first[:200]}). It holds Python objects "
             "beyond tensors and plain values, which no ckpt_lesson checkpoint does. Treat it as "
@@ -120,7 +214,23 @@ def _weights_only_load(f: Any, path: Path, map_location: Any) -> Any:
         # (RuntimeError from the zip reader, EOFError, KeyError, and TypeError or
         # AttributeError when a flipped opcode hands a rebuild function the wrong
         # object). Every one of them means "not a readable checkpoint".
-        raise CorruptCheckpointError(
-            f"{path}: not a readable checkpoint archive ({type(exc).__name__}: {str(exc)[:200]}); "
-            "it is truncated, damaged or not a torch.save file. Restore an older checkpoint."
-        ) from exc
+        raise _damaged(path, exc) from exc
+
+
+#: A load failure about this machine, not the bytes: no such device, or no memory for the tensors.
+_ENVIRONMENT_RE = re.compile(r"cuda|mps|xpu|device|alloc|out of memory|not enough memory", re.IGNORECASE)
+
+
+def _environment_error(path: Path, exc: BaseException) -> LoadEnvironmentError:
+    return LoadEnvironmentError(
+        f"{path}: its bytes check out but this machine cannot load it ({type(exc).__name__}: "
+        f"{str(exc)[:200]}). This is not damage, and an older save would fail the same way: pass a "
+        "map_location this machine has (e.g. 'cpu') or free memory, then retry."
+    )
+
+
+def _damaged(path: Path, exc: BaseException) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{path}: not a readable checkpoint archive ({type(exc).__name__}: {str(exc)[:200]}); "
+        "it is truncated, damaged or not a torch.save file. Restore an older checkpoint."
+    )

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import time
 import zipfile
 from dataclasses import dataclass
@@ -259,6 +260,11 @@ def _check_target(path: Path) -> None:
         raise CheckpointError(f"{path}: no such checkpoint file; check the path.")
     if is_temp_file(path):
         raise CheckpointError(f"{path}: is the temp file of an unfinished save, not a checkpoint.")
+    if not stat.S_ISREG(path.stat().st_mode):
+        # A device never ends (the zero device reads forever) and a FIFO blocks: refuse at once.
+        raise CheckpointError(
+            f"{path}: is not a regular file (a device, pipe or socket); nothing was changed."
+        )
     if not zipfile.is_zipfile(path):
         # Checked up front for a clear message: torch.load would try a text file as a legacy
         # pickle and report it as unsafe, which is true but not the helpful diagnosis.
@@ -291,6 +297,9 @@ def _make_backup(path: Path, backup: Path) -> None:
     except OSError:
         try:
             with open(path, "rb") as src, open(backup, "xb") as dst:
+                os.fchmod(
+                    dst.fileno(), stat.S_IMODE(os.fstat(src.fileno()).st_mode)
+                )  # a private file stays private
                 shutil.copyfileobj(src, dst, length=1 << 20)
                 dst.flush()
                 os.fsync(dst.fileno())

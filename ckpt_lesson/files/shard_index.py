@@ -21,7 +21,6 @@ loading nothing: the same check ``scan`` and the manager rely on.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -35,6 +34,8 @@ from ckpt_lesson.errors import (
     UnsafeCheckpointError,
 )
 from ckpt_lesson.files.integrity import FileDigest, part_digest, verify_footer
+from ckpt_lesson.files.record_seal import verify_record_seal
+from ckpt_lesson.files.safe_read import read_json_file
 from ckpt_lesson.files.schema import KNOWN_SCHEMAS
 
 __all__ = [
@@ -48,6 +49,8 @@ __all__ = [
 
 SHARDED_SCHEMA = "ckpt.sharded.v1"
 INDEX_NAME = "index.json"
+#: Every top-level key an index had before indexes carried their own checksum.
+LEGACY_INDEX_KEYS = frozenset({"schema", "payload_schema", "num_shards", "layout", "shards", "meta"})
 META_NAME = "meta.pt"
 #: ``round_robin``: key i goes to shard i % N. ``param_group``: weights and
 #: biases/buffers in separate groups of shards, balanced by bytes.
@@ -160,11 +163,12 @@ def read_shard_index(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
         )
     index_path = _safe_path(root, INDEX_NAME)
     try:
-        index = json.loads(index_path.read_bytes().decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise _bad(root, f"not valid JSON ({exc})") from exc
+        index = read_json_file(index_path, what="index")  # regular file, size cap, any parse failure = damage
+    except OSError as exc:
+        raise _bad(root, f"unreadable ({exc.strerror or exc})") from exc
     if not isinstance(index, dict):
         raise _bad(root, "not a JSON object")
+    verify_record_seal(index, where=str(index_path), legacy_keys=LEGACY_INDEX_KEYS)
     if index.get("schema") != SHARDED_SCHEMA:
         raise SchemaError(
             f"{index_path}: schema {index.get('schema')!r} is not {SHARDED_SCHEMA!r}; "

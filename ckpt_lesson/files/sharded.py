@@ -45,6 +45,7 @@ from ckpt_lesson.files.atomic import atomic_save, atomic_write_json, make_dirs
 from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, apply_payload, build_payload, load_verified_file
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.files.integrity import FileDigest, part_digest
+from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.schema import migrate_payload
 
 # The read side (index validation, path safety, hashing against the index) lives in
@@ -284,7 +285,7 @@ def save_sharded_checkpoint(
         "shards": [{"file": f["name"], **{k: v for k, v in f.items() if k != "name"}} for f in files],
         "meta": {"file": META_NAME, **{k: v for k, v in meta.items() if k != "name"}},
     }
-    index_digest = atomic_write_json(index, out_dir / INDEX_NAME, algo=algo)  # the commit point
+    index_digest = atomic_write_json(seal_record(index), out_dir / INDEX_NAME, algo=algo)  # the commit point
     return ShardedSaveResult(out_dir=out_dir, files=files, meta=meta, index=index_digest)
 
 

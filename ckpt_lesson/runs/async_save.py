@@ -78,6 +78,7 @@ import torch
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
+from ckpt_lesson.files.payload import optimizer_state_with_bindings, validate_payload
 from ckpt_lesson.files.rng import capture_rng_state
 from ckpt_lesson.runs.manager import CheckpointManager
 
@@ -203,13 +204,19 @@ class TrainingSnapshot:
         """
         if not isinstance(state, TrainState):
             raise CheckpointError(f"state must be a TrainState, got {type(state).__name__}.")
+        model_sd = model.state_dict()
+        optimizer_sd = optimizer_state_with_bindings(model, optimizer)
+        # Checked before copying: a meta tensor cannot even be copied, and a value a weights-only
+        # load refuses must fail here, on the training thread, not later in the background.
+        validate_payload(model_sd, where="model")
+        validate_payload(optimizer_sd, where="optimizer")
 
         def old(part: _FrozenState | None) -> Any:
             return part.state_dict() if part is not None else None
 
         snapshot = cls(
-            model=_FrozenState(_copy_tree(model.state_dict(), old(reuse and reuse.model))),
-            optimizer=_FrozenState(_copy_tree(optimizer.state_dict(), old(reuse and reuse.optimizer))),
+            model=_FrozenState(_copy_tree(model_sd, old(reuse and reuse.model))),
+            optimizer=_FrozenState(_copy_tree(optimizer_sd, old(reuse and reuse.optimizer))),
             scheduler=None
             if scheduler is None
             else _FrozenState(_copy_tree(scheduler.state_dict(), old(reuse and reuse.scheduler))),
@@ -283,11 +290,13 @@ class AsyncCheckpointer:
         Raises:
             CheckpointError: The previous background save failed (re-raised
                 here; this call then saves nothing, so call again to retry),
-                ``state`` is not a ``TrainState``, or the call comes from the
+                ``state`` is not a ``TrainState``, the manager is closed, a value
+                could not be loaded back (meta tensors, NumPy arrays), or the call comes from the
                 writer thread itself (e.g. an ``on_event`` hook), which would
                 deadlock waiting for itself.
         """
         self._refuse_writer_thread("save_async")
+        self.manager.check_open()  # a closed manager must refuse now, not in the background
         with self._lock:
             self._wait_locked()
             # _wait_locked joined the previous writer, so its snapshot's buffers are free to refill.

@@ -131,9 +131,15 @@ class SaveCadence:
 
     def should_save(self, step: int) -> bool:
         """True if the state after ``step`` steps is due for a save now."""
+        now = self.clock()
+        if now < self.last_time:
+            # A clock that went backwards (a wall clock passed in and corrected by NTP) would
+            # hold the time rule off until it caught up again, an hour for a one-hour step.
+            # Restart the interval from now instead: at most one interval late, never an hour.
+            self.last_time = now
         return should_save(
             step,
-            self.clock(),
+            now,
             last_step=self.last_step,
             last_time=self.last_time,
             every_steps=self.every_steps,

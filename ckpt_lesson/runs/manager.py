@@ -41,16 +41,16 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.atomic import atomic_write_json, fsync_dir
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.runs.cadence import SaveCadence
-from ckpt_lesson.runs.commit import clean_stale, delete_save, open_staging, publish
+from ckpt_lesson.runs.commit import clean_stale, open_staging, publish
 from ckpt_lesson.runs.contract import ENV_POLICIES
 from ckpt_lesson.runs.manager_config import EventHook, ManagerConfig
-from ckpt_lesson.runs.restore import check_resume_contract, load_newest_good
+from ckpt_lesson.runs.restore import check_resume_contract, restore_newest
+from ckpt_lesson.runs.retain import apply_retention
 from ckpt_lesson.runs.retention import RetentionPolicy
-from ckpt_lesson.runs.save_parts import build_manifest, refuse_if_already_saved, verify_staged, write_parts
+from ckpt_lesson.runs.save_parts import refuse_if_already_saved, stage_save
 from ckpt_lesson.runs.scan import (
     MANIFEST_NAME,
     ScanResult,
@@ -168,7 +168,8 @@ class CheckpointManager:
         """Stop accepting saves. Nothing is held open between saves, so this is cheap."""
         self._closed = True
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise :class:`CheckpointError` once :meth:`close` was called."""
         if self._closed:
             raise CheckpointError(f"{self.run_dir}: this CheckpointManager is closed; create a new one.")
 
@@ -251,7 +252,7 @@ class CheckpointManager:
             >>> path.name  # doctest: +SKIP
             'step-00000240'
         """
-        self._check_open()
+        self.check_open()
         if not isinstance(state, TrainState):
             raise CheckpointError(f"state must be a TrainState, got {type(state).__name__}.")
         step = state.step
@@ -261,7 +262,8 @@ class CheckpointManager:
         # (garbage, never a save) and releases the lock, so the error surfaces with nothing half-made.
         with open_staging(self.run_dir, step) as staging:
             self._emit("save_begin", step=step, staging=staging.name)
-            parts = write_parts(
+            # Parts, then the sealed manifest (fsynced), then the optional re-read: see save_parts.
+            manifest = stage_save(
                 staging,
                 self.config,
                 model,
@@ -272,14 +274,6 @@ class CheckpointManager:
                 rng=rng,
                 emit=self._emit,
             )
-            self._emit("parts_complete", step=step, files=[p["file"] for p in parts])
-            manifest = build_manifest(self.config, state, parts)
-            atomic_write_json(manifest, staging / MANIFEST_NAME)
-            fsync_dir(staging)
-            self._emit("manifest_written", step=step, save_id=manifest["save_id"])
-            if self.config.verify_on_save:
-                verify_staged(staging, parts)
-                self._emit("verified", step=step, save_id=manifest["save_id"])
             final = publish(
                 staging,
                 self.step_dir(step),
@@ -288,7 +282,7 @@ class CheckpointManager:
             self._verified.add(step)
             self._cadence.mark_saved(step)
             self._emit("published", step=step, path=str(final), save_id=manifest["save_id"])
-            deleted = self.apply_retention()
+            deleted = self.apply_retention(fresh=(step,) if self.config.verify_on_save else ())
             seconds = time.perf_counter() - started
             save_id = manifest["save_id"]
             self.last_save = {"step": step, "path": str(final), "save_id": save_id, "seconds": seconds}
@@ -298,45 +292,17 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ retention and cleanup
 
-    def apply_retention(self) -> list[int]:
+    def apply_retention(self, *, fresh: tuple[int, ...] = ()) -> list[int]:
         """Delete what the retention policy allows; returns the deleted steps.
 
-        Trusts the known-good set, but first re-checks each trusted save's
-        manifest and part sizes (a ``stat`` each, no hashing), so a save that
-        lost a part since it was verified no longer counts as good.
+        Every save the policy would keep instead is hashed again first (except
+        ``fresh`` ones, verified moments ago): one that no longer verifies does
+        not count as good (see :mod:`~ckpt_lesson.runs.retain`).
         """
-        steps = self._published()
-        for step in sorted(self._verified & set(steps)):
-            result, _ = inspect_save(self.step_dir(step), hash_parts=False)
-            if not result.ok:
-                log.warning(
-                    "%s no longer checks out (%s); not counting it as good", result.path.name, result.reason
-                )
-                self._verified.discard(step)
-        deleted = []
-        for step in self.config.policy.to_delete(steps, self._verified & set(steps)):
-            self._emit("retention_delete", step=step)
-            if self._delete_step(step):
-                deleted.append(step)
-        return deleted
-
-    def _delete_step(self, step: int) -> bool:
-        if not delete_save(self.step_dir(step)):
-            return False
-        self._verified.discard(step)
-        return True
+        return apply_retention(self.run_dir, self.config.policy, self._verified, emit=self._emit, fresh=fresh)
 
     def clean_stale(self) -> list[str]:
-        """Remove staging folders of dead writers and leftover ``.deleting-`` folders.
-
-        A staging folder is stale only if its ``.lock`` can be locked (its
-        writer is dead: the kernel drops a dead process's flock), or it has no
-        ``.lock`` and is older than :data:`~ckpt_lesson.runs.commit.STALE_UNLOCKED_SECONDS`.
-        A folder a live writer holds is never touched.
-
-        Returns:
-            Names of the folders removed.
-        """
+        """Remove staging folders of dead writers and ``.deleting-`` leftovers; see ``commit.clean_stale``."""
         return clean_stale(self.run_dir)
 
     # ------------------------------------------------------------------ restore
@@ -359,39 +325,28 @@ class CheckpointManager:
         Example:
             >>> state = mgr.restore_latest(model, opt, sched) or TrainState()  # doctest: +SKIP
         """
-        self._check_open()
-        started = time.perf_counter()
-        steps = self._published()
-        skipped: list[dict[str, Any]] = []
-        self.last_restore = {"step": None, "save_id": None, "path": None, "skipped": skipped}
-        self.last_restore["manifest"] = None
-        if not steps:
-            log.info("%s: no saves; starting fresh", self.run_dir)
-            return None
-        found = load_newest_good(
+        self.check_open()
+        self._contract = None
+        self.last_restore = {}
+        found = restore_newest(
             self.run_dir,
-            steps,
+            self._published(),
             model,
             optimizer,
             scheduler,
             map_location=map_location,
             check_contract=self._check_contract,
-            skipped=skipped,
+            record=self.last_restore,
         )
-        self._verified.difference_update(s["step"] for s in skipped)
-        step, target, manifest, state = found
+        self._verified.difference_update(s["step"] for s in self.last_restore["skipped"])
+        if found is None:
+            return None
+        step, state = found
         self._verified.add(step)
         self._cadence.mark_saved(step)
-        self.last_restore.update(
-            step=step,
-            save_id=manifest.get("save_id"),
-            path=str(target),
-            layout=manifest["layout"],
-            manifest=manifest,
-            seconds=time.perf_counter() - started,
-            contract=self._contract[0].to_dict() if self._contract else None,
-            contract_warnings=self._contract[1] if self._contract else [],
-        )
+        contract = self._contract
+        self.last_restore["contract"] = contract[0].to_dict() if contract else None
+        self.last_restore["contract_warnings"] = contract[1] if contract else []
         return state
 
     def _check_contract(self, target: Path, manifest: dict[str, Any]) -> None:

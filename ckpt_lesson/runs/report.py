@@ -22,6 +22,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import statistics
 import subprocess
@@ -31,7 +33,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
+from ckpt_lesson.files.safe_read import parse_json_text, read_json_file, read_regular_file
 
 __all__ = [
     "PROGRESS_NAME",
@@ -48,25 +51,48 @@ __all__ = [
     "summarize_recoveries",
 ]
 
+log = logging.getLogger(__name__)
+_HEARTBEAT_WARNED = False
+
 RECOVERY_LOG = "recovery.jsonl"
 PROGRESS_NAME = "progress.json"
 _IMPORTED_AT = time.time()
 
 
-def record_progress(run_dir: str | os.PathLike[str], step: int) -> None:
-    """Note that ``step`` finished (cheap: a tiny write and a rename, no fsync)."""
+def record_progress(run_dir: str | os.PathLike[str], step: int) -> bool:
+    """Note that ``step`` finished (cheap: a tiny write and a rename, no fsync).
+
+    A heartbeat is a convenience for the recovery report, never a reason to
+    stop training: a full disk or read-only folder is logged (once per process)
+    and the temp file removed.
+
+    Returns:
+        ``True`` when the heartbeat was written.
+    """
+    global _HEARTBEAT_WARNED
     run_dir = Path(run_dir)
     tmp = run_dir / f".{PROGRESS_NAME}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps({"step": int(step), "wall": time.time()}), encoding="utf-8")
-    os.replace(tmp, run_dir / PROGRESS_NAME)
+    try:
+        tmp.write_text(json.dumps({"step": int(step), "wall": time.time()}), encoding="utf-8")
+        os.replace(tmp, run_dir / PROGRESS_NAME)
+    except OSError as exc:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if not _HEARTBEAT_WARNED:
+            log.warning("could not write %s (%s); training goes on without a heartbeat", PROGRESS_NAME, exc)
+            _HEARTBEAT_WARNED = True
+        return False
+    return True
 
 
 def read_progress(run_dir: str | os.PathLike[str]) -> int | None:
     """The last step recorded by :func:`record_progress`, or ``None``."""
     try:
-        data = json.loads((Path(run_dir) / PROGRESS_NAME).read_text(encoding="utf-8"))
+        data = read_json_file(Path(run_dir) / PROGRESS_NAME, limit=1 << 16, what="heartbeat")
         step = data["step"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError):  # damaged or hostile: no heartbeat known
         return None
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
@@ -171,17 +197,49 @@ def read_recovery_log(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     if not run_dir.is_dir():
         raise CheckpointError(f"{run_dir}: not a run directory; pass the folder that holds step-* saves.")
     path = run_dir / RECOVERY_LOG
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    raw = read_regular_file(path, what="recovery log")  # regular, size-capped: see files/safe_read.py
+    lines = raw.split(b"\n")
+    torn_tail = not raw.endswith(b"\n")  # a crash mid-append leaves a last line without its newline
+    if lines and not lines[-1].strip():
+        lines.pop()
+    records, bad = [], 0
+    for i, line in enumerate(lines):
         try:
-            rec = json.loads(line)
-        except ValueError:
+            rec = parse_json_text(line, where=f"{path.name} line {i + 1}")
+        except CheckpointError:
+            if i < len(lines) - 1 or not torn_tail:  # only an unterminated last line may be torn
+                bad += 1
             continue
-        if isinstance(rec, dict):
+        if _is_record(rec):
             records.append(rec)
+        else:
+            bad += 1
+    if bad and not records:
+        raise CorruptCheckpointError(
+            f"{path}: {bad} line(s) and none is a recovery record (not JSON, or wrongly typed fields); "
+            "the log is damaged or not ours. Move it aside; new restores start a fresh log."
+        )
+    if bad:
+        log.warning("%s: ignored %d damaged line(s)", path, bad)
     return records
+
+
+_NUMERIC_FIELDS = ("steps_redone", "recovery_seconds", "last_good_save_age_seconds", "corrupt_saves")
+
+
+def _is_record(rec: Any) -> bool:
+    """A recovery record: a JSON object whose numeric fields are numbers (finite) or null."""
+    if not isinstance(rec, dict):
+        return False
+    for key in (*_NUMERIC_FIELDS, "incomplete_saves"):
+        value = rec.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ of the same run would be refused the same way.
 
 from __future__ import annotations
 
-import json
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,12 +33,20 @@ from ckpt_lesson.errors import (
 )
 from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, apply_payload, read_checkpoint
 from ckpt_lesson.files.integrity import part_digest
+from ckpt_lesson.files.safe_read import read_json_file
 from ckpt_lesson.files.schema import current_env
 from ckpt_lesson.files.sharded import INDEX_NAME, load_sharded_checkpoint
 from ckpt_lesson.runs.contract import ResumeReport, check_contract, resume_report
 from ckpt_lesson.runs.scan import read_manifest, step_dir_name, verify_record
 
-__all__ = ["check_resume_contract", "index_parts", "load_newest_good", "load_save", "verify_other_parts"]
+__all__ = [
+    "check_resume_contract",
+    "index_parts",
+    "load_newest_good",
+    "load_save",
+    "restore_newest",
+    "verify_other_parts",
+]
 
 # The manager's messages, under the manager's logger name (see ckpt_lesson.runs.commit for why).
 log = logging.getLogger("ckpt_lesson.runs.manager")
@@ -188,9 +196,10 @@ def index_parts(target: Path) -> list[dict[str, Any]]:
         ['model.shard-000.pt', 'model.shard-001.pt', 'meta.pt']
     """
     try:
-        index = json.loads((target / INDEX_NAME).read_text(encoding="utf-8"))
-        return [*index["shards"], index["meta"]]
-    except (OSError, ValueError, KeyError, TypeError):
+        index = read_json_file(target / INDEX_NAME, what="index")
+        entries = [*index["shards"], index["meta"]]
+        return [e for e in entries if isinstance(e, dict) and isinstance(e.get("file"), str)]
+    except (OSError, ValueError, KeyError, TypeError):  # CorruptCheckpointError is a ValueError
         return []
 
 
@@ -228,7 +237,9 @@ def load_newest_good(
                 target, step, model, optimizer, scheduler,
                 map_location=map_location, check_contract=check_contract,
             )  # fmt: skip
-        except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
+        except (CorruptCheckpointError, IncompleteCheckpointError, OSError) as exc:
+            # An OSError (EIO) reading a part is damage to this copy, like a wrong hash: fall back.
+            # LoadEnvironmentError is not caught: once the hashes match, an older save would fail alike.
             status = "incomplete" if isinstance(exc, IncompleteCheckpointError) else "corrupt"
             skipped.append({"step": step, "status": status, "reason": str(exc)})
             log.warning("restore: skipping %s (%s): %s", target.name, status, exc)
@@ -244,3 +255,52 @@ def load_newest_good(
         "Nothing was restored. Copy the folder for inspection; "
         "'python -m ckpt_lesson scan DIR' shows the same list."
     )
+
+
+def restore_newest(
+    run_dir: Path,
+    steps: list[int],
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    *,
+    map_location: Any,
+    check_contract: ContractCheck,
+    record: dict[str, Any],
+) -> tuple[int, TrainState] | None:
+    """:func:`load_newest_good`, filling ``record`` (the manager's ``last_restore``) as it goes.
+
+    Args:
+        record: Filled with ``step``, ``save_id``, ``path``, ``skipped`` and
+            ``manifest`` at once (so a failed restore still reports what it
+            skipped), and ``layout`` and ``seconds`` after a restore.
+
+    Returns:
+        ``(step, state)``, or ``None`` when ``steps`` is empty (a fresh start).
+
+    Raises:
+        CheckpointError: As :func:`load_newest_good`.
+
+    Example:
+        >>> found = restore_newest(run_dir, [40, 80], model, opt, sched, map_location="cpu",  # doctest: +SKIP
+        ...                        check_contract=lambda t, m: None, record={})
+    """
+    started = time.perf_counter()
+    skipped: list[dict[str, Any]] = []
+    record.update(step=None, save_id=None, path=None, skipped=skipped, manifest=None)
+    if not steps:
+        log.info("%s: no saves; starting fresh", run_dir)
+        return None
+    step, target, manifest, state = load_newest_good(
+        run_dir, steps, model, optimizer, scheduler,
+        map_location=map_location, check_contract=check_contract, skipped=skipped,
+    )  # fmt: skip
+    record.update(
+        step=step,
+        save_id=manifest.get("save_id"),
+        path=str(target),
+        layout=manifest["layout"],
+        manifest=manifest,
+        seconds=time.perf_counter() - started,
+    )
+    return step, state

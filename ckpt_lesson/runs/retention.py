@@ -25,6 +25,7 @@ published and verified.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -103,7 +104,8 @@ class KeepBest:
     when it is much older than the last few. This policy deletes what
     :func:`keep_last_k` would delete, except the ``k_best`` verified steps with
     the best metric (lowest when ``mode="min"``, highest for ``"max"``). Steps
-    without a metric are never "best". Ties go to the older step (it came first).
+    without a metric (missing, ``None``, NaN, or not a number) are never "best".
+    Ties go to the older step (it came first).
 
     Args:
         metric_by_step: step -> metric value, e.g. validation loss. A live
@@ -131,9 +133,12 @@ class KeepBest:
 
     def best_steps(self, verified: Collection[int]) -> list[int]:
         """The ``k_best`` verified steps with the best metric, ascending."""
-        scored = [s for s in set(verified) if s in self.metric_by_step]
+        # NaN, None or a non-number is "no metric": NaN compares false with everything, so ranking
+        # it would make the true best look no better than a diverged step (and None cannot rank).
+        scores = {s: _metric(self.metric_by_step.get(s)) for s in set(verified)}
+        scored = [s for s, m in scores.items() if m is not None]
         sign = 1.0 if self.mode == "min" else -1.0
-        ranked = sorted(scored, key=lambda s: (sign * float(self.metric_by_step[s]), s))
+        ranked = sorted(scored, key=lambda s: (sign * scores[s], s))  # type: ignore[operator]
         return sorted(ranked[: self.k_best])
 
     def to_delete(self, steps: Sequence[int], verified: Collection[int]) -> list[int]:
@@ -141,3 +146,16 @@ class KeepBest:
         present = set(steps)
         protected = set(self.best_steps([s for s in verified if s in present]))
         return [s for s in keep_last_k(steps, verified, self.keep_last) if s not in protected]
+
+
+def _metric(value: object) -> float | None:
+    """The metric as a finite-or-infinite float, or ``None`` when there is none to rank."""
+    if value is None or isinstance(value, (bool, str, bytes)):
+        return None
+    if not isinstance(value, (int, float)):
+        try:
+            value = float(value)  # type: ignore[arg-type]  # NumPy and 0-d tensor scalars
+        except (TypeError, ValueError, RuntimeError):
+            return None
+    value = float(value)
+    return None if math.isnan(value) else value

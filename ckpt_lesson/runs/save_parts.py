@@ -20,13 +20,21 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
+from ckpt_lesson.files.atomic import atomic_write_json, fsync_dir
 from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, save_checkpoint
+from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, MANIFEST_SCHEMA, current_env
 from ckpt_lesson.files.sharded import INDEX_NAME, save_sharded_checkpoint
 from ckpt_lesson.runs.manager_config import ManagerConfig
-from ckpt_lesson.runs.scan import inspect_save, read_manifest, verify_record
+from ckpt_lesson.runs.scan import MANIFEST_NAME, inspect_save, read_manifest, verify_record
 
-__all__ = ["build_manifest", "refuse_if_already_saved", "verify_staged", "write_parts"]
+__all__ = [
+    "build_manifest",
+    "refuse_if_already_saved",
+    "stage_save",
+    "verify_staged",
+    "write_parts",
+]
 
 #: ``emit(name, **info)``: the manager's event hook, bound to its ``on_event``.
 Emit = Callable[..., None]
@@ -111,7 +119,8 @@ def build_manifest(config: ManagerConfig, state: TrainState, parts: list[dict[st
     }
     if config.num_shards is not None:
         manifest["num_shards"] = config.num_shards
-    return manifest
+    # Sealed last: the record's own checksum, so a flipped bit in it reads as damage, not as a contract.
+    return seal_record(manifest)
 
 
 def verify_staged(staging: Path, parts: list[dict[str, Any]]) -> None:
@@ -130,3 +139,43 @@ def verify_staged(staging: Path, parts: list[dict[str, Any]]) -> None:
         )
     # The manifest itself is parsed back too: a save whose commit record cannot be read is no save.
     read_manifest(staging)
+
+
+def stage_save(
+    staging: Path,
+    config: ManagerConfig,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    state: TrainState,
+    *,
+    extras: Any,
+    rng: dict[str, Any] | None,
+    emit: Emit,
+) -> dict[str, Any]:
+    """Everything a save does inside its staging folder: parts, sealed manifest, optional re-read.
+
+    Returns:
+        The manifest as written.
+
+    Raises:
+        CheckpointError: From the payload check or the writers (nothing is published then).
+        CorruptCheckpointError: ``verify_on_save`` found bytes that differ from what was written.
+
+    Example:
+        >>> manifest = stage_save(staging, mgr.config, model, opt, sched, state,  # doctest: +SKIP
+        ...                       extras=None, rng=None, emit=lambda name, **info: None)
+    """
+    step = state.step
+    parts = write_parts(
+        staging, config, model, optimizer, scheduler, state, extras=extras, rng=rng, emit=emit
+    )
+    emit("parts_complete", step=step, files=[p["file"] for p in parts])
+    manifest = build_manifest(config, state, parts)
+    atomic_write_json(manifest, staging / MANIFEST_NAME)
+    fsync_dir(staging)
+    emit("manifest_written", step=step, save_id=manifest["save_id"])
+    if config.verify_on_save:
+        verify_staged(staging, parts)
+        emit("verified", step=step, save_id=manifest["save_id"])
+    return manifest

@@ -25,7 +25,6 @@ exits 0 when every save is ok, 1 when something is corrupt or incomplete, and
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import string
@@ -41,6 +40,8 @@ from ckpt_lesson.errors import (
     UnsafeCheckpointError,
 )
 from ckpt_lesson.files.integrity import file_digest, part_digest
+from ckpt_lesson.files.record_seal import verify_record_seal
+from ckpt_lesson.files.safe_read import read_json_file
 from ckpt_lesson.files.schema import MANIFEST_NAME, MANIFEST_SCHEMA
 from ckpt_lesson.runs.dcp_manifest import MANIFEST_SCHEMA as DCP_MANIFEST_SCHEMA
 from ckpt_lesson.runs.dcp_manifest import check_dcp_part, read_dcp_manifest
@@ -65,9 +66,16 @@ __all__ = [
 LAYOUTS = ("single", "sharded")
 #: Prefix of a save in progress: ``.staging-step-00000280-<pid>-<hex8>``.
 STAGING_PREFIX = ".staging-step-"
-_STEP_RE = re.compile(r"^step-(\d{8,})$")
-_STAGING_RE = re.compile(r"^\.staging-step-(\d{8,})-")
+# [0-9], not \d: \d also matches other scripts' digits ("step-٣٣٣٣٣٣٣٣"), which int() accepts but
+# step_dir_name() never writes, so scan would list a save that restore can never find.
+_STEP_RE = re.compile(r"^step-([0-9]{8,})$")
+_STAGING_RE = re.compile(r"^\.staging-step-([0-9]{8,})-")
 _HEX = set(string.hexdigits.lower())
+#: Every top-level key a manifest had before manifests carried their own checksum.
+LEGACY_MANIFEST_KEYS = frozenset(
+    {"schema", "save_id", "step", "payload_schema", "layout", "parts", "covers", "state", "env", "data"}
+    | {"metadata", "created_at", "num_shards"}
+)
 
 
 def step_dir_name(step: int) -> str:
@@ -135,22 +143,20 @@ def read_manifest(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
     step_dir = Path(step_dir)
     where = f"{step_dir.name}/{MANIFEST_NAME}"
     try:
-        text = (step_dir / MANIFEST_NAME).read_text(encoding="utf-8")
+        # A regular file, size-capped, any parse failure = damaged (see files/safe_read.py).
+        manifest = read_json_file(step_dir / MANIFEST_NAME, what="manifest")
     except FileNotFoundError:
         raise IncompleteCheckpointError(
             f"{step_dir.name}: no {MANIFEST_NAME}; the save never finished (the manifest is written "
             "last). Restore an older save."
         ) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CorruptCheckpointError(
-            f"{where}: unreadable ({type(exc).__name__}); restore an older save."
-        ) from exc
-    try:
-        manifest = json.loads(text)
-    except ValueError as exc:
-        raise CorruptCheckpointError(f"{where}: not valid JSON ({exc}); restore an older save.") from exc
+    except OSError as exc:
+        why = exc.strerror or exc
+        raise CorruptCheckpointError(f"{where}: unreadable ({why}); restore an older save.") from exc
     if not isinstance(manifest, dict):
         raise CorruptCheckpointError(f"{where}: expected a JSON object; restore an older save.")
+    # The manifest's own checksum comes first: an unverifiable record is damage, never a refusal.
+    verify_record_seal(manifest, where=where, legacy_keys=LEGACY_MANIFEST_KEYS)
     schema = manifest.get("schema")
     if not isinstance(schema, str):
         raise CorruptCheckpointError(f"{where}: no 'schema' field; restore an older save.")

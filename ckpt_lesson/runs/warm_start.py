@@ -35,7 +35,7 @@ import torch
 
 from ckpt_lesson.errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
 from ckpt_lesson.files.atomic import atomic_write_json
-from ckpt_lesson.files.checkpoint import check_model_state, load_verified_file
+from ckpt_lesson.files.checkpoint import check_model_state, load_verified_file, require_footer
 from ckpt_lesson.files.integrity import part_digest
 from ckpt_lesson.runs.contract import model_fingerprint
 from ckpt_lesson.runs.scan import MANIFEST_NAME, read_manifest
@@ -182,6 +182,7 @@ def _weights_from_file(
     path: Path, map_location: Any
 ) -> tuple[dict[str, Any], str | None, int | None, dict[str, tuple[str, str]], str]:
     obj, digest = load_verified_file(path, map_location=map_location)
+    require_footer(obj, digest, path)  # the same rule as read_checkpoint: one rule for both
     step = None
     if isinstance(obj, dict) and isinstance(obj.get("state"), dict):
         step = obj["state"].get("step")

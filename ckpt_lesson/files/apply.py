@@ -1,0 +1,172 @@
+"""Applying a verified payload to live objects: check everything first, then change anything.
+
+Split out of :mod:`ckpt_lesson.files.checkpoint` (which re-exports these names).
+The comparisons themselves (model keys, shapes and dtypes; the optimizer's
+class, parameter order and state shapes) live in :mod:`ckpt_lesson.files.payload`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection
+from typing import Any
+
+import torch
+
+from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
+from ckpt_lesson.files.integrity import FileDigest
+from ckpt_lesson.files.payload import check_model_state, check_optimizer_fit, strip_bindings
+from ckpt_lesson.files.rng import restore_rng_state, validate_rng_state
+from ckpt_lesson.files.schema import SCHEMA_V1
+from ckpt_lesson.files.train_state import BUCKETS, REQUIRES_KEY, TrainState
+
+__all__ = ["apply_payload", "require_footer"]
+
+
+def require_footer(obj: Any, digest: FileDigest, path: str | os.PathLike[str]) -> None:
+    """Refuse a file that declares a schema newer than ``ckpt.v1`` but has no integrity footer.
+
+    Every file this package writes in ``ckpt.v2`` carries a footer; one without it
+    lost its end or was rewritten by other code. A file with no schema at all
+    (plain weights from elsewhere) or a legacy v1 file is left to the caller.
+
+    Raises:
+        CorruptCheckpointError: The schema says a footer must be there and it is not.
+    """
+    schema = obj.get("schema") if isinstance(obj, dict) else None
+    # content_digest where FileDigest knows several algorithms; content_sha256 before that.
+    content = getattr(digest, "content_digest", digest.content_sha256)
+    if content is None and schema is not None and schema != SCHEMA_V1:
+        raise CorruptCheckpointError(
+            f"{path}: a {schema} checkpoint without its integrity footer; the file's end was "
+            "damaged or it was re-written by other code. Restore an older checkpoint."
+        )
+
+
+def apply_payload(
+    payload: dict[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    *,
+    source: str = "<payload>",
+    allow_device_change: bool = False,
+    allow_dtype_cast: bool = False,
+    handles: Collection[str] = (),
+) -> TrainState:
+    """Check that ``payload`` fits the live objects, then restore all five buckets.
+
+    Everything that can be checked cheaply is checked before anything is
+    changed, and the one part torch checks only while loading (the optimizer's
+    state entries) is rolled back on failure, so a refused checkpoint leaves
+    model, optimizer, scheduler and random generators as they were.
+
+    Args:
+        payload: A current-schema payload, e.g. from :func:`read_checkpoint`.
+        model, optimizer, scheduler: The live objects (``scheduler`` may be
+            ``None`` when the saved run had none).
+        source: Names the checkpoint in error messages.
+        allow_device_change: See :func:`ckpt_lesson.files.rng.restore_rng_state`.
+        allow_dtype_cast: Accept model tensors saved in another dtype (cast on load);
+            refused by default, see :func:`~ckpt_lesson.files.payload.check_model_state`.
+        handles: Names in ``extras["requires"]`` that the caller restores
+            itself (e.g. ``"accumulation"`` for gradients saved mid-step).
+            Any other required name is refused: a plain load would drop it.
+
+    Returns:
+        The saved :class:`TrainState`.
+
+    Raises:
+        StateMismatchError: A bucket is missing, model keys or shapes differ,
+            the optimizer's parameter groups or state entries do not fit,
+            scheduler presence differs, the RNG block is malformed or was
+            saved on a different number of CUDA devices, or ``extras`` requires
+            state that this caller does not restore.
+
+    Example:
+        >>> state = apply_payload(read_checkpoint("ckpt/last.pt"), model, opt, sched)  # doctest: +SKIP
+    """
+    missing = [b for b in BUCKETS if not isinstance(payload, dict) or b not in payload]
+    if missing:
+        raise StateMismatchError(f"{source}: payload lacks {missing}; a resume needs every bucket.")
+    _check_requirements(payload.get("extras"), handles, source=source)
+    state = TrainState.from_dict(payload["state"], source=source)
+    check_model_state(payload["model"], model, source=source, allow_dtype_cast=allow_dtype_cast)
+    opt_sd = payload["optimizer"]
+    if (
+        not isinstance(opt_sd, dict)
+        or not isinstance(opt_sd.get("state"), dict)
+        or not isinstance(opt_sd.get("param_groups"), (list, tuple))
+        or not all(_is_param_group(g) for g in opt_sd["param_groups"])
+    ):
+        raise StateMismatchError(
+            f"{source}: 'optimizer' is not an optimizer state_dict; a resume needs the saved "
+            "moments. Use warm_start_from() to start a new experiment from the weights instead."
+        )
+    saved_sizes = [len(g["params"]) for g in opt_sd["param_groups"]]
+    live_sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if saved_sizes != live_sizes:
+        raise StateMismatchError(
+            f"{source}: optimizer has parameter groups of sizes {saved_sizes}, the live one "
+            f"{live_sizes}; build the optimizer the same way as the saved run."
+        )
+    check_optimizer_fit(opt_sd, optimizer, model, source=source)
+    opt_sd = strip_bindings(opt_sd)
+    if (payload["scheduler"] is None) != (scheduler is None):
+        have = "no scheduler" if scheduler is None else "a scheduler"
+        saved = "none" if payload["scheduler"] is None else "one"
+        raise StateMismatchError(
+            f"{source}: the checkpoint saved {saved} but {have} was passed; pass the same kind."
+        )
+    if scheduler is not None and not isinstance(payload["scheduler"], dict):
+        raise StateMismatchError(
+            f"{source}: 'scheduler' must be a scheduler state_dict, "
+            f"got {type(payload['scheduler']).__name__}."
+        )
+    # The RNG block is checked here too, before the first assignment below: a
+    # refused checkpoint must leave the live objects exactly as they were.
+    try:
+        validate_rng_state(payload["rng"], allow_device_change=allow_device_change)
+    except CheckpointError as exc:
+        raise StateMismatchError(f"{source}: {exc}") from exc
+    # The optimizer goes first because its values are the least checkable: torch
+    # casts every state entry and raises on odd ones, sometimes after it has
+    # already replaced its state. Its current state_dict (references, no copies)
+    # lets a failed load be rolled back before anything else has changed.
+    previous = optimizer.state_dict()
+    try:
+        optimizer.load_state_dict(opt_sd)
+    except Exception as exc:
+        optimizer.load_state_dict(previous)
+        raise StateMismatchError(
+            f"{source}: the optimizer state does not fit the live optimizer ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); build the same optimizer class and groups as the saved run."
+        ) from exc
+    model.load_state_dict(payload["model"], strict=True)
+    if scheduler is not None:
+        scheduler.load_state_dict(payload["scheduler"])
+    restore_rng_state(payload["rng"], allow_device_change=allow_device_change)
+    return state
+
+
+def _is_param_group(group: Any) -> bool:
+    """A saved param group: a dict whose ``params`` is a list of integer ids."""
+    if not isinstance(group, dict) or not isinstance(group.get("params"), list):
+        return False
+    return all(isinstance(i, int) and not isinstance(i, bool) for i in group["params"])
+
+
+def _check_requirements(extras: Any, handles: Collection[str], *, source: str) -> None:
+    # A save can carry state beyond the five buckets that only a special loader
+    # restores (partial gradients mid-accumulation). It lists that state in
+    # extras["requires"], so the plain loader refuses instead of dropping it.
+    required = extras.get(REQUIRES_KEY, []) if isinstance(extras, dict) else []
+    if not isinstance(required, (list, tuple)):
+        raise StateMismatchError(f"{source}: extras[{REQUIRES_KEY!r}] must be a list of names.")
+    unknown = [name for name in required if name not in handles]
+    if unknown:
+        raise StateMismatchError(
+            f"{source}: the checkpoint also holds {unknown} state that this loader does not restore "
+            "(e.g. gradients saved in the middle of an accumulation); loading it here would silently "
+            "drop that state. Use the matching loader: load_accumulating() for 'accumulation'."
+        )

@@ -1,0 +1,183 @@
+"""Reading small record files (JSON, JSON lines) as if every one were hostile.
+
+A run directory is data, and data can be crafted. The package reads a handful
+of small records besides the checkpoints themselves: ``manifest.json``,
+``index.json``, ``recovery.jsonl``, ``progress.json``. Each of them can be
+turned into a weapon without touching a single checkpoint byte:
+
+* a **symlink to the zero device** is "a file" that never ends: reading it whole
+  fills memory;
+* a **FIFO** (named pipe) blocks the reader forever: a restore that hangs is
+  worse than one that fails;
+* **200,000 nested brackets** are valid-looking JSON that makes the parser
+  recurse until Python raises ``RecursionError``, which is not a ``ValueError``
+  and so slips past ``except ValueError``.
+
+So every record goes through :func:`read_regular_file`: the name must be a
+regular file *itself* (checked with ``lstat``, never following a symlink),
+opened with ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO swapped in between the check
+and the open cannot block us), checked again on the open descriptor, and read
+with a size cap. :func:`read_json_file` then parses it and turns a parse
+failure of *any* kind into :class:`~ckpt_lesson.errors.CorruptCheckpointError`,
+so the caller treats the save as damaged and falls back to an older one.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+from typing import Any
+
+from ckpt_lesson.errors import CorruptCheckpointError
+
+__all__ = ["MAX_RECORD_BYTES", "check_regular_file", "parse_json_text", "read_json_file", "read_regular_file"]
+
+#: Cap for a record file. A manifest of a 1,000-shard save is about 200 kB; 64 MiB is generous
+#: and still far from what it would take to hurt the machine.
+MAX_RECORD_BYTES = 64 << 20
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+
+
+def check_regular_file(path: str | os.PathLike[str], *, what: str = "file") -> os.stat_result:
+    """``lstat`` ``path`` and refuse anything that is not a plain regular file.
+
+    Args:
+        path: The name to check; a symlink is refused, not followed.
+        what: How messages call the file (``"manifest"``, ``"checkpoint"``).
+
+    Returns:
+        The ``lstat`` result.
+
+    Raises:
+        FileNotFoundError: Nothing is there (callers decide what absence means).
+        CorruptCheckpointError: A symlink, directory, FIFO, socket or device.
+
+    Example:
+        >>> check_regular_file("run/step-00000240/manifest.json").st_size  # doctest: +SKIP
+        1342
+    """
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise CorruptCheckpointError(
+            f"{path}: the {what} is {_kind(st.st_mode)}, not a regular file; it was replaced by "
+            "something else and is not read. Restore an older save or remove it."
+        )
+    return st
+
+
+def read_regular_file(
+    path: str | os.PathLike[str], *, limit: int = MAX_RECORD_BYTES, what: str = "file"
+) -> bytes:
+    """Read a whole small file, refusing non-regular files and anything over ``limit`` bytes.
+
+    Args:
+        path: The file.
+        limit: The most bytes accepted.
+        what: How messages call the file.
+
+    Returns:
+        The file's bytes.
+
+    Raises:
+        FileNotFoundError: The file does not exist.
+        CorruptCheckpointError: Not a regular file, larger than ``limit``, or
+            an I/O error while reading (EIO and friends are damage to this copy).
+
+    Example:
+        >>> read_regular_file("run/progress.json", limit=1 << 20)  # doctest: +SKIP
+        b'{"step": 12, ...}'
+    """
+    check_regular_file(path, what=what)
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # swapped for a symlink after the check
+            raise CorruptCheckpointError(f"{path}: the {what} became a symlink; not following it.") from exc
+        raise CorruptCheckpointError(f"{path}: cannot open the {what} ({exc.strerror or exc}).") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{path}: the {what} is {_kind(st.st_mode)}, not a regular file.")
+        if st.st_size > limit:
+            raise CorruptCheckpointError(
+                f"{path}: the {what} is {st.st_size} bytes, over the {limit}-byte cap for such a record; "
+                "it is damaged or was replaced. Restore an older save."
+            )
+        chunks, total = [], 0
+        while True:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:  # it grew while we read it
+                raise CorruptCheckpointError(f"{path}: the {what} grew past the {limit}-byte cap while read.")
+        return b"".join(chunks)
+    except OSError as exc:
+        raise CorruptCheckpointError(
+            f"{path}: I/O error reading the {what} ({exc.strerror or exc}); this copy is damaged."
+        ) from exc
+    finally:
+        os.close(fd)
+
+
+def parse_json_text(data: bytes, *, where: str) -> Any:
+    """Decode UTF-8 and parse JSON; any failure (``RecursionError`` too) is damage.
+
+    Raises:
+        CorruptCheckpointError: Not UTF-8, not JSON, nested too deeply, or holding
+            NaN/Infinity (our writers never produce them).
+
+    Example:
+        >>> parse_json_text(b'{"step": 3}', where="manifest.json")
+        {'step': 3}
+    """
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=_refuse_constant)
+    except RecursionError:
+        # Deep nesting is the one parse failure that is not a ValueError.
+        raise CorruptCheckpointError(
+            f"{where}: not valid JSON (nested too deeply to be a record of ours); it is damaged."
+        ) from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpointError(
+            f"{where}: not valid JSON ({str(exc)[:120]}); it is damaged. Restore an older save."
+        ) from None
+
+
+def read_json_file(path: str | os.PathLike[str], *, limit: int = MAX_RECORD_BYTES, what: str = "file") -> Any:
+    """:func:`read_regular_file` then :func:`parse_json_text`.
+
+    Raises:
+        FileNotFoundError: The file does not exist.
+        CorruptCheckpointError: See both functions.
+
+    Example:
+        >>> read_json_file("run/step-00000240/manifest.json", what="manifest")["step"]  # doctest: +SKIP
+        240
+    """
+    return parse_json_text(read_regular_file(path, limit=limit, what=what), where=str(path))
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symlink"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
