@@ -214,7 +214,7 @@ def test_three_saves_reusing_buffers_each_hold_exactly_their_own_snapshot(tmp_pa
         ckpt.save_async(run.model, run.optimizer, run.scheduler, run.state)
         expected[step] = {
             "model": copy.deepcopy(run.model.state_dict()),
-            "optimizer": copy.deepcopy(run.optimizer.state_dict()),
+            "optimizer": copy.deepcopy(optimizer_state_with_bindings(run.model, run.optimizer)),
             "state": run.state.to_dict(),
         }
         pointers.append(ckpt._buffers.model.state_dict()["0.weight"].data_ptr())

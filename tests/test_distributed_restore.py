@@ -14,6 +14,7 @@ from _distributed_workers import make_run
 from ckpt_lesson import StateMismatchError
 from ckpt_lesson.distributed import DistributedCheckpointManager
 from ckpt_lesson.distributed.restore import world_size_message
+from ckpt_lesson.files.record_seal import seal_record
 
 
 def _pretend_saved_by(run: Path, world: int) -> None:
@@ -22,7 +23,7 @@ def _pretend_saved_by(run: Path, world: int) -> None:
     manifest = json.loads(path.read_text())
     manifest["world_size"] = world
     manifest["per_rank_keys"] = [f"rank{r}_local" for r in range(world)]
-    path.write_text(json.dumps(manifest))
+    path.write_text(json.dumps(seal_record(manifest)))  # a consistent record from another world size
 
 
 def test_a_save_by_another_world_size_is_refused_by_default_and_nothing_is_loaded(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from _distributed_local import flip_byte, save_locally
 
 from ckpt_lesson import cli
 from ckpt_lesson.errors import SchemaError
+from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.runs.manager import CheckpointManager
 from ckpt_lesson.runs.scan import inspect_save, read_manifest, scan_checkpoints
 
@@ -65,7 +66,7 @@ def test_scan_calls_a_malformed_distributed_manifest_corrupt(tmp_path: Path) -> 
     path = tmp_path / "run" / "step-00000002" / "manifest.json"
     manifest = json.loads(path.read_text())
     manifest["world_size"] = 0
-    path.write_text(json.dumps(manifest))
+    path.write_text(json.dumps(seal_record(manifest)))  # sealed again: structure, not the seal, is tested
     status, reason = _statuses(tmp_path / "run")[2]
     assert (status, "'world_size'" in reason) == ("corrupt", True)
 
@@ -86,7 +87,7 @@ def test_a_manifest_of_neither_layout_still_raises_the_first_schema_error(tmp_pa
     save_locally(tmp_path / "run", steps=(2,))
     folder = tmp_path / "run" / "step-00000002"
     manifest = json.loads((folder / "manifest.json").read_text())
-    (folder / "manifest.json").write_text(json.dumps({**manifest, "schema": "ckpt.manifest.v9"}))
+    (folder / "manifest.json").write_text(json.dumps(seal_record({**manifest, "schema": "ckpt.manifest.v9"})))
     with pytest.raises(SchemaError, match="unknown manifest schema 'ckpt.manifest.v9'"):
         inspect_save(folder)
 

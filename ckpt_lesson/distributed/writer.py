@@ -47,6 +47,7 @@ from torch.futures import Future
 
 from ckpt_lesson.errors import CheckpointError, IncompleteCheckpointError
 from ckpt_lesson.files.atomic import atomic_write_json
+from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.tagged_hash import DEFAULT_ALGO, new_hasher
 from ckpt_lesson.runs.commit import publish
 from ckpt_lesson.runs.dcp_manifest import METADATA_FILE, build_manifest
@@ -259,7 +260,8 @@ class CommitWriter(FileSystemWriter):
             dcp_version=metadata.version,
             **self.manifest_fields,
         )
-        atomic_write_json(manifest, self.staging / MANIFEST_NAME)  # fsyncs the file and the folder
+        # Sealed like every commit record: a flipped bit in the manifest itself is damage, not a refusal.
+        atomic_write_json(seal_record(manifest), self.staging / MANIFEST_NAME)  # fsyncs file and folder
         self.emit("manifest_written", step=self.step, save_id=self.save_id)
         if self.final.exists():
             raise CheckpointError(

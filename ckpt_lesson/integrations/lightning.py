@@ -128,7 +128,7 @@ class VerifiedCheckpointIO(_CheckpointIOBase):  # type: ignore[misc,valid-type]
                 "call trainer.save_checkpoint(path) without them."
             )
         digest = atomic_save(checkpoint, _local_path(path))
-        log.debug("saved %s (%d bytes, sha256 %s)", path, digest.size, digest.sha256[:12])
+        log.debug("saved %s (%d bytes, %s %s)", path, digest.size, digest.algo, digest.digest[:12])
 
     def load_checkpoint(
         self,
@@ -169,7 +169,7 @@ class VerifiedCheckpointIO(_CheckpointIOBase):  # type: ignore[misc,valid-type]
                     f"{exc} If that type is yours (Lightning stores save_hyperparameters() values), allow it "
                     "explicitly: VerifiedCheckpointIO(safe_globals=[TheType])."
                 ) from exc.__cause__
-        if digest.content_sha256 is None and self.require_integrity:
+        if not digest.has_footer and self.require_integrity:
             raise CheckpointError(
                 f"{path}: has no integrity footer (written by another writer, e.g. Lightning's stock "
                 "one), so it cannot be verified. Pass VerifiedCheckpointIO(require_integrity=False) to load "

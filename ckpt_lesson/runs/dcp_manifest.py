@@ -36,6 +36,7 @@ from ckpt_lesson.errors import (
     SchemaError,
     UnsafeCheckpointError,
 )
+from ckpt_lesson.files.record_seal import is_sealed, verify_record_seal
 from ckpt_lesson.files.schema import MANIFEST_NAME
 from ckpt_lesson.files.tagged_hash import check_hash_record, hash_file
 
@@ -153,6 +154,9 @@ def read_dcp_manifest(folder: str | os.PathLike[str]) -> tuple[dict[str, Any], b
         manifest = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise CorruptCheckpointError(f"{where}: not valid JSON ({exc}); restore an older save.") from exc
+    if isinstance(manifest, dict) and is_sealed(manifest):
+        # A sealed manifest must match its seal: a flipped bit in the record itself is damage.
+        verify_record_seal(manifest, where=where, legacy_keys=())
     validate_manifest(manifest, where=where)
     return manifest, raw
 
