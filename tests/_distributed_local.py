@@ -15,6 +15,7 @@ from _distributed_workers import make_run, train_step
 
 from ckpt_lesson import TrainState
 from ckpt_lesson.distributed import DistributedCheckpointManager, hash_file
+from ckpt_lesson.files.record_seal import seal_record
 
 
 def save_locally(run: Path, steps: tuple[int, ...] = (2, 4), **manager_options: Any) -> list[float]:
@@ -49,14 +50,14 @@ class RunsCode:
 
 
 def rewrite_manifest_entry(folder: Path, name: str) -> None:
-    """Make the manifest agree with whatever ``folder/name`` now holds (what a careful attacker does)."""
+    """Make the manifest agree with whatever ``folder/name`` now holds, resealed (what a careful attacker does)."""
     manifest_path = folder / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     for part in manifest["parts"]:
         if part["file"] == name:
             size, record = hash_file(folder / name, part["algo"])
             part.update(bytes=size, **record)
-    manifest_path.write_text(json.dumps(manifest))
+    manifest_path.write_text(json.dumps(seal_record(manifest)))
 
 
 def flip_byte(path: Path, at: float = 0.5) -> None:
