@@ -50,7 +50,7 @@ class RunsCode:
 
 
 def rewrite_manifest_entry(folder: Path, name: str) -> None:
-    """Make the manifest agree with whatever ``folder/name`` now holds, resealed (what a careful attacker does)."""
+    """Make the manifest agree with what ``folder/name`` now holds, resealed (as a careful attacker would)."""
     manifest_path = folder / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     for part in manifest["parts"]:
