@@ -357,3 +357,13 @@ def test_train_state_round_trips_through_plain_values():
     assert TrainState.from_dict(state.to_dict()) == state
     ints = TrainState.from_dict({**state.to_dict(), "losses": [1, 2, 3]})
     assert ints.losses == [1.0, 2.0, 3.0] and all(type(x) is float for x in ints.losses)
+
+
+def test_an_optimizer_that_once_loaded_our_file_with_plain_torch_still_loads_it_with_ours(saved, tiny_run):
+    # optimizer.load_state_dict() copies our group binding into the live optimizer; it is not a setting.
+    _, path = saved
+    run = tiny_run(0)
+    plain = torch.load(path, weights_only=True)
+    run.optimizer.load_state_dict(plain["optimizer"])
+    state = load_checkpoint(path, run.model, run.optimizer, run.scheduler)
+    assert state.step == 5
