@@ -73,6 +73,7 @@ from .files.sharded import (  # noqa: E402
     shard_keys_by_prefix,
     verify_sharded_checkpoint,
 )
+from .files.verify import verify_part  # noqa: E402
 from .runs.accumulation import AccumulationState, load_accumulating, save_accumulating  # noqa: E402
 from .runs.async_save import AsyncCheckpointer, TrainingSnapshot  # noqa: E402
 from .runs.cadence import SaveCadence, should_save  # noqa: E402
@@ -99,7 +100,7 @@ from .runs.manager_config import ManagerConfig  # noqa: E402
 from .runs.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler  # noqa: E402
 from .runs.report import RecoveryRecorder, read_recovery_log, summarize_recoveries  # noqa: E402
 from .runs.retention import KeepBest, KeepLastK, keep_last_k  # noqa: E402
-from .runs.scan import ScanResult, read_manifest, scan_checkpoints, verify_part  # noqa: E402
+from .runs.scan import ScanResult, read_manifest, scan_checkpoints  # noqa: E402
 from .runs.steplog import log_step  # noqa: E402
 from .runs.warm_start import WarmStartRecord, warm_start_from  # noqa: E402
 

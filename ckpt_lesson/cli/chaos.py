@@ -30,15 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.cli.faults import (
-    _SHARDED_ONLY,
-    POINTS,
     KillOutcome,
-    KillPlan,
-    RunConfig,
     compute_baseline,
-    predict_restored_step,
     run_kill_sequence,
 )
+from ckpt_lesson.cli.kill_plan import POINTS, SHARDED_ONLY, KillPlan, RunConfig, predict_restored_step
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.runs.report import read_recovery_log
 
@@ -177,7 +173,7 @@ def run_campaign(
     base = compute_baseline(single)  # the layout does not change the trajectory
     queue: list[tuple[RunConfig, list[str]]] = []
     if named_points:
-        named = [p for p in POINTS if p not in _SHARDED_ONLY]
+        named = [p for p in POINTS if p not in SHARDED_ONLY]
         queue.append((single, named[: len(named) // 2]))
         queue.append((single, named[len(named) // 2 :]))
         queue.append((sharded, ["after_shards", "mid_part", "manifest_written", "published"]))
@@ -191,7 +187,7 @@ def run_campaign(
             points = points[:left]
         else:
             cfg = sharded if run_no % 3 == 2 else single
-            pool = [p for p in POINTS if cfg.num_shards or p not in _SHARDED_ONLY]
+            pool = [p for p in POINTS if cfg.num_shards or p not in SHARDED_ONLY]
             points = [rng.choice(pool) for _ in range(min(kills_per_run, left))]
         plans = _plan_run(rng, cfg, points, early=early)
         if not plans:

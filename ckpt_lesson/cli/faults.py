@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from ckpt_lesson.cli.kill_plan import POINTS, KillPlan, RunConfig, predict_restored_step
 from ckpt_lesson.files.checkpoint import TrainState
 
 __all__ = [
@@ -63,60 +64,6 @@ __all__ = [
     "predict_restored_step",
     "run_kill_sequence",
 ]
-
-#: Kill point -> whether the interrupted save survives (is complete and published).
-POINTS: dict[str, bool] = {
-    "save_end": True,
-    "published": True,
-    "retention_delete": True,
-    "mid_part": False,
-    "after_shards": False,
-    "parts_complete": False,
-    "manifest_written": False,
-    "between_saves": True,
-    "bitrot": False,
-    "manifest_rot": False,
-}
-_SHARDED_ONLY = {"after_shards"}
-
-
-@dataclass(frozen=True)
-class KillPlan:
-    """Where to kill one process: at ``point`` of the save of ``step`` (or after ``step``).
-
-    ``arg`` is the byte count for ``mid_part`` and the shard count for ``after_shards``.
-    """
-
-    step: int
-    point: str
-    arg: int = 0
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """One simulated run; every process of it uses the same settings."""
-
-    total_steps: int = 40
-    every_steps: int = 5
-    keep_last: int = 2
-    num_shards: int | None = None
-    seed: int = 11
-    batch_size: int = 16
-
-
-def predict_restored_step(plan: KillPlan, every_steps: int) -> int | None:
-    """The step a correct restorer must choose after ``plan``'s kill (``None``: fresh start).
-
-    Every save step below the killed step was published (each process re-saves
-    the steps after the one it restored), so the newest good save is the killed
-    save itself when it was complete, else the save step just below it.
-    """
-    survives = POINTS[plan.point]
-    if plan.point == "between_saves":
-        newest = plan.step - plan.step % every_steps
-    else:
-        newest = plan.step if survives else plan.step - every_steps
-    return newest if newest >= every_steps else None
 
 
 def _weights_hash(model: torch.nn.Module) -> str:

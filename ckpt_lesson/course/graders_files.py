@@ -38,15 +38,15 @@ def check_verify_part(fn: Callable[..., Any], *, verbose: bool = True) -> GradeR
     Files of random bytes are written to a private temp folder, some damaged
     after their size and sha256 were recorded (a byte flipped, truncated,
     extended, deleted). The answer must be ``None`` exactly when
-    :func:`ckpt_lesson.runs.scan.verify_part` says the file is fine, and a
+    :func:`ckpt_lesson.files.verify.verify_part` says the file is fine, and a
     non-empty reason otherwise. The wording of the reason is yours.
 
     Example:
-        >>> from ckpt_lesson.runs.scan import verify_part
+        >>> from ckpt_lesson.files.verify import verify_part
         >>> check_verify_part(verify_part, verbose=False).passed
         True
     """
-    from ckpt_lesson.runs.scan import verify_part as reference
+    from ckpt_lesson.files.verify import verify_part as reference
 
     rng = random.Random(0)
     damages = [

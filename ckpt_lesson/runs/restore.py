@@ -36,8 +36,9 @@ from ckpt_lesson.files.integrity import part_digest
 from ckpt_lesson.files.safe_read import read_json_file
 from ckpt_lesson.files.schema import current_env
 from ckpt_lesson.files.sharded import INDEX_NAME, load_sharded_checkpoint
+from ckpt_lesson.files.verify import verify_record
 from ckpt_lesson.runs.contract import ResumeReport, check_contract, resume_report
-from ckpt_lesson.runs.scan import read_manifest, step_dir_name, verify_record
+from ckpt_lesson.runs.scan import read_manifest, step_dir_name
 
 __all__ = [
     "check_resume_contract",

@@ -25,8 +25,9 @@ from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, save_checkpoint
 from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, MANIFEST_SCHEMA, current_env
 from ckpt_lesson.files.sharded import INDEX_NAME, save_sharded_checkpoint
+from ckpt_lesson.files.verify import verify_record
 from ckpt_lesson.runs.manager_config import ManagerConfig
-from ckpt_lesson.runs.scan import MANIFEST_NAME, inspect_save, read_manifest, verify_record
+from ckpt_lesson.runs.scan import MANIFEST_NAME, inspect_save, read_manifest
 
 __all__ = [
     "build_manifest",
