@@ -13,7 +13,7 @@ Restoring one candidate save happens in two stages:
    metadata parsed in stage 1 (from the bytes that matched the manifest) and
    refuses to read any file the manifest does not list, and with
    :class:`WeightsOnlyLoadPlanner`, which reads non-tensor values with
-   ``torch.load(weights_only=True)`` where stock DCP uses ``weights_only=False``.
+   ``torch.load(weights_only=True)`` where stock DCP turns weights_only off.
 
 What stays open: between stage 1 and DCP's read a data file could be swapped.
 The reader re-checks sizes, and every value is still read weights-only, so a
@@ -195,7 +195,7 @@ class VerifyingReader(FileSystemReader):
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, except that non-tensor values are read weights-only.
 
-    Stock ``DefaultLoadPlanner.load_bytes`` calls ``torch.load(weights_only=False)``,
+    Stock ``DefaultLoadPlanner.load_bytes`` calls ``torch.load`` with weights_only off,
     which runs whatever a crafted value's pickle asks for. Here the same bytes
     go through the weights-only unpickler: tensors, plain containers and
     numbers load; anything else is refused before it is constructed.

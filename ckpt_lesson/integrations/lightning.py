@@ -150,7 +150,7 @@ class VerifiedCheckpointIO(_CheckpointIOBase):  # type: ignore[misc,valid-type]
 
         Raises:
             CheckpointError: Missing file, no footer (with ``require_integrity``),
-                or ``weights_only=False``. CorruptCheckpointError: the bytes
+                or weights_only turned off. CorruptCheckpointError: the bytes
                 changed since the save. UnsafeCheckpointError: the file holds a
                 type outside tensors, plain values and ``safe_globals`` (named).
         """
