@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _kill_patch import KILL_PATCH
 
 pytest.importorskip("transformers", reason="transformers is not installed: pip install -r requirements.txt")
 pytest.importorskip("accelerate", reason="the Trainer needs accelerate: pip install -r requirements.txt")
@@ -56,34 +57,6 @@ def train(output_dir, resume=None, max_steps=6, verified=True):
     trainer.train(resume_from_checkpoint=resume)
     weights = [p.detach().flatten().tolist() for p in model.parameters()]
     return {"global_step": trainer.state.global_step, "weights": weights}
-"""
-
-KILL_PATCH = r"""
-import os, signal, sys
-import torch
-_save, calls, kill_at = torch.save, [0], int(sys.argv[2])
-
-class KillMidWrite:
-    def __init__(self, f):
-        self.f, self.n = f, 0
-    def write(self, data):
-        self.f.write(data)
-        self.n += memoryview(data).nbytes
-        if self.n >= 4096:
-            self.f.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
-        return memoryview(data).nbytes
-    def flush(self):
-        self.f.flush()
-
-def save(obj, f, *a, **k):
-    calls[0] += 1
-    if calls[0] == kill_at:
-        f = open(f, "wb") if isinstance(f, (str, os.PathLike)) else f  # torch.save truncates the same way
-        f = KillMidWrite(f)
-    return _save(obj, f, *a, **k)
-
-torch.save = save
 """
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _kill_patch import KILL_PATCH
 
 pytest.importorskip("lightning", reason="lightning is not installed: pip install -r requirements.txt")
 
@@ -61,31 +62,6 @@ def train(ckdir, plugin="ours", resume="", max_steps=8):
     trainer.fit(model, DataLoader(data, batch_size=8), ckpt_path=resume or None)
     weights = [p.detach().flatten().tolist() for p in model.parameters()]
     return {"global_step": trainer.global_step, "weights": weights}
-"""
-
-KILL_PATCH = r"""
-import os, signal, sys
-import torch
-_save, calls, kill_at = torch.save, [0], int(sys.argv[2])
-
-class KillMidWrite:
-    def __init__(self, f):
-        self.f, self.n = f, 0
-    def write(self, data):
-        self.f.write(data)
-        self.n += memoryview(data).nbytes
-        if self.n >= 4096:
-            self.f.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
-        return memoryview(data).nbytes
-    def flush(self):
-        self.f.flush()
-
-def save(obj, f, *a, **k):
-    calls[0] += 1
-    return _save(obj, KillMidWrite(f) if calls[0] == kill_at else f, *a, **k)
-
-torch.save = save
 """
 
 

@@ -25,6 +25,7 @@ import json
 import os
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ __all__ = [
     "LAYOUT",
     "MANIFEST_NAME",
     "MANIFEST_SCHEMA",
+    "check_parts_list",
     "MAX_MANIFEST_BYTES",
     "METADATA_FILE",
     "build_manifest",
@@ -161,6 +163,26 @@ def read_dcp_manifest(folder: str | os.PathLike[str]) -> tuple[dict[str, Any], b
     return manifest, raw
 
 
+def check_parts_list(parts: Any, where: str, check_part: Callable[[Any, str], None]) -> set[str]:
+    """Check a manifest's ``parts``: a non-empty list, each entry valid, no file twice.
+
+    Shared by both manifest kinds (single-process and multi-rank); ``check_part``
+    checks one entry of the kind at hand. Returns the set of listed file names.
+
+    Raises:
+        CorruptCheckpointError: Not a non-empty list, a bad entry, or a file listed twice.
+    """
+    if not isinstance(parts, list) or not parts:
+        raise CorruptCheckpointError(f"{where}: 'parts' must be a non-empty list.")
+    seen: set[str] = set()
+    for part in parts:
+        check_part(part, where)
+        if part["file"] in seen:
+            raise CorruptCheckpointError(f"{where}: part {part['file']!r} is listed twice.")
+        seen.add(part["file"])
+    return seen
+
+
 def validate_manifest(manifest: Any, *, where: str) -> None:
     """Check every field a restore relies on; see :func:`read_dcp_manifest` for what is raised.
 
@@ -198,15 +220,7 @@ def validate_manifest(manifest: Any, *, where: str) -> None:
     covers = manifest.get("covers")
     if not isinstance(covers, list) or not all(isinstance(c, str) for c in covers):
         raise CorruptCheckpointError(f"{where}: 'covers' must list the saved buckets.")
-    parts = manifest.get("parts")
-    if not isinstance(parts, list) or not parts:
-        raise CorruptCheckpointError(f"{where}: 'parts' must be a non-empty list.")
-    seen: set[str] = set()
-    for part in parts:
-        _check_part(part, where)
-        if part["file"] in seen:
-            raise CorruptCheckpointError(f"{where}: part {part['file']!r} is listed twice.")
-        seen.add(part["file"])
+    seen = check_parts_list(manifest.get("parts"), where, _check_part)
     if METADATA_FILE not in seen:
         raise CorruptCheckpointError(f"{where}: no {METADATA_FILE} part; a DCP save always has one.")
 

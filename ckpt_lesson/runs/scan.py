@@ -45,7 +45,7 @@ from ckpt_lesson.files.safe_read import read_json_file
 from ckpt_lesson.files.schema import MANIFEST_NAME, MANIFEST_SCHEMA
 from ckpt_lesson.files.verify import verify_part, verify_record
 from ckpt_lesson.runs.dcp_manifest import MANIFEST_SCHEMA as DCP_MANIFEST_SCHEMA
-from ckpt_lesson.runs.dcp_manifest import check_dcp_part, read_dcp_manifest
+from ckpt_lesson.runs.dcp_manifest import check_dcp_part, check_parts_list, read_dcp_manifest
 from ckpt_lesson.runs.folder_manifest import FOLDER_MANIFEST_NAME, checkpoint_folder_step, verify_folder
 
 __all__ = [
@@ -173,15 +173,7 @@ def read_manifest(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
     if manifest.get("layout") not in LAYOUTS:
         found = manifest.get("layout")
         raise CorruptCheckpointError(f"{where}: 'layout' must be one of {LAYOUTS}, got {found!r}.")
-    parts = manifest.get("parts")
-    if not isinstance(parts, list) or not parts:
-        raise CorruptCheckpointError(f"{where}: 'parts' must be a non-empty list.")
-    seen: set[str] = set()
-    for part in parts:
-        _check_part_entry(part, where)
-        if part["file"] in seen:
-            raise CorruptCheckpointError(f"{where}: part {part['file']!r} is listed twice.")
-        seen.add(part["file"])
+    seen = check_parts_list(manifest.get("parts"), where, _check_part_entry)
     if manifest["layout"] == "single" and "checkpoint.pt" not in seen:
         raise CorruptCheckpointError(f"{where}: a single-file save must list 'checkpoint.pt' as a part.")
     return manifest
