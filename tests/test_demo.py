@@ -343,3 +343,10 @@ def test_the_committed_skill_recipe_is_what_the_package_renders_now() -> None:
         "outputs/skill-checkpoint-save-resume.md is stale: a constant it documents changed. "
         "Regenerate it with 'python -m ckpt_lesson demo'."
     )
+
+
+def test_the_demo_writes_into_the_repositorys_outputs_folder_by_default() -> None:
+    from ckpt_lesson.course.demo import DEFAULT_OUT
+
+    repo = Path(__file__).resolve().parent.parent
+    assert DEFAULT_OUT == repo / "outputs"

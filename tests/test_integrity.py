@@ -358,6 +358,30 @@ def test_our_saves_skip_torchs_zip_crc32_and_put_the_setting_back(tmp_path):
     assert config.save.compute_crc32 is True
 
 
+def test_saves_on_other_threads_skip_the_crc32_too_and_each_thread_keeps_its_setting(tmp_path):
+    # torch 2.13 keeps config overrides per thread: a flag flipped on one thread is invisible to another,
+    # so shard writers and the async writer must each switch it off for themselves.
+    import threading
+
+    from torch.utils.serialization import config
+
+    from ckpt_lesson.files.hashing import zip_crc32_off
+
+    seen: list[bool] = []
+
+    def save() -> None:
+        atomic_save({"w": torch.arange(1000.0)}, tmp_path / "other.pt")
+        seen.append(config.save.compute_crc32)
+
+    with zip_crc32_off():  # this thread is mid-save while the other thread saves
+        worker = threading.Thread(target=save)
+        worker.start()
+        worker.join()
+    assert seen == [True] and config.save.compute_crc32 is True
+    with zipfile.ZipFile(tmp_path / "other.pt") as z:
+        assert z.testzip() is not None  # written without CRC32s, like a save on the main thread
+
+
 # Hostile and damaged files ------------------------------------------------------------------
 
 

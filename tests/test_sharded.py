@@ -132,19 +132,24 @@ def test_the_index_is_written_after_every_shard_and_meta(tmp_path: Path, monkeyp
     order: list[str] = []
     real_save, real_json = sharded.atomic_save, sharded.atomic_write_json
 
+    # Recorded when each write has *finished*: the parts are written in parallel, in any order.
     def spy_save(payload, path, **kwargs):
+        digest = real_save(payload, path, **kwargs)
         order.append(Path(path).name)
-        return real_save(payload, path, **kwargs)
+        return digest
 
     def spy_json(obj, path, **kwargs):
+        assert (Path(path).parent / "index.json").exists() is False
+        digest = real_json(obj, path, **kwargs)
         order.append(Path(path).name)
-        return real_json(obj, path, **kwargs)
+        return digest
 
     monkeypatch.setattr(sharded, "atomic_save", spy_save)
     monkeypatch.setattr(sharded, "atomic_write_json", spy_json)
     save_after_steps(tmp_path / "ckpt", num_shards=3)
     shards = ["model.shard-000.pt", "model.shard-001.pt", "model.shard-002.pt"]
-    assert order == [*shards, "meta.pt", "index.json"]
+    assert sorted(order[:-1]) == sorted([*shards, "meta.pt"])
+    assert order[-1] == "index.json"
 
 
 def test_a_crash_while_writing_a_shard_leaves_no_index_and_load_says_incomplete(
@@ -416,6 +421,92 @@ def test_load_refuses_an_index_that_is_a_symlink_leaving_the_directory(ckpt: Pat
 def test_load_refuses_an_index_recording_a_malformed_hash(ckpt: Path) -> None:
     edit_index(ckpt, lambda index: index["shards"][0].update(digest="not-a-hash"))
     assert_refused(ckpt, CorruptCheckpointError)
+
+
+# --- the optimizer state sits with its parameters (ckpt.sharded.v2) -------------------------------
+
+
+def test_the_optimizer_moments_are_written_into_the_shards_not_into_meta(tmp_path: Path) -> None:
+    result = save_after_steps(tmp_path / "ckpt", num_shards=3)
+    meta = torch.load(result.out_dir / "meta.pt", weights_only=True)
+    assert meta["optimizer"]["state"] == {}
+    listed = [pid for f in result.files for pid in f["optimizer_state"]]
+    n_params = len(list(build()[1].parameters()))
+    assert sorted(listed) == list(range(n_params))
+    for f in result.files:
+        body = torch.load(result.out_dir / f["name"], weights_only=True)
+        assert sorted(body["optimizer_state"]) == sorted(f["optimizer_state"])
+        assert all("exp_avg" in body["optimizer_state"][pid] for pid in f["optimizer_state"])
+
+
+def test_parallel_and_one_at_a_time_writers_produce_identical_shards(tmp_path: Path) -> None:
+    one = save_after_steps(tmp_path / "one", num_shards=4, workers=1)
+    many = save_after_steps(tmp_path / "many", num_shards=4, workers=4)
+    assert [f["digest"] for f in one.files] == [f["digest"] for f in many.files]
+    assert [f["keys"] for f in one.files] == [f["keys"] for f in many.files]
+
+
+@pytest.mark.parametrize("workers", [0, -1, 1.5, True, "2"])
+def test_save_rejects_a_bad_worker_count_before_creating_anything(tmp_path: Path, workers) -> None:
+    with pytest.raises(CheckpointError, match="workers must be an int >= 1"):
+        save_after_steps(tmp_path / "ckpt", workers=workers)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def _rewrite_as_v1(ckpt_dir: Path) -> None:
+    """Turn a v2 save into the v1 layout earlier versions wrote: moments back in meta.pt."""
+    from ckpt_lesson.files.atomic import atomic_save
+
+    index = json.loads((ckpt_dir / "index.json").read_text())
+    meta = torch.load(ckpt_dir / "meta.pt", weights_only=True)
+    for entry in index["shards"]:
+        body = torch.load(ckpt_dir / entry["file"], weights_only=True)
+        meta["optimizer"]["state"].update(body["optimizer_state"])
+        digest = atomic_save(body["model"], ckpt_dir / entry["file"], algo="sha256")
+        entry.pop("optimizer_state")
+        entry.update(digest.record())
+    meta["optimizer"]["state"] = dict(sorted(meta["optimizer"]["state"].items()))
+    index["meta"].update(atomic_save(meta, ckpt_dir / "meta.pt", algo="sha256").record())
+    index["schema"] = "ckpt.sharded.v1"
+    index.pop("record_digest", None)
+    (ckpt_dir / "index.json").write_text(json.dumps(seal_record(index)))
+
+
+def test_a_v1_checkpoint_with_the_moments_in_meta_still_resumes_bit_for_bit(tmp_path: Path) -> None:
+    data, model, optimizer, scheduler = build()
+    reference = TrainState()
+    train(model, optimizer, scheduler, reference, data, until_step=8, seed=SEED)
+    out = tmp_path / "ckpt"
+    save_after_steps(out, steps=4)
+    _rewrite_as_v1(out)
+    assert read_shard_index(out)["schema"] == "ckpt.sharded.v1"
+    data, model, optimizer, scheduler = build(seed=999)
+    resumed = load_sharded_checkpoint(out, model, optimizer, scheduler)
+    train(model, optimizer, scheduler, resumed, data, until_step=8, seed=SEED)
+    assert resumed.losses == reference.losses
+
+
+def test_load_refuses_an_optimizer_state_listed_in_two_shards(ckpt: Path) -> None:
+    edit_index(
+        ckpt,
+        lambda index: index["shards"][1]["optimizer_state"].extend(index["shards"][0]["optimizer_state"]),
+    )
+    assert "listed in shard 0 and shard 1" in str(assert_refused(ckpt, CorruptCheckpointError))
+
+
+def test_load_refuses_a_v2_shard_entry_without_its_optimizer_state_list(ckpt: Path) -> None:
+    edit_index(ckpt, lambda index: index["shards"][0].pop("optimizer_state"))
+    assert "optimizer_state" in str(assert_refused(ckpt, CorruptCheckpointError))
+
+
+def test_load_refuses_a_shard_holding_other_parameters_optimizer_state(ckpt: Path) -> None:
+    # Swap two shards' lists in the index: each file's hash still matches, its contents no longer do.
+    def swap(index):
+        a, b = index["shards"][0], index["shards"][1]
+        a["optimizer_state"], b["optimizer_state"] = b["optimizer_state"], a["optimizer_state"]
+
+    edit_index(ckpt, swap)
+    assert "optimizer states of other parameters" in str(assert_refused(ckpt, CorruptCheckpointError))
 
 
 def test_verify_returns_the_digests_the_save_recorded(tmp_path: Path) -> None:

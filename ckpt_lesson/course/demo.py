@@ -51,7 +51,10 @@ __all__ = ["RESUME_TOLERANCE", "demo_failures", "run_full_demo", "run_resume_dem
 RESUME_TOLERANCE = 1e-4
 #: The single-file variant's checkpoint inside ``ckpt_dir`` (the lesson's name).
 SINGLE_FILE_NAME = "ckpt.pt"
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "outputs"
+_CHECKOUT = Path(__file__).resolve().parents[2]
+#: The repository's ``outputs/`` when the package runs from a checkout; ``./outputs`` when it is
+#: installed (never a folder inside the installed package).
+DEFAULT_OUT = _CHECKOUT / "outputs" if (_CHECKOUT / "pyproject.toml").is_file() else Path("outputs")
 
 
 def _validate(total_steps: int, interrupt_at: int, num_shards: int) -> None:

@@ -66,12 +66,14 @@ def _tiny_payload_keys() -> list[str]:
 def _sharded_section() -> list[str]:
     example = _example_index()
     return [
-        "A sharded checkpoint is a directory: model weights spread over shard files, every other bucket "
-        f"in `{sharded.META_NAME}`, and `{sharded.INDEX_NAME}` (schema `{sharded.SHARDED_SCHEMA}`) "
-        "listing each file's keys, size, hash algorithm and digest.",
+        "A sharded checkpoint is a directory: model weights spread over shard files, each with the "
+        f"optimizer state of its own parameters, every other bucket in `{sharded.META_NAME}`, and "
+        f"`{sharded.INDEX_NAME}` (schema `{sharded.SHARDED_SCHEMA}`) listing each file's keys, "
+        "optimizer-state ids, size, hash algorithm and digest.",
         "",
         f"- Layouts: {_codes(sharded.LAYOUTS)}.",
-        f"- Write every shard and `{sharded.META_NAME}` atomically first, `{sharded.INDEX_NAME}` last: "
+        f"- Write every shard and `{sharded.META_NAME}` atomically first (in parallel threads: the "
+        f"writes and hashes release the GIL), `{sharded.INDEX_NAME}` last: "
         "**its presence is the commit**. A directory without it is a save that never finished.",
         "- Never rewrite a finished checkpoint in place; save each step into a new directory.",
         "- On load, check every file's size and digest against the index, every shard's keys against "

@@ -16,6 +16,7 @@ import hashlib
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
@@ -155,16 +156,26 @@ def zip_crc32_off() -> Iterator[None]:
     zip tools (``unzip -t``, Python's ``zipfile`` when it reads a member)
     report CRC errors on these files. ``torch.load`` reads them normally.
 
-    The setting is one process-wide flag (read when ``torch.save`` starts
-    writing), and async saves run on a writer thread. So a counter under a
-    lock turns it off when the first of our saves begins and puts the old
-    value back when the last one ends. A plain ``torch.save`` that another
-    thread starts in that window also skips its CRCs: harmless for
-    ``torch.load``, visible to zip tools.
+    Where the setting lives depends on the torch version. Newer torch keeps
+    a user's config change per thread (a ``ContextVar``: torch 2.13's
+    ``torch/utils/_config_module.py``), so each saving thread, a shard writer
+    or the async writer, turns it off for itself and puts its own value back.
+    Older torch has one process-wide flag: then a counter under a lock turns it
+    off when the first of our saves begins and restores it when the last one
+    ends (a plain ``torch.save`` another thread starts in that window also skips
+    its CRCs: harmless for ``torch.load``, visible to zip tools).
     """
     global _crc_users, _crc_saved
     from torch.utils.serialization import config
 
+    if _config_is_per_thread(config):
+        saved = config.save.compute_crc32
+        config.save.compute_crc32 = False
+        try:
+            yield
+        finally:
+            config.save.compute_crc32 = saved
+        return
     with _crc_lock:
         if _crc_users == 0:
             _crc_saved = config.save.compute_crc32
@@ -177,3 +188,9 @@ def zip_crc32_off() -> Iterator[None]:
             _crc_users -= 1
             if _crc_users == 0:
                 config.save.compute_crc32 = _crc_saved
+
+
+def _config_is_per_thread(config: Any) -> bool:
+    """True where torch stores config overrides per thread (a ``ContextVar`` per entry)."""
+    entry = getattr(config, "_config", {}).get("save.compute_crc32")
+    return isinstance(getattr(entry, "user_override", None), ContextVar)

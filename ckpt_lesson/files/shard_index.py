@@ -43,11 +43,15 @@ __all__ = [
     "LAYOUTS",
     "META_NAME",
     "SHARDED_SCHEMA",
+    "SHARDED_SCHEMAS",
     "read_shard_index",
     "verify_sharded_checkpoint",
 ]
 
-SHARDED_SCHEMA = "ckpt.sharded.v1"
+#: v2 (written now) keeps each parameter's optimizer state in its shard; v1 kept it in meta.pt.
+SHARDED_SCHEMA = "ckpt.sharded.v2"
+#: Every index schema this code reads.
+SHARDED_SCHEMAS = ("ckpt.sharded.v1", SHARDED_SCHEMA)
 INDEX_NAME = "index.json"
 #: Every top-level key an index had before indexes carried their own checksum.
 LEGACY_INDEX_KEYS = frozenset({"schema", "payload_schema", "num_shards", "layout", "shards", "meta"})
@@ -147,7 +151,7 @@ def read_shard_index(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
         IncompleteCheckpointError: No index (the save never finished) or a listed file is missing.
         CorruptCheckpointError: Unreadable or inconsistent index, or unlisted shard files.
         UnsafeCheckpointError: A file name or symlink leads outside ``ckpt_dir``.
-        SchemaError: Not a ``ckpt.sharded.v1`` index.
+        SchemaError: Not a ``ckpt.sharded.v1`` or ``v2`` index.
 
     Example:
         >>> read_shard_index("ckpt/step-12")["num_shards"]  # doctest: +SKIP
@@ -169,9 +173,9 @@ def read_shard_index(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(index, dict):
         raise _bad(root, "not a JSON object")
     verify_record_seal(index, where=str(index_path), legacy_keys=LEGACY_INDEX_KEYS)
-    if index.get("schema") != SHARDED_SCHEMA:
+    if index.get("schema") not in SHARDED_SCHEMAS:
         raise SchemaError(
-            f"{index_path}: schema {index.get('schema')!r} is not {SHARDED_SCHEMA!r}; "
+            f"{index_path}: schema {index.get('schema')!r} is not one of {SHARDED_SCHEMAS}; "
             "this is not a sharded checkpoint this code can read."
         )
     if index.get("payload_schema") not in KNOWN_SCHEMAS:
@@ -189,6 +193,10 @@ def read_shard_index(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
         raise _bad(root, f"'num_shards' is {n} but {len(shards)} shards are listed")
     for i, entry in enumerate(shards):
         _check_entry(root, entry, f"shard {i}", with_keys=True)
+        if index["schema"] != "ckpt.sharded.v1":
+            pids = entry.get("optimizer_state")
+            if not isinstance(pids, list) or not all(type(p) is int for p in pids):
+                raise _bad(root, f"shard {i} has no 'optimizer_state' list of parameter ids")
     _check_entry(root, index.get("meta"), "'meta'", with_keys=False)
     seen: dict[str, int] = {}
     for i, entry in enumerate(shards):
@@ -196,6 +204,12 @@ def read_shard_index(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
             if key in seen:
                 raise _bad(root, f"key {key!r} is listed in shard {seen[key]} and shard {i}")
             seen[key] = i
+    owner: dict[int, int] = {}
+    for i, entry in enumerate(shards):
+        for pid in entry.get("optimizer_state", []):
+            if pid in owner:
+                raise _bad(root, f"optimizer state {pid} is listed in shard {owner[pid]} and shard {i}")
+            owner[pid] = i
     _files(root, index)
     listed = {e["file"] for e in shards}
     unlisted = sorted(p.name for p in root.iterdir() if _SHARD_RE.match(p.name) and p.name not in listed)

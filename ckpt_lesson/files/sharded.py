@@ -34,6 +34,7 @@ keeping every file name inside the directory) is :mod:`ckpt_lesson.files.shard_i
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,7 @@ from ckpt_lesson.files.shard_index import (
     LAYOUTS,
     META_NAME,
     SHARDED_SCHEMA,
+    SHARDED_SCHEMAS,
     _bad,
     _check_entry,  # noqa: F401
     _files,
@@ -64,15 +66,18 @@ from ckpt_lesson.files.shard_index import (
     read_shard_index,
     verify_sharded_checkpoint,
 )
+from ckpt_lesson.files.shard_plan import _nbytes, plan_optimizer_shards, plan_shards, shard_keys_by_prefix
 
 __all__ = [
     "INDEX_NAME",
     "LAYOUTS",
     "META_NAME",
     "SHARDED_SCHEMA",
+    "SHARDED_SCHEMAS",
     "SHARD_SCHEMA",
     "ShardedSaveResult",
     "load_sharded_checkpoint",
+    "plan_optimizer_shards",
     "plan_shards",
     "read_shard_index",
     "save_sharded_checkpoint",
@@ -82,8 +87,8 @@ __all__ = [
 
 
 #: The lesson's name for the schema of its sharded format. Ours has one
-#: schema for the whole sharded checkpoint, recorded in ``index.json``; shard
-#: bodies are plain ``{key: tensor}`` dicts whose keys the index lists.
+#: schema for the whole sharded checkpoint, recorded in ``index.json``; each shard
+#: body holds the model tensors and optimizer states the index lists for it.
 SHARD_SCHEMA = SHARDED_SCHEMA
 
 
@@ -114,22 +119,6 @@ class ShardedSaveResult:
         return [f["bytes"] for f in self.files]
 
 
-def _check_plan_args(num_shards: Any, layout: Any) -> None:
-    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
-        raise CheckpointError(f"num_shards must be an int >= 1, got {num_shards!r}.")
-    if layout not in LAYOUTS:
-        raise CheckpointError(f"unknown shard layout {layout!r}; choose one of {LAYOUTS}.")
-    if layout == "param_group" and num_shards < 2:
-        raise CheckpointError(
-            "layout 'param_group' puts weights and biases/buffers in separate shards, so it needs "
-            f"num_shards >= 2 (got {num_shards}); pass more shards or use layout='round_robin'."
-        )
-
-
-def _nbytes(value: Any) -> int:
-    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
-
-
 def _own_storage(value: Any) -> Any:
     # torch.save writes a tensor's *whole* storage. A view into a bigger buffer (a
     # slice, a flattened parameter) would drag all of that buffer into every shard
@@ -139,82 +128,22 @@ def _own_storage(value: Any) -> Any:
     return value
 
 
-def _balance(keys: list[str], sizes: dict[str, int], n: int, order: dict[str, int]) -> list[list[str]]:
-    # Greedy largest-first into the currently lightest shard: simple, and within
-    # one largest tensor of the best split. Ties go to the lower shard index.
-    shards: list[list[str]] = [[] for _ in range(n)]
-    load = [0] * n
-    for key in sorted(keys, key=lambda k: (-sizes[k], order[k])):
-        lightest = min(range(n), key=lambda i: (load[i], i))
-        shards[lightest].append(key)
-        load[lightest] += sizes[key]
-    return [sorted(s, key=order.__getitem__) for s in shards]
+def _default_workers(jobs: int) -> int:
+    # Writers spend their time in calls that release the GIL (the file write,
+    # the xxh3 update, fsync), so threads overlap for real. One per core is
+    # enough to keep the disk and the hashing busy without oversubscribing.
+    return max(1, min(jobs, os.cpu_count() or 1))
 
 
-def plan_shards(state_dict: dict[str, Any], num_shards: int, layout: str = "round_robin") -> list[list[str]]:
-    """Decide which keys go to which shard; pure, touches no disk.
-
-    ``round_robin`` sends key ``i`` (in ``state_dict`` order) to shard
-    ``i % num_shards``: trivial, but shard sizes follow whatever order the keys
-    happen to be in. ``param_group`` gives weights (keys ending in ``weight``)
-    the first ``ceil(num_shards / 2)`` shards and biases plus buffers the other
-    ``floor(num_shards / 2)``, then balances each group by tensor bytes.
-
-    Args:
-        state_dict: Key -> tensor, e.g. ``model.state_dict()``.
-        num_shards: How many shard files (some may be empty for a tiny model).
-        layout: One of :data:`LAYOUTS`.
-
-    Returns:
-        ``num_shards`` lists of keys; every key appears exactly once, and within
-        a shard keys keep their ``state_dict`` order.
-
-    Raises:
-        CheckpointError: Bad ``num_shards`` or ``layout``.
-
-    Example:
-        >>> plan_shards({"a.weight": torch.zeros(4), "a.bias": torch.zeros(1)}, 2, "param_group")
-        [['a.weight'], ['a.bias']]
-    """
-    _check_plan_args(num_shards, layout)
-    keys = list(state_dict)
-    if layout == "round_robin":
-        return [keys[i::num_shards] for i in range(num_shards)]
-    order = {k: i for i, k in enumerate(keys)}
-    sizes = {k: _nbytes(v) for k, v in state_dict.items()}
-    weights = [k for k in keys if k.endswith("weight")]
-    others = [k for k in keys if not k.endswith("weight")]
-    n_weights = (num_shards + 1) // 2
-    return _balance(weights, sizes, n_weights, order) + _balance(others, sizes, num_shards - n_weights, order)
-
-
-def shard_keys_by_prefix(state_dict: dict[str, Any], num_shards: int) -> dict[int, list[str]]:
-    """The lesson's layout helper: ``{shard: [keys]}``, round robin over the *sorted* keys.
-
-    Key ``j`` of ``sorted(state_dict)`` goes to shard ``j % num_shards``, so
-    shard sizes (in keys) differ by at most one and the answer does not depend
-    on the order the model registered its parameters. Every shard index from
-    ``0`` to ``num_shards - 1`` is present, possibly with an empty list. (The
-    name is the lesson's; :func:`plan_shards` is the layout engine
-    :func:`save_sharded_checkpoint` uses, in ``state_dict`` order.)
-
-    Args:
-        state_dict: Key -> value, e.g. ``model.state_dict()``.
-        num_shards: How many shards, an int >= 1.
-
-    Returns:
-        A dict from shard index to that shard's keys, in ascending key order.
-
-    Raises:
-        CheckpointError: ``num_shards`` is not an int >= 1 (a ``ValueError``, as in the lesson).
-
-    Example:
-        >>> shard_keys_by_prefix({"c": 0, "a": 0, "b": 0}, 2)
-        {0: ['a', 'c'], 1: ['b']}
-    """
-    _check_plan_args(num_shards, "round_robin")
-    keys = sorted(state_dict)
-    return {i: keys[i::num_shards] for i in range(num_shards)}
+def _write_all(jobs: list[tuple[Any, Path]], *, workers: int, algo: str) -> list[FileDigest]:
+    """``atomic_save`` every ``(body, path)``, ``workers`` at a time; digests in job order."""
+    if workers == 1:
+        return [atomic_save(body, path, algo=algo) for body, path in jobs]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-shard") as pool:
+        futures = [pool.submit(atomic_save, body, path, algo=algo) for body, path in jobs]
+        # result() re-raises a writer's error here, in the caller's thread; leaving
+        # the with-block first waits for the other writers, so none outlives the call.
+        return [f.result() for f in futures]
 
 
 def save_sharded_checkpoint(
@@ -230,8 +159,13 @@ def save_sharded_checkpoint(
     data: dict[str, Any] | None = None,
     rng: dict[str, Any] | None = None,
     algo: str = DEFAULT_ALGO,
+    workers: int | None = None,
 ) -> ShardedSaveResult:
     """Save a resumable checkpoint as shards + ``meta.pt`` + ``index.json`` (last).
+
+    Each shard holds a slice of the model's weights and the optimizer state of
+    exactly those parameters (AdamW's moments are two thirds of the bytes), so
+    the shards carry almost all the data and are written in parallel.
 
     Args:
         model, optimizer, scheduler, state, extras, data, rng: As for
@@ -242,18 +176,22 @@ def save_sharded_checkpoint(
         num_shards: Number of shard files for the model's weights.
         layout: How keys are assigned; see :func:`plan_shards`.
         algo: Integrity hash of every file and index entry.
+        workers: Writer threads (default: one per CPU core, at most one per
+            file); ``1`` writes the files one after another.
 
     Returns:
         A :class:`ShardedSaveResult` with every file's size and digest.
 
     Raises:
-        CheckpointError: Bad ``num_shards``/``layout``, or ``out_dir`` already
-            holds a finished checkpoint.
+        CheckpointError: Bad ``num_shards``/``layout``/``workers``, or ``out_dir``
+            already holds a finished checkpoint.
 
     Example:
         >>> save_sharded_checkpoint(model, opt, sched, state, "ckpt/step-12", num_shards=4)  # doctest: +SKIP
     """
-    _check_plan_args(num_shards, layout)
+    plan_shards({}, num_shards, layout)  # validates both arguments before anything is built
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise CheckpointError(f"workers must be an int >= 1 (or None for one per core), got {workers!r}.")
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"{out_dir}: is a file; a sharded checkpoint needs a directory of its own.")
@@ -265,17 +203,32 @@ def save_sharded_checkpoint(
     payload = build_payload(model, optimizer, scheduler, state, extras=extras, data=data, rng=rng)
     model_sd = payload.pop("model")  # what is left is meta.pt: every other bucket
     plan = plan_shards(model_sd, num_shards, layout)
+    opt_sd = payload["optimizer"]
+    opt_plan = plan_optimizer_shards(opt_sd, plan)
+    moved = {pid for pids in opt_plan for pid in pids}
+    payload["optimizer"] = {**opt_sd, "state": {k: v for k, v in opt_sd["state"].items() if k not in moved}}
     make_dirs(out_dir)  # durably: the directory must survive a power loss, not only its files
     names = {_shard_name(i) for i in range(num_shards)}
     for stale in out_dir.glob("model.shard-*.pt"):
         if stale.name not in names:  # no index here, so nothing in this directory was ever committed
             stale.unlink()
-    files = []
-    for i, keys in enumerate(plan):
-        body = {k: _own_storage(model_sd[k]) for k in keys}
-        digest = atomic_save(body, out_dir / _shard_name(i), algo=algo)
-        files.append({"name": _shard_name(i), "keys": keys, **digest.record()})
-    meta_digest = atomic_save(payload, out_dir / META_NAME, algo=algo)
+    jobs = [
+        (
+            {
+                "model": {k: _own_storage(model_sd[k]) for k in keys},
+                "optimizer_state": {pid: opt_sd["state"][pid] for pid in pids},
+            },
+            out_dir / _shard_name(i),
+        )
+        for i, (keys, pids) in enumerate(zip(plan, opt_plan, strict=True))
+    ]
+    # meta.pt goes first: it is often the largest single file left, so it should not start last.
+    jobs.insert(0, (payload, out_dir / META_NAME))
+    meta_digest, *digests = _write_all(jobs, workers=workers or _default_workers(len(jobs)), algo=algo)
+    files = [
+        {"name": _shard_name(i), "keys": keys, "optimizer_state": pids, **d.record()}
+        for i, (keys, pids, d) in enumerate(zip(plan, opt_plan, digests, strict=True))
+    ]
     meta = {"name": META_NAME, **meta_digest.record()}
     index = {
         "schema": SHARDED_SCHEMA,
@@ -289,6 +242,23 @@ def save_sharded_checkpoint(
     return ShardedSaveResult(out_dir=out_dir, files=files, meta=meta, index=index_digest)
 
 
+def _shard_parts(root: Path, index: dict[str, Any], entry: dict[str, Any], path: Path, obj: Any) -> tuple:
+    """``(model tensors, optimizer states)`` of one loaded shard, checked against its index entry."""
+    if index["schema"] == "ckpt.sharded.v1":  # a plain {key: tensor} dict; the moments sit in meta.pt
+        body, opt = obj, {}
+    elif isinstance(obj, dict) and set(obj) == {"model", "optimizer_state"}:
+        body, opt = obj["model"], obj["optimizer_state"]
+    else:
+        raise _bad(root, f"{path.name} is not a {index['schema']} shard (model and optimizer_state)")
+    if not isinstance(body, dict) or set(body) != set(entry["keys"]) or len(body) != len(entry["keys"]):
+        have = sorted(body) if isinstance(body, dict) else type(body).__name__
+        raise _bad(root, f"{path.name} holds keys {str(have)[:200]}, not the listed {entry['keys'][:5]}")
+    listed = entry.get("optimizer_state", [])
+    if not isinstance(opt, dict) or set(opt) != set(listed) or len(opt) != len(listed):
+        raise _bad(root, f"{path.name} holds optimizer states of other parameters than {listed[:5]}")
+    return body, opt
+
+
 def load_sharded_checkpoint(
     ckpt_dir: str | os.PathLike[str],
     model: torch.nn.Module,
@@ -300,7 +270,9 @@ def load_sharded_checkpoint(
     """Verify every file of a sharded checkpoint, then merge and restore all buckets.
 
     Nothing is applied until every file has passed its size and hash check
-    and every shard holds exactly the keys the index says.
+    and every shard holds exactly the keys the index says. Reads both layouts:
+    ``ckpt.sharded.v2`` (optimizer state inside the shards) and ``v1``
+    (optimizer state in ``meta.pt``).
 
     Returns:
         The saved :class:`~ckpt_lesson.files.checkpoint.TrainState`.
@@ -323,14 +295,23 @@ def load_sharded_checkpoint(
         )
         loaded.append((path, entry, obj))
     *shards, (meta_path, _, meta) = loaded
-    merged: dict[str, Any] = {}
-    for path, entry, obj in shards:
-        if not isinstance(obj, dict) or set(obj) != set(entry["keys"]) or len(obj) != len(entry["keys"]):
-            have = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-            raise _bad(root, f"{path.name} holds keys {str(have)[:200]}, not the listed {entry['keys'][:5]}")
-        merged.update(obj)
     if not isinstance(meta, dict) or "model" in meta or meta.get("schema") != index["payload_schema"]:
         raise _bad(root, f"{meta_path.name} is not the meta part of a {index['payload_schema']} payload")
+    merged: dict[str, Any] = {}
+    opt_state: dict[Any, Any] = {}
+    for path, entry, obj in shards:
+        body, opt = _shard_parts(root, index, entry, path, obj)
+        merged.update(body)
+        opt_state.update(opt)
+    opt_sd = meta.get("optimizer")
+    if opt_state:
+        if not isinstance(opt_sd, dict) or not isinstance(opt_sd.get("state"), dict):
+            raise _bad(root, f"{meta_path.name} has no optimizer state_dict to merge the shards' states into")
+        if set(opt_sd["state"]) & set(opt_state):
+            raise _bad(root, f"{meta_path.name} and a shard both hold the state of one parameter")
+        whole = {**opt_sd["state"], **opt_state}
+        # Back in parameter-id order (every id is an int here: only then are states sharded).
+        meta = {**meta, "optimizer": {**opt_sd, "state": {k: whole[k] for k in sorted(whole)}}}
     payload = migrate_payload({**meta, "model": merged}, source=str(root))
     missing = [b for b in BUCKETS if b not in payload]
     if missing:
