@@ -84,13 +84,13 @@ def run(args: argparse.Namespace) -> int:
         for flag, value in (("--only", args.only), ("--dir", args.dir), ("--out", args.out)):
             argv += [flag, value] if value else []
         return subprocess.call([sys.executable, "-m", "ckpt_lesson", *argv], env=env)
-    from ckpt_lesson.cli.bench_cases import Workload, make_cases
+    from ckpt_lesson.cli.bench_cases import Sample, Workload, make_cases
 
     names = sorted({n for v, b, _ in wanted for n in (v, b)})
     load_before = _loadavg()
     workload = Workload(args.size_mb)
     cases = make_cases(workload)
-    times: dict[str, list[float]] = {n: [] for n in names}
+    samples: dict[str, list[Sample]] = {n: [] for n in names}
     rng = random.Random(args.seed)
     print("warm-up: every variant once, not recorded (imports, first allocations)", file=sys.stderr)
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
@@ -108,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
                 )
                 folder = root / f"{rep}-{name}"
                 folder.mkdir()
-                times[name].append(cases[name](folder))
+                got = cases[name](folder)
+                samples[name].append(got if isinstance(got, Sample) else Sample(got))
                 shutil.rmtree(folder)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -116,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     load_after = _loadavg()
     cpus = os.cpu_count() or 1
     under_load = any(x > cpus / 2 for x in load_before[:1] + load_after[:1])
+    times = {n: [x.seconds for x in got] for n, got in samples.items()}
     rows = []
     for variant, base, what in wanted:
         ratios = [v / b for v, b in zip(times[variant], times[base], strict=True)]
@@ -128,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
                 "ratios": [round(r, 3) for r in ratios],
                 "median_s": round(statistics.median(times[variant]), 4),
                 "baseline_median_s": round(statistics.median(times[base]), 4),
+                "peak_extra_mb": _median_mb(samples[variant], "peak_extra"),
+                "baseline_peak_extra_mb": _median_mb(samples[base], "peak_extra"),
+                "resident": _median_of(samples[variant], "resident"),
+                "baseline_resident": _median_of(samples[base], "resident"),
             }
         )
     result = {
@@ -155,6 +161,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _median_of(got: list[Any], field: str) -> float | None:
+    values = [getattr(x, field) for x in got if getattr(x, field) is not None]
+    return round(statistics.median(values), 3) if values else None
+
+
+def _median_mb(got: list[Any], field: str) -> float | None:
+    value = _median_of(got, field)
+    return None if value is None else round(value / 1e6, 1)
+
+
+def _mb(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 def _print_table(result: dict[str, Any]) -> None:
     if result["under_load"]:
         print(
@@ -165,9 +185,11 @@ def _print_table(result: dict[str, Any]) -> None:
     print(
         f"{result['state_bytes'] / 1e6:.0f} MB of state, {result['reps']} repetitions, paired median ratios"
     )
-    print(f"| {'variant':<24} | {'vs':<26} | ratio | variant s | baseline s |")
+    print("peak MB: most resident memory held above the start, variant / baseline")
+    print(f"| {'variant':<26} | {'vs':<26} | ratio | variant s | baseline s | peak MB   |")
     for r in result["rows"]:
+        peak = f"{_mb(r['peak_extra_mb'])} / {_mb(r['baseline_peak_extra_mb'])}"
         print(
-            f"| {r['variant']:<24} | {r['baseline']:<26} | {r['median_ratio']:5.2f} | "
-            f"{r['median_s']:9.4f} | {r['baseline_median_s']:10.4f} |"
+            f"| {r['variant']:<26} | {r['baseline']:<26} | {r['median_ratio']:5.2f} | "
+            f"{r['median_s']:9.4f} | {r['baseline_median_s']:10.4f} | {peak:<9} |"
         )

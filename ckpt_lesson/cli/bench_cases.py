@@ -14,17 +14,23 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from ckpt_lesson.cli.bench_async import async_cases
+from ckpt_lesson.cli.bench_probes import (
+    drop_from_page_cache,
+    peak_rss_reset,
+    peak_rss_since_reset,
+    resident_fraction,
+)
 from ckpt_lesson.files.atomic import atomic_save, fsync_dir
 from ckpt_lesson.files.checkpoint import TrainState, build_payload, load_checkpoint, save_checkpoint
 from ckpt_lesson.files.sharded import save_sharded_checkpoint
-from ckpt_lesson.runs.async_save import AsyncCheckpointer
 from ckpt_lesson.runs.manager import CheckpointManager
 
-__all__ = ["PAIRS", "Workload", "make_cases"]
+__all__ = ["PAIRS", "Sample", "Workload", "make_cases"]
 
 #: (variant, baseline, what the ratio means)
 PAIRS: list[tuple[str, str, str]] = [
@@ -40,12 +46,35 @@ PAIRS: list[tuple[str, str, str]] = [
     ("sharded_4", "save_checkpoint", "save_sharded_checkpoint, 4 shards, vs one file"),
     ("sharded_8", "save_checkpoint", "save_sharded_checkpoint, 8 shards, vs one file"),
     ("async_stall", "manager_save", "training thread blocked by save_async vs a synchronous managed save"),
+    ("async_stall", "dcp_async_persistent_stall", "our stall vs DCP async_save's, persistent stager"),
+    ("dcp_async_stall", "manager_save", "DCP async_save stall (default stager) vs a managed save"),
+    ("dcp_async_persistent_stall", "manager_save", "DCP async_save stall (persistent stager) vs the same"),
+    ("async_steps", "steps_alone", "3 training steps during our background save vs with no save"),
+    ("dcp_async_steps", "steps_alone", "3 steps during DCP async_save (default stager) vs no save"),
+    ("dcp_async_persistent_steps", "steps_alone", "3 steps during DCP async_save (persistent stager)"),
     (
         "load_checkpoint",
         "torch_load_apply",
         "verified restore + 1 optimizer step vs torch.load + load_state_dicts",
     ),
+    (
+        "load_checkpoint_mmap",
+        "torch_load_apply",
+        "the same restore with load_checkpoint(mmap=True): weights copied from the file mapping",
+    ),
+    ("load_checkpoint_cold", "torch_load_apply_cold", "verified restore, file evicted from the page cache"),
+    ("load_checkpoint_mmap_cold", "torch_load_apply_cold", "mapped verified restore, file evicted"),
 ]
+
+
+class Sample(NamedTuple):
+    """One timed run of a case."""
+
+    seconds: float
+    #: Most resident memory held above the start, in bytes (``None`` where not measured).
+    peak_extra: int | None = None
+    #: Fraction of the loaded file in the page cache when the load began (loads only).
+    resident: float | None = None
 
 
 class Workload:
@@ -101,42 +130,41 @@ def _plain_durable_save(obj: Any, path: Path) -> None:
     fsync_dir(path.parent)
 
 
-def _timed(fn: Callable[[], Any]) -> float:
+def _timed(fn: Callable[[], Any], resident: float | None = None) -> Sample:
+    base = peak_rss_reset()
     start = time.perf_counter()
     fn()
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    peak = peak_rss_since_reset()
+    extra = None if base is None or peak is None else max(0, peak - base)
+    return Sample(seconds, extra, resident)
 
 
-def make_cases(w: Workload) -> dict[str, Callable[[Path], float]]:
+def make_cases(w: Workload) -> dict[str, Callable[[Path], Sample | float]]:
     """Every case by name; each takes a fresh, empty folder and returns seconds."""
     weights = {"model": w.model.state_dict(), "optimizer": w.optimizer.state_dict()}
 
     def payload() -> dict[str, Any]:
         return build_payload(w.model, w.optimizer, w.scheduler, w.state)
 
-    def manager(d: Path, verify: bool) -> float:
+    def manager(d: Path, verify: bool) -> Sample:
         mgr = CheckpointManager(d / "run", every_steps=1, verify_on_save=verify)
         return _timed(lambda: mgr.save(w.model, w.optimizer, w.scheduler, w.state))
 
-    def async_stall(d: Path) -> float:
-        mgr = CheckpointManager(d / "run", every_steps=1)
-        with AsyncCheckpointer(mgr) as ckpt:
-            ckpt.save_async(w.model, w.optimizer, w.scheduler, TrainState(step=1))
-            ckpt.wait()  # a first save fills the buffers, as in a long run
-            stall = _timed(lambda: ckpt.save_async(w.model, w.optimizer, w.scheduler, TrainState(step=2)))
-        return stall
-
-    def restore(d: Path, ours: bool) -> float:
+    def restore(d: Path, ours: bool, mmap: bool = False, cold: bool = False) -> Sample:
         path = d / "c.pt"
         if ours:
             save_checkpoint(w.model, w.optimizer, w.scheduler, w.state, path)
         else:
             _plain_durable_save(payload(), path)
-        # Just written, so the file is in the page cache: a warm restore, as right after a save.
+        # Just written, the file is in the page cache: a warm restore, as right after a save.
+        # A cold one (a new machine, or a save long evicted) first drops the file's pages.
+        if cold:
+            drop_from_page_cache(path)
 
         def load() -> None:
             if ours:
-                load_checkpoint(path, w.model, w.optimizer, w.scheduler)
+                load_checkpoint(path, w.model, w.optimizer, w.scheduler, mmap=mmap)
             else:
                 p = torch.load(path, weights_only=True)
                 w.model.load_state_dict(p["model"])
@@ -144,7 +172,7 @@ def make_cases(w: Workload) -> dict[str, Callable[[Path], float]]:
                 w.scheduler.load_state_dict(p["scheduler"])
             w.step()  # costs that a lazy load defers are charged here
 
-        return _timed(load)
+        return _timed(load, resident_fraction(path))
 
     return {
         "torch_save_fsync": lambda d: _timed(lambda: _plain_durable_save(weights, d / "w.pt")),
@@ -162,7 +190,11 @@ def make_cases(w: Workload) -> dict[str, Callable[[Path], float]]:
         "sharded_8": lambda d: _timed(
             lambda: save_sharded_checkpoint(w.model, w.optimizer, w.scheduler, w.state, d / "s", num_shards=8)
         ),
-        "async_stall": async_stall,
         "torch_load_apply": lambda d: restore(d, False),
         "load_checkpoint": lambda d: restore(d, True),
+        "load_checkpoint_mmap": lambda d: restore(d, True, mmap=True),
+        "torch_load_apply_cold": lambda d: restore(d, False, cold=True),
+        "load_checkpoint_cold": lambda d: restore(d, True, cold=True),
+        "load_checkpoint_mmap_cold": lambda d: restore(d, True, mmap=True, cold=True),
+        **async_cases(w),
     }

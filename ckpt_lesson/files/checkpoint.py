@@ -166,6 +166,7 @@ def read_checkpoint(
     expected_sha256: str | None = None,
     expected_digest: str | None = None,
     algo: str | None = None,
+    mmap_model: bool = False,
 ) -> dict[str, Any]:
     """Verify, load (weights-only) and migrate a checkpoint file, applying nothing.
 
@@ -176,6 +177,12 @@ def read_checkpoint(
             manifest; checked in the same pass as the footer.
         expected_digest, algo: A recorded whole-file digest and its algorithm
             (newer records); also checked in that pass.
+        mmap_model: Map the verified file rather than read it (see
+            :func:`~ckpt_lesson.files.loading.load_verified_file`) and copy every
+            bucket except ``model`` into private memory. The ``model`` tensors
+            stay mapped: ``model.load_state_dict`` copies them straight from the
+            page cache, which saves reading them into memory first. Apply the
+            payload at once and drop it; do not keep its ``model`` tensors.
 
     Returns:
         The payload, migrated to the current schema, with every bucket present.
@@ -197,7 +204,12 @@ def read_checkpoint(
         expected_sha256=expected_sha256,
         expected_digest=expected_digest,
         algo=algo,
+        mmap=mmap_model,
     )
+    if mmap_model and isinstance(payload, dict):
+        # Optimizer moments would otherwise stay mapped: Optimizer.load_state_dict keeps a tensor
+        # that already has the parameter's dtype and device instead of copying it.
+        payload = {k: v if k == "model" else _private(v) for k, v in payload.items()}
     original = payload.get("schema") if isinstance(payload, dict) else None
     payload = migrate_payload(payload, source=str(path))
     require_footer({"schema": original}, digest, path)
@@ -218,6 +230,17 @@ def read_checkpoint(
     return payload
 
 
+def _private(tree: Any) -> Any:
+    """``tree`` with every tensor copied into memory of its own (out of a file mapping)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {k: _private(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_private(v) for v in tree)
+    return tree
+
+
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: torch.nn.Module,
@@ -229,6 +252,7 @@ def load_checkpoint(
     expected_digest: str | None = None,
     algo: str | None = None,
     allow_dtype_cast: bool = False,
+    mmap: bool = False,
 ) -> TrainState:
     """Load a checkpoint written by :func:`save_checkpoint` and restore everything.
 
@@ -240,6 +264,9 @@ def load_checkpoint(
         expected_sha256: Optional whole-file sha256 to check against.
         expected_digest, algo: Optional whole-file digest in ``algo`` to check against.
         allow_dtype_cast: Accept weights saved in another dtype (see :func:`apply_payload`).
+        mmap: Copy the weights into the model straight from the verified file's
+            mapping instead of reading them into memory first (see
+            :func:`read_checkpoint`); every tensor that outlives the call is a copy.
 
     Returns:
         The saved :class:`TrainState`; training continues at ``state.step + 1``.
@@ -256,6 +283,7 @@ def load_checkpoint(
         expected_sha256=expected_sha256,
         expected_digest=expected_digest,
         algo=algo,
+        mmap_model=mmap,
     )
     return apply_payload(
         payload, model, optimizer, scheduler, source=str(path), allow_dtype_cast=allow_dtype_cast

@@ -52,6 +52,7 @@ def load_verified_file(
     expected_size: int | None = None,
     expected_digest: str | None = None,
     algo: str | None = None,
+    mmap: bool = False,
 ) -> tuple[Any, FileDigest]:
     """Hash a ``.pt`` file once, check it, then ``torch.load(weights_only=True)`` it.
 
@@ -66,6 +67,14 @@ def load_verified_file(
         expected_size: A recorded byte count.
         expected_digest: A recorded whole-file digest in ``algo``.
         algo: Algorithm of ``expected_digest`` (default: the footer's).
+        mmap: Map the verified file instead of reading it into new memory
+            (``torch.load(mmap=True)`` on the very file descriptor that was
+            hashed, where the system names one: ``/proc/self/fd``; elsewhere
+            a normal read). The returned tensors then share the file's
+            page-cache pages (a private, copy-on-write mapping): copy what you
+            keep, and drop the rest before the file could be truncated, which
+            would make a later access fault. :func:`~ckpt_lesson.files.checkpoint.load_checkpoint`
+            does exactly that.
 
     Returns:
         The loaded object and the file's digest (``has_footer`` is ``False``
@@ -116,6 +125,11 @@ def load_verified_file(
                 "Restore an older checkpoint."
             )
         check_archive(f, size, name=path)
+        # Mapping by path could open a file renamed over this one since we hashed it;
+        # /proc/self/fd/N opens the same inode we verified.
+        same_file = Path(f"/proc/self/fd/{f.fileno()}")
+        if mmap and same_file.exists():
+            return _weights_only_load(str(same_file), path, map_location, mmap=True), digest
         return _weights_only_load(f, path, map_location), digest
 
 
@@ -182,8 +196,10 @@ def _named_global(head: bytes) -> str | None:
     return None
 
 
-def _weights_only_load(f: Any, path: Path, map_location: Any) -> Any:
+def _weights_only_load(f: Any, path: Path, map_location: Any, *, mmap: bool = False) -> Any:
     try:
+        if mmap:
+            return torch.load(f, map_location=map_location, weights_only=True, mmap=True)
         return torch.load(f, map_location=map_location, weights_only=True)
     except MemoryError as exc:
         raise _environment_error(path, exc) from exc
