@@ -181,3 +181,55 @@ def test_the_callback_is_a_trainer_callback():
     from transformers import TrainerCallback
 
     assert isinstance(VerifiedCheckpointCallback(), TrainerCallback)
+
+
+# Two Trainer processes (torchrun, gloo on CPU). Rank 1 writes its rng_state_1.pth a second late:
+# the Trainer calls on_save on each rank with no barrier after the ranks' own writes, so the main
+# process must wait for the others before it records the folder. Each rank prints who recorded it.
+DDP_TRAIN = r"""
+import sys, time
+import torch
+_save = torch.save
+def late_save(obj, f, *a, **k):
+    if str(f).endswith("rng_state_1.pth"):
+        time.sleep(1.0)
+    return _save(obj, f, *a, **k)
+torch.save = late_save
+import torch.distributed as dist
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers.utils import logging as hf_logging
+import ckpt_lesson.integrations.hf as hf
+_record = hf.write_folder_manifest
+def record(folder, **kw):
+    print(f"recorded {folder.name} on rank {dist.get_rank()}", flush=True)
+    return _record(folder, **kw)
+hf.write_folder_manifest = record
+hf_logging.set_verbosity_error()
+hf_logging.disable_progress_bar()
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2))
+ids = torch.randint(0, 16, (16, 8), generator=torch.Generator().manual_seed(0))
+args = TrainingArguments(output_dir=sys.argv[1], max_steps=2, save_steps=2, per_device_train_batch_size=4,
+                         report_to=[], disable_tqdm=True, logging_strategy="no", use_cpu=True, seed=0)
+data = [{"input_ids": row, "labels": row} for row in ids]
+Trainer(model=model, args=args, train_dataset=data, callbacks=[hf.VerifiedCheckpointCallback()]).train()
+"""
+
+
+def test_with_two_processes_the_main_one_records_the_folder_after_every_rank_wrote_its_files(tmp_path):
+    script, out = tmp_path / "ddp_train.py", tmp_path / "out"
+    script.write_text(DDP_TRAIN)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run(
+        [*launch, str(script), str(out)], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [ln for ln in proc.stdout.splitlines() if ln.startswith("recorded")] == [
+        "recorded checkpoint-2 on rank 0"
+    ]
+    folder = out / "checkpoint-2"
+    assert verify_folder(folder) is None  # without the wait: "rng_state_1.pth: not in the manifest"
+    listed = (folder / FOLDER_MANIFEST_NAME).read_text()
+    assert '"rng_state_0.pth"' in listed and '"rng_state_1.pth"' in listed
