@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import pickletools
 import re
+import stat
 import struct
 import zipfile
 from dataclasses import dataclass
@@ -93,7 +94,7 @@ def is_lightning_temp_file(name: str) -> bool:
     return is_temp_file(name) and LIGHTNING_SUFFIX + TEMP_MARKER in name
 
 
-def read_epoch_and_step(f: BinaryIO) -> tuple[int | None, int | None]:
+def read_epoch_and_step(f: BinaryIO, *, name: str = "<file>") -> tuple[int | None, int | None]:
     """``(epoch, global_step)`` of a checkpoint archive, read from its pickle's opcodes, never executed.
 
     Only the outermost dict's keys count (a nested ``{"epoch": ...}`` does not);
@@ -112,8 +113,8 @@ def read_epoch_and_step(f: BinaryIO) -> tuple[int | None, int | None]:
         member = next((i for i in archive.infolist() if i.filename.endswith("/data.pkl")), None)
     if member is None or member.file_size > _MAX_PICKLE_BYTES:
         why = "no data.pkl record" if member is None else f"data.pkl larger than {_MAX_PICKLE_BYTES} bytes"
-        raise CorruptCheckpointError(f"not a torch.save checkpoint ({why}).")
-    data = _stored_bytes(f, member)
+        raise CorruptCheckpointError(f"{name}: not a torch.save checkpoint ({why}).")
+    data = _stored_bytes(f, member, name)
     found: dict[str, int] = {}
     depth, key = 0, None
     try:
@@ -144,7 +145,7 @@ def read_epoch_and_step(f: BinaryIO) -> tuple[int | None, int | None]:
     return found.get("epoch"), found.get("global_step")
 
 
-def _stored_bytes(f: BinaryIO, member: zipfile.ZipInfo) -> bytes:
+def _stored_bytes(f: BinaryIO, member: zipfile.ZipInfo, name: str) -> bytes:
     """A stored (uncompressed) member's bytes, read past its local header.
 
     Not ``ZipFile.read``: that checks the zip CRC32, which our writer leaves at
@@ -154,14 +155,16 @@ def _stored_bytes(f: BinaryIO, member: zipfile.ZipInfo) -> bytes:
     header = f.read(_LOCAL_HEADER.size)
     if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
         raise CorruptCheckpointError(
-            f"not a readable archive (bad local header of {member.filename[:80]!r})."
+            f"{name}: not a readable archive (bad local header of {member.filename[:80]!r})."
         )
     name_len, extra_len = _LOCAL_HEADER.unpack(header)[-2:]
     f.seek(member.header_offset + _LOCAL_HEADER.size + name_len + extra_len)
     data = f.read(member.file_size)
     f.seek(0)
     if len(data) != member.file_size:
-        raise CorruptCheckpointError(f"not a readable archive ({member.filename[:80]!r} is cut short).")
+        raise CorruptCheckpointError(
+            f"{name}: not a readable archive ({member.filename[:80]!r} is cut short)."
+        )
     return data
 
 
@@ -183,14 +186,18 @@ def inspect_lightning_file(path: str | os.PathLike[str]) -> LightningFile:
             path, "incomplete", "unfinished save (temp file left by a killed save)", None, step
         )
     try:
-        with open(path, "rb") as f:
+        # O_NONBLOCK and a regular-file check: a FIFO put in the file's place must not hang the scan.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return LightningFile(path, "corrupt", f"{path.name}: not a regular file; never read")
             try:
                 digest = verify_footer(f, name=path.name)
             except CorruptCheckpointError as exc:
                 return LightningFile(path, "corrupt", str(exc), *_best_effort(f))
             size = os.fstat(f.fileno()).st_size
             check_archive(f, size, name=path.name)
-            epoch, step = read_epoch_and_step(f)
+            epoch, step = read_epoch_and_step(f, name=path.name)
     except (CorruptCheckpointError, UnsafeCheckpointError) as exc:
         return LightningFile(path, "corrupt", str(exc))
     except OSError as exc:
