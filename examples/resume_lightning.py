@@ -20,9 +20,11 @@ script adds:
   RNG; here the order of an epoch depends on ``(seed, epoch)`` only (Lightning
   calls ``set_epoch`` on the sampler), and the DataLoader gets its own
   generator so that starting an epoch draws nothing from the global one.
-* **which checkpoint.** Saves happen at epoch ends (a plain DataLoader cannot
-  resume mid-epoch); ``latest_verified_checkpoint`` names the newest file whose
-  integrity footer verifies, and the plugin writes every file atomically.
+* **which checkpoint.** Saves happen at epoch ends: Lightning 2.6 resumes
+  mid-epoch only with a loader that has ``state_dict``/``load_state_dict``
+  (it warns "your dataloader is not resumable" otherwise, in
+  ``training_epoch_loop.py``). ``latest_verified_checkpoint`` names the newest
+  file whose integrity footer verifies; the plugin writes every file atomically.
 
 The checkpoint folder is ``$CKPT_LESSON_CKPT_DIR`` when set (``resume-test``
 sets it), else ``--ckpt-dir``. Tiny on purpose: 3 epochs of 6 steps of a
