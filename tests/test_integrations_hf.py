@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from _kill_patch import KILL_PATCH
 
 pytest.importorskip("transformers", reason="transformers is not installed: pip install -r requirements.txt")
@@ -40,6 +39,14 @@ from transformers.utils import logging as hf_logging
 from ckpt_lesson.integrations.hf import VerifiedCheckpointCallback
 
 def train(output_dir, resume=None, max_steps=6, verified=True):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the killed child (OMP_NUM_THREADS=1): same float reduction order
+    try:
+        return _train(output_dir, resume, max_steps, verified)
+    finally:
+        torch.set_num_threads(threads)
+
+def _train(output_dir, resume, max_steps, verified):
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     config = GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2,
@@ -115,10 +122,10 @@ def test_a_run_killed_mid_save_resumes_from_the_last_recorded_folder_and_ends_li
 
     resumed = train(out, resume=latest_verified_checkpoint(out))
     assert resumed["global_step"] == 6
-    # Close, not bit-equal: the resumed Trainer reorders a few float additions (last-digit
-    # differences here); a resume from the wrong step would miss by orders of magnitude more.
-    for got, want in zip(resumed["weights"], reference[1]["weights"], strict=True):
-        assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-7)
+    # Bit-equal: the child and the in-process runs all train on one thread (TRAIN sets it). With the
+    # pytest process on its default thread count, the reductions add up in another order and the
+    # weights differ in the last digits; that was the thread count, not the Trainer's resume.
+    assert resumed["weights"] == reference[1]["weights"]
     assert verify_folder(out / "checkpoint-4") is None  # rewritten by the resumed run, and recorded
 
 
@@ -174,3 +181,55 @@ def test_the_callback_is_a_trainer_callback():
     from transformers import TrainerCallback
 
     assert isinstance(VerifiedCheckpointCallback(), TrainerCallback)
+
+
+# Two Trainer processes (torchrun, gloo on CPU). Rank 1 writes its rng_state_1.pth a second late:
+# the Trainer calls on_save on each rank with no barrier after the ranks' own writes, so the main
+# process must wait for the others before it records the folder. Each rank prints who recorded it.
+DDP_TRAIN = r"""
+import sys, time
+import torch
+_save = torch.save
+def late_save(obj, f, *a, **k):
+    if str(f).endswith("rng_state_1.pth"):
+        time.sleep(1.0)
+    return _save(obj, f, *a, **k)
+torch.save = late_save
+import torch.distributed as dist
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers.utils import logging as hf_logging
+import ckpt_lesson.integrations.hf as hf
+_record = hf.write_folder_manifest
+def record(folder, **kw):
+    print(f"recorded {folder.name} on rank {dist.get_rank()}", flush=True)
+    return _record(folder, **kw)
+hf.write_folder_manifest = record
+hf_logging.set_verbosity_error()
+hf_logging.disable_progress_bar()
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2))
+ids = torch.randint(0, 16, (16, 8), generator=torch.Generator().manual_seed(0))
+args = TrainingArguments(output_dir=sys.argv[1], max_steps=2, save_steps=2, per_device_train_batch_size=4,
+                         report_to=[], disable_tqdm=True, logging_strategy="no", use_cpu=True, seed=0)
+data = [{"input_ids": row, "labels": row} for row in ids]
+Trainer(model=model, args=args, train_dataset=data, callbacks=[hf.VerifiedCheckpointCallback()]).train()
+"""
+
+
+def test_with_two_processes_the_main_one_records_the_folder_after_every_rank_wrote_its_files(tmp_path):
+    script, out = tmp_path / "ddp_train.py", tmp_path / "out"
+    script.write_text(DDP_TRAIN)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run(
+        [*launch, str(script), str(out)], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [ln for ln in proc.stdout.splitlines() if ln.startswith("recorded")] == [
+        "recorded checkpoint-2 on rank 0"
+    ]
+    folder = out / "checkpoint-2"
+    assert verify_folder(folder) is None  # without the wait: "rng_state_1.pth: not in the manifest"
+    listed = (folder / FOLDER_MANIFEST_NAME).read_text()
+    assert '"rng_state_0.pth"' in listed and '"rng_state_1.pth"' in listed

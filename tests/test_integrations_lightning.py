@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import pickle
 import subprocess
 import sys
 import threading
@@ -18,8 +19,14 @@ pytest.importorskip("lightning", reason="lightning is not installed: pip install
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
 
+from ckpt_lesson.cli import main as cli_main  # noqa: E402
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError  # noqa: E402
-from ckpt_lesson.integrations.lightning import OrderedAsyncCheckpointIO, VerifiedCheckpointIO  # noqa: E402
+from ckpt_lesson.integrations.lightning import (  # noqa: E402
+    OrderedAsyncCheckpointIO,
+    VerifiedCheckpointIO,
+    latest_verified_checkpoint,
+)
+from ckpt_lesson.runs.scan import scan_checkpoints  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -117,6 +124,17 @@ def test_a_run_killed_while_rewriting_last_ckpt_resumes_from_it_and_ends_where_a
     assert any(".last.ckpt.tmp-" in p.name for p in ckdir.iterdir()), "the kill should leave only a temp file"
     survivor = VerifiedCheckpointIO().load_checkpoint(ckdir / "last.ckpt")
     assert survivor["global_step"] == 4  # the previous last.ckpt, whole and verified
+    # scan lists the killed save's temp file as incomplete; the resume helper names a whole file.
+    rows = {r.path.name: (r.status, r.step) for r in scan_checkpoints(ckdir)}
+    (temp,) = [name for name in rows if name.startswith(".last.ckpt.tmp-")]
+    assert rows.pop(temp)[0] == "incomplete"
+    assert rows == {
+        "step=2.ckpt": ("ok", 2),
+        "step=4.ckpt": ("ok", 4),
+        "last.ckpt": ("ok", 4),
+        "step=6.ckpt": ("ok", 6),
+    }
+    assert latest_verified_checkpoint(ckdir) == str(ckdir / "step=6.ckpt")
 
     resumed = train(ckdir, resume=str(ckdir / "last.ckpt"))
     assert resumed["global_step"] == 8
@@ -135,6 +153,70 @@ def test_a_byte_flipped_in_the_newest_checkpoint_is_refused_and_the_previous_one
     assert plugin.load_checkpoint(ckdir / "step=6.ckpt")["global_step"] == 6
     # The stock loader takes the same damaged file without a word.
     assert TorchCheckpointIO().load_checkpoint(ckdir / "step=8.ckpt", weights_only=True)["global_step"] == 8
+
+
+def test_scan_lists_each_ckpt_of_a_lightning_run_with_epoch_and_step_and_names_the_newest(reference, capsys):
+    ckdir = reference[0]
+    results = scan_checkpoints(ckdir)
+    rows = [(r.path.name, r.status, r.epoch, r.step) for r in results]
+    # Two batches per epoch: step 2 ends epoch 0; last.ckpt is the step-8 save.
+    assert rows == [
+        ("step=2.ckpt", "ok", 0, 2),
+        ("step=4.ckpt", "ok", 1, 4),
+        ("step=6.ckpt", "ok", 2, 6),
+        ("last.ckpt", "ok", 3, 8),
+        ("step=8.ckpt", "ok", 3, 8),
+    ]
+    assert cli_main(["scan", str(ckdir)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "       8  ok          step=8.ckpt (epoch 3)" in out
+    assert out[-2:] == [
+        "5 save(s): 5 ok, 0 corrupt, 0 incomplete",
+        f"newest good file: {Path(latest_verified_checkpoint(ckdir)).name}",
+    ]
+    assert Path(latest_verified_checkpoint(ckdir)).name in ("last.ckpt", "step=8.ckpt")
+
+
+def test_scan_reports_a_flipped_byte_as_corrupt_and_the_resume_helper_picks_the_previous_file(
+    tmp_path, reference, capsys
+):
+    ckdir = tmp_path / "ck"
+    ckdir.mkdir()
+    for name in ("step=6.ckpt", "step=8.ckpt"):
+        (ckdir / name).write_bytes((reference[0] / name).read_bytes())
+    flip_byte(ckdir / "step=8.ckpt")
+    statuses = {r.path.name: (r.status, r.step) for r in scan_checkpoints(ckdir)}
+    assert statuses == {"step=6.ckpt": ("ok", 6), "step=8.ckpt": ("corrupt", 8)}
+    assert latest_verified_checkpoint(ckdir) == str(ckdir / "step=6.ckpt")
+    assert cli_main(["scan", str(ckdir)]) == 1
+    out = capsys.readouterr().out
+    assert "step=8.ckpt (epoch 3): contents do not match" in out
+    assert out.splitlines()[-1] == "newest good file: step=6.ckpt"
+
+
+def test_scan_reports_stock_files_as_unverified_and_a_torn_stock_file_as_corrupt_without_unpickling(
+    tmp_path, monkeypatch
+):
+    stock = TorchCheckpointIO()
+    # A hyper-parameter no weights-only load accepts: the scan still reads epoch and step.
+    stock.save_checkpoint(
+        {"epoch": 1, "global_step": 4, "hyper_parameters": {"p": Path("x")}}, tmp_path / "a.ckpt"
+    )
+    stock.save_checkpoint(
+        {"epoch": 2, "global_step": 6, "state_dict": {"w": torch.ones(64)}}, tmp_path / "b.ckpt"
+    )
+    torn = (tmp_path / "b.ckpt").read_bytes()
+    (tmp_path / "b.ckpt").write_bytes(torn[: len(torn) // 2])  # the stock writer, killed mid-save
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a scan must not unpickle")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    rows = {r.path.name: (r.status, r.epoch, r.step) for r in scan_checkpoints(tmp_path)}
+    assert rows == {"a.ckpt": ("unverified", 1, 4), "b.ckpt": ("corrupt", None, None)}
+    assert latest_verified_checkpoint(tmp_path) is None
 
 
 def test_an_unsafe_hyper_parameter_type_is_named_and_the_allowlist_lets_it_load(tmp_path):

@@ -127,3 +127,16 @@ def test_a_kill_inside_a_save_written_in_place_is_reported_as_possibly_incomplet
     (damaged,) = trial.attempts[0].kill.damaged
     assert damaged["name"] == "state.json" and damaged["status"] == "possibly incomplete"
     assert trial.status == "crashed"  # the restart cannot parse the half-written file
+
+
+def test_damage_in_a_folder_of_recorded_checkpoint_folders_is_judged_by_their_manifests(tmp_path):
+    from ckpt_lesson.cli.resume_runner import _recorded_damage
+    from ckpt_lesson.runs.folder_manifest import write_folder_manifest
+
+    for step in (4, 8):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "config.json").write_text("{}")
+    assert _recorded_damage(tmp_path) is None  # nothing recorded yet: no verdict from records
+    write_folder_manifest(tmp_path / "checkpoint-4")
+    (damage,) = _recorded_damage(tmp_path)
+    assert (damage["name"], damage["step"], damage["status"]) == ("checkpoint-8", 8, "incomplete")

@@ -269,3 +269,26 @@ def test_scan_never_unpickles_anything(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "load", refuse)
     assert [r.status for r in scan_checkpoints(tmp_path)] == ["ok"]
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))  # creates the marker file if ever unpickled
+
+
+def test_scan_reads_a_lightning_file_s_epoch_and_step_without_running_its_pickle(tmp_path):
+    import pickle
+    import zipfile
+
+    marker = tmp_path / "unpickled"
+    ckdir = tmp_path / "ck"
+    ckdir.mkdir()
+    payload = {"epoch": 2, "global_step": 300, "loops": {"epoch": 9}, "evil": _RunsCode(marker)}
+    with zipfile.ZipFile(ckdir / "crafted.ckpt", "w") as archive:  # stored, like torch.save
+        archive.writestr("archive/data.pkl", pickle.dumps(payload, protocol=2))
+    ((result),) = scan_checkpoints(ckdir)
+    assert (result.status, result.epoch, result.step) == ("unverified", 2, 300)  # the outer keys only
+    assert not marker.exists()

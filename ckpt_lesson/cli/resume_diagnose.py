@@ -171,7 +171,9 @@ def _restart_from_scratch(
         if kill.held_save:
             return kill.point, (
                 "the run restarted from step 0: no checkpoint was found, although the checkpoint folder "
-                "held a save when it was killed (does the script look for saves where it writes them?)"
+                "held a save when it was killed (does the script look for saves where it writes them, and "
+                "hand the one it found to the trainer: Lightning's fit(ckpt_path=...), the Hugging Face "
+                "Trainer's train(resume_from_checkpoint=...)?)"
             )
     return None
 

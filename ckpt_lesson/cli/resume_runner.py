@@ -275,12 +275,34 @@ def _damage(ckpt_dir: Path, watcher: FolderWatcher, burst: SaveBurst) -> list[di
             for r in results
             if not r.ok
         ]
+    exact = _recorded_damage(ckpt_dir)
+    if exact is not None:
+        return exact
     # A generic folder has no commit record: the best evidence is "it was being written at the kill".
     return [
         {"name": name, "step": None, "status": "possibly incomplete",
          "reason": f"was being written when the process was killed ({size} bytes)"}
         for name, size in burst.cut_short(watcher.files())
     ]  # fmt: skip
+
+
+def _recorded_damage(ckpt_dir: Path) -> list[dict[str, Any]] | None:
+    """The integrations' saves carry their own records (a folder manifest, a file footer): judged exactly.
+
+    ``None`` when nothing in the folder verifies (a stock writer, or no save yet): then only the
+    generic evidence of files cut short is left.
+    """
+    try:
+        results = scan_checkpoints(ckpt_dir)
+    except CheckpointError:
+        return None
+    if not any(r.ok for r in results):
+        return None
+    return [
+        {"name": r.path.name, "step": r.step, "status": r.status, "reason": r.reason}
+        for r in results
+        if not r.ok
+    ]
 
 
 def run_trial(spec: RunSpec, folder: Path, plan: TrialPlan, *, layout: str) -> TrialRun:

@@ -56,7 +56,9 @@ class VerifiedCheckpointCallback(_CallbackBase):  # type: ignore[misc,valid-type
     """After each Trainer save, fsync the ``checkpoint-N`` folder and record its manifest, last.
 
     Only the process that saves (``args.should_save``, the main process)
-    writes the manifest. Pass it as ``Trainer(..., callbacks=[VerifiedCheckpointCallback()])``.
+    writes the manifest, after every process has written its files (a
+    barrier when a process group is running). Pass it as
+    ``Trainer(..., callbacks=[VerifiedCheckpointCallback()])``.
 
     Raises:
         CheckpointError: transformers is not installed.
@@ -74,7 +76,16 @@ class VerifiedCheckpointCallback(_CallbackBase):  # type: ignore[misc,valid-type
         super().__init__()
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        """Record ``output_dir/checkpoint-{global_step}``; a missing folder is logged, not fatal."""
+        """Record ``output_dir/checkpoint-{global_step}``; a missing folder is logged, not fatal.
+
+        With several processes, every one waits here until all have saved: the
+        Trainer has each rank write its own ``rng_state_{rank}.pth`` and calls
+        ``on_save`` with no barrier in between (transformers 5.24,
+        ``Trainer._save_checkpoint``), so without one the main process could
+        record the folder before a slower rank's file exists, and the folder
+        would then fail verification for a file "not in the manifest".
+        """
+        _wait_for_every_rank()
         if not args.should_save:
             return control
         folder = Path(args.output_dir) / f"{_PREFIX}-{state.global_step}"
@@ -85,6 +96,16 @@ class VerifiedCheckpointCallback(_CallbackBase):  # type: ignore[misc,valid-type
         manifest = write_folder_manifest(folder, step=state.global_step)
         log.info("recorded %s (%d files)", folder.name, len(manifest["files"]))
         return control
+
+
+def _wait_for_every_rank() -> None:
+    # Every rank runs on_save for the same save, so a barrier here is matched on every rank.
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - a torch build without distributed support
+        return
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 def latest_verified_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:

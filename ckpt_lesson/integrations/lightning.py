@@ -31,9 +31,13 @@ then removes the old one, and the stock wrapper removes *immediately*, while
 the new save is still queued. Here a removal waits in the same queue, behind
 the save, and is skipped if that save failed.
 
+To resume, :func:`latest_verified_checkpoint` names the newest ``.ckpt`` whose
+footer verifies (``ckpt_path="last"`` trusts ``last.ckpt`` unread).
+
 Example:
     >>> from ckpt_lesson.integrations.lightning import VerifiedCheckpointIO  # doctest: +SKIP
     >>> trainer = lightning.Trainer(plugins=[VerifiedCheckpointIO()])  # doctest: +SKIP
+    >>> trainer.fit(model, ckpt_path=latest_verified_checkpoint(dirpath))  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -49,8 +53,9 @@ import torch
 from ckpt_lesson.errors import CheckpointError, UnsafeCheckpointError
 from ckpt_lesson.files.atomic import atomic_save, fsync_dir
 from ckpt_lesson.files.loading import load_verified_file
+from ckpt_lesson.runs.lightning_files import LIGHTNING_SUFFIX, inspect_lightning_file, newness
 
-__all__ = ["OrderedAsyncCheckpointIO", "VerifiedCheckpointIO"]
+__all__ = ["OrderedAsyncCheckpointIO", "VerifiedCheckpointIO", "latest_verified_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -251,3 +256,37 @@ class OrderedAsyncCheckpointIO(_AsyncBase):  # type: ignore[misc,valid-type]
             self._executor.submit(lambda: None).result()
         if self._error:
             raise self._error
+
+
+def latest_verified_checkpoint(dirpath: str | os.PathLike[str]) -> str | None:
+    """The newest ``.ckpt`` in ``dirpath`` whose integrity footer verifies, for ``fit(ckpt_path=...)``.
+
+    Newest means the highest ``global_step`` (then epoch, then the most recent
+    file: ``last.ckpt`` and ``epoch=3-step=12.ckpt`` hold the same step).
+    Damaged files, files without our footer and temp files of killed saves are
+    skipped with a warning naming the reason. Nothing is unpickled: epoch and
+    step come from the pickle's opcodes (see :mod:`ckpt_lesson.runs.lightning_files`).
+
+    Returns:
+        The file's path as a string, or ``None`` when none verifies (``fit``
+        then starts fresh).
+
+    Raises:
+        CheckpointError: ``dirpath`` is not a directory.
+
+    Example:
+        >>> trainer.fit(model, ckpt_path=latest_verified_checkpoint("checkpoints"))  # doctest: +SKIP
+    """
+    dirpath = Path(dirpath)
+    if not dirpath.is_dir():
+        raise CheckpointError(f"{dirpath}: no such checkpoint folder; pass ModelCheckpoint's dirpath.")
+    found = [inspect_lightning_file(p) for p in dirpath.iterdir() if _is_candidate(p)]
+    for skipped in found:
+        if skipped.status != "ok":
+            log.warning("skipping %s: %s", skipped.path.name, skipped.reason)
+    good = [f for f in found if f.status == "ok"]
+    return str(max(good, key=newness).path) if good else None
+
+
+def _is_candidate(path: Path) -> bool:
+    return path.suffix == LIGHTNING_SUFFIX and path.is_file() and not path.is_symlink()

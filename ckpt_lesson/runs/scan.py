@@ -18,6 +18,11 @@ folder without a manifest is *incomplete*; one whose bytes differ is *corrupt*.
 Nothing here loads a tensor: a scan costs one read of every byte (xxh3-128
 hashes far faster than the disk reads), no unpickling.
 
+The same scan understands two folders written by the trainer integrations:
+Hugging Face ``checkpoint-N`` folders (judged by their folder manifest) and
+Lightning ``.ckpt`` files (judged by their own footer, see
+:mod:`ckpt_lesson.runs.lightning_files`).
+
 ``python -m ckpt_lesson scan RUN_DIR [--json]`` prints the same table; it
 exits 0 when every save is ok, 1 when something is corrupt or incomplete, and
 2 when RUN_DIR is missing or not a directory.
@@ -47,6 +52,7 @@ from ckpt_lesson.files.verify import verify_part, verify_record
 from ckpt_lesson.runs.dcp_manifest import MANIFEST_SCHEMA as DCP_MANIFEST_SCHEMA
 from ckpt_lesson.runs.dcp_manifest import check_dcp_part, check_parts_list, read_dcp_manifest
 from ckpt_lesson.runs.folder_manifest import FOLDER_MANIFEST_NAME, checkpoint_folder_step, verify_folder
+from ckpt_lesson.runs.lightning_files import LIGHTNING_SUFFIX, inspect_lightning_file, is_lightning_temp_file
 
 __all__ = [
     "LAYOUTS",
@@ -105,16 +111,20 @@ class ScanResult:
     """One save found in a run directory.
 
     Attributes:
-        path: The save's folder.
-        step: Its step number (from the folder name).
-        status: ``"ok"``, ``"corrupt"`` or ``"incomplete"``.
+        path: The save's folder (or a Lightning ``.ckpt`` file).
+        step: Its step number (from the folder name; a Lightning file's
+            ``global_step``, ``None`` when unreadable).
+        status: ``"ok"``, ``"corrupt"`` or ``"incomplete"``; a Lightning file
+            without our integrity footer is ``"unverified"``.
         reason: Why it is not ok (file names only, no directories); ``""`` when ok.
+        epoch: A Lightning file's ``epoch`` where readable; ``None`` otherwise.
     """
 
     path: Path
-    step: int
+    step: int | None
     status: str
     reason: str = ""
+    epoch: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -293,9 +303,9 @@ def scan_checkpoints(run_dir: str | os.PathLike[str]) -> list[ScanResult]:
     Returns:
         One :class:`ScanResult` per published save folder, per Hugging Face
         ``checkpoint-N`` folder (judged by the manifest that
-        :mod:`ckpt_lesson.integrations.hf` records) and per staging
-        folder (``incomplete``, reason ``"unpublished save (staging)"``), sorted
-        by step.
+        :mod:`ckpt_lesson.integrations.hf` records), per Lightning ``.ckpt``
+        file (judged by its own footer, see :mod:`ckpt_lesson.runs.lightning_files`)
+        and per staging folder or temp file (``incomplete``), sorted by step.
 
     Raises:
         CheckpointError: ``run_dir`` does not exist or is not a directory.
@@ -308,7 +318,12 @@ def scan_checkpoints(run_dir: str | os.PathLike[str]) -> list[ScanResult]:
     _check_run_dir(run_dir)
     results = []
     for entry in run_dir.iterdir():
-        if not entry.is_dir() or entry.is_symlink():
+        if entry.is_symlink():
+            continue
+        if entry.is_file() and (entry.suffix == LIGHTNING_SUFFIX or is_lightning_temp_file(entry.name)):
+            found = inspect_lightning_file(entry)
+            results.append(ScanResult(entry, found.step, found.status, found.reason, found.epoch))
+        if not entry.is_dir():
             continue
         staged = _STAGING_RE.match(entry.name)
         if staged:
@@ -321,4 +336,8 @@ def scan_checkpoints(run_dir: str | os.PathLike[str]) -> list[ScanResult]:
                 results.append(ScanResult(entry, step_of(entry.name) or 0, "corrupt", str(exc)))
         elif checkpoint_folder_step(entry.name) is not None:
             results.append(_inspect_checkpoint_folder(entry))
-    return sorted(results, key=lambda r: (r.step, r.path.name.startswith("."), r.path.name))
+    unknown = -1  # a Lightning file whose step cannot be read sorts first
+    return sorted(
+        results,
+        key=lambda r: (unknown if r.step is None else r.step, r.path.name.startswith("."), r.path.name),
+    )

@@ -1,0 +1,136 @@
+"""A Lightning training script that resumes exactly, through ``VerifiedCheckpointIO``.
+
+``resume-test`` passes it:
+
+    python -m ckpt_lesson resume-test -- python examples/resume_lightning.py
+
+``--mistake no-resume`` forgets ``ckpt_path=`` in ``trainer.fit`` (marked
+``# MISTAKE`` below): every restart begins again at step 0, and resume-test
+says so.
+
+What Lightning restores by itself from a checkpoint: weights, optimizer and
+scheduler state, the loop counters (epoch, step). What it does not, and this
+script adds:
+
+* **the RNG.** Lightning stores no generator state in its checkpoints, so a
+  resumed run draws different dropout masks. ``on_save_checkpoint`` puts
+  :func:`ckpt_lesson.capture_rng_state` into the checkpoint and
+  ``on_load_checkpoint`` puts it back (it loads weights-only).
+* **the data order.** ``shuffle=True`` draws an epoch's order from the global
+  RNG; here the order of an epoch depends on ``(seed, epoch)`` only (Lightning
+  calls ``set_epoch`` on the sampler), and the DataLoader gets its own
+  generator so that starting an epoch draws nothing from the global one.
+* **which checkpoint.** Saves happen at epoch ends: Lightning 2.6 resumes
+  mid-epoch only with a loader that has ``state_dict``/``load_state_dict``
+  (it warns "your dataloader is not resumable" otherwise, in
+  ``training_epoch_loop.py``). ``latest_verified_checkpoint`` names the newest
+  file whose integrity footer verifies; the plugin writes every file atomically.
+
+The checkpoint folder is ``$CKPT_LESSON_CKPT_DIR`` when set (``resume-test``
+sets it), else ``--ckpt-dir``. Tiny on purpose: 3 epochs of 6 steps of a
+small MLP; nearly all of its run time is importing Lightning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+from ckpt_lesson import capture_rng_state, log_step, restore_rng_state
+from ckpt_lesson.integrations.lightning import VerifiedCheckpointIO, latest_verified_checkpoint
+
+MISTAKES = ("no-resume",)
+SAMPLES, BATCH, EPOCHS = 48, 8, 3
+
+
+class EpochSampler(Sampler[int]):
+    """The order of an epoch from ``(seed, epoch)`` alone; Lightning calls ``set_epoch`` each epoch."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed * 1000 + self.epoch)
+        return iter(torch.randperm(self.n, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class Tiny(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        # global_step counts optimizer steps and has already moved past this one.
+        log_step(self.trainer.global_step, outputs["loss"].item(), sample_ids=batch[2])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["rng"] = capture_rng_state()  # Lightning saves no generator state of its own
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        restore_rng_state(checkpoint["rng"])
+
+
+def make_data(seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(SAMPLES, 16, generator=g)
+    y = torch.sin(x @ torch.randn(16, 1, generator=g))
+    return TensorDataset(x, y, torch.arange(SAMPLES))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mistake", choices=MISTAKES, help="make one classic resume mistake")
+    parser.add_argument("--ckpt-dir", default=os.environ.get("CKPT_LESSON_CKPT_DIR", "runs/resume_lightning"))
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")  # Lightning's advice about workers and loggers, on every run
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+
+    torch.set_num_threads(1)  # same thread count every run: reductions add up in the same order
+    torch.manual_seed(args.seed)
+    data = make_data(args.seed)
+    loader = DataLoader(
+        data, batch_size=BATCH, sampler=EpochSampler(SAMPLES, args.seed), generator=torch.Generator()
+    )
+    ckpt_dir = Path(args.ckpt_dir)
+    every_epoch = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=ckpt_dir, filename="{epoch}-{step}", every_n_epochs=1, save_top_k=-1
+    )
+    trainer = L.Trainer(
+        max_epochs=EPOCHS, accelerator="cpu", devices=1, plugins=[VerifiedCheckpointIO()],
+        callbacks=[every_epoch], logger=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )  # fmt: skip
+    # The newest file whose footer verifies; None (a fresh start) when there is none yet.
+    resume = latest_verified_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
+    if args.mistake == "no-resume":
+        # MISTAKE (no-resume): without ckpt_path, fit starts from step 0 on every restart.
+        resume = None
+    trainer.fit(Tiny(), loader, ckpt_path=resume)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
