@@ -37,7 +37,7 @@ from ckpt_lesson.errors import (
     SchemaError,
     UnsafeCheckpointError,
 )
-from ckpt_lesson.files.record_seal import is_sealed, verify_record_seal
+from ckpt_lesson.files.record_seal import SEAL_KEY, is_sealed, verify_record_seal
 from ckpt_lesson.files.schema import MANIFEST_NAME
 from ckpt_lesson.files.tagged_hash import check_hash_record, hash_file
 
@@ -45,11 +45,12 @@ __all__ = [
     "LAYOUT",
     "MANIFEST_NAME",
     "MANIFEST_SCHEMA",
-    "check_parts_list",
     "MAX_MANIFEST_BYTES",
     "METADATA_FILE",
     "build_manifest",
     "check_dcp_part",
+    "check_manifest_seal",
+    "check_parts_list",
     "read_dcp_manifest",
     "validate_manifest",
 ]
@@ -156,11 +157,40 @@ def read_dcp_manifest(folder: str | os.PathLike[str]) -> tuple[dict[str, Any], b
         manifest = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise CorruptCheckpointError(f"{where}: not valid JSON ({exc}); restore an older save.") from exc
-    if isinstance(manifest, dict) and is_sealed(manifest):
-        # A sealed manifest must match its seal: a flipped bit in the record itself is damage.
-        verify_record_seal(manifest, where=where, legacy_keys=())
+    check_manifest_seal(manifest, where=where)
     validate_manifest(manifest, where=where)
     return manifest, raw
+
+
+def check_manifest_seal(manifest: Any, *, where: str) -> None:
+    """Refuse a multi-rank manifest whose seal is missing or does not match its contents.
+
+    Every multi-rank manifest is written sealed (see ``files/record_seal.py``), and
+    there are no older unsealed ones to accept: a record without its seal, or with a
+    field changed after sealing, can only be damage (or an edit), so nothing in it
+    may be trusted, however well-formed its fields look. A record of another schema
+    is left to :func:`validate_manifest`, which names the right manager.
+
+    Raises:
+        CorruptCheckpointError: No seal, a damaged seal, or contents that do not match it.
+
+    Example:
+        >>> check_manifest_seal({"schema": MANIFEST_SCHEMA, "step": 4}, where="m")
+        Traceback (most recent call last):
+        ...
+        ckpt_lesson.errors.CorruptCheckpointError: m: a multi-rank manifest without its checksum ...
+    """
+    if not isinstance(manifest, dict):
+        return  # validate_manifest says what is wrong with it
+    if is_sealed(manifest):
+        # A flipped bit anywhere in the record, the seal's own name included, fails here.
+        verify_record_seal(manifest, where=where, legacy_keys=())
+    elif manifest.get("schema") == MANIFEST_SCHEMA:
+        raise CorruptCheckpointError(
+            f"{where}: a multi-rank manifest without its checksum ({SEAL_KEY!r}); every one is written "
+            "sealed, so this one was damaged or edited after it was written and nothing in it can be "
+            "trusted. Restore an older save (restore_latest falls back on its own)."
+        )
 
 
 def check_parts_list(parts: Any, where: str, check_part: Callable[[Any, str], None]) -> set[str]:

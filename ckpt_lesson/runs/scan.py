@@ -156,15 +156,17 @@ def read_manifest(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{where}: unreadable ({why}); restore an older save.") from exc
     if not isinstance(manifest, dict):
         raise CorruptCheckpointError(f"{where}: expected a JSON object; restore an older save.")
-    # The manifest's own checksum comes first: an unverifiable record is damage, never a refusal.
-    verify_record_seal(manifest, where=where, legacy_keys=LEGACY_MANIFEST_KEYS)
     schema = manifest.get("schema")
-    if not isinstance(schema, str):
-        raise CorruptCheckpointError(f"{where}: no 'schema' field; restore an older save.")
     if schema == DCP_MANIFEST_SCHEMA:
+        # Before the seal check: a multi-rank record has its own seal rule (dcp_manifest.py), and
+        # its reader, not the legacy rule of single-process records, gives the verdict.
         raise SchemaError(
             f"{where}: a multi-rank save (schema {schema!r}); restore it with DistributedCheckpointManager."
         )
+    # The manifest's own checksum comes first: an unverifiable record is damage, never a refusal.
+    verify_record_seal(manifest, where=where, legacy_keys=LEGACY_MANIFEST_KEYS)
+    if not isinstance(schema, str):
+        raise CorruptCheckpointError(f"{where}: no 'schema' field; restore an older save.")
     if schema != MANIFEST_SCHEMA:
         raise SchemaError(f"{where}: unknown manifest schema {schema!r}; upgrade ckpt_lesson to read it.")
     step = manifest.get("step")
