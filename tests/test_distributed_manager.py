@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from _distributed_local import flip_byte, restore_locally, save_locally
-from _distributed_workers import launch, make_run
+from _distributed_workers import launch, make_run, w_resume, w_train_and_save
 
 from ckpt_lesson import CheckpointError, TrainState
 from ckpt_lesson.distributed import DistributedCheckpointManager
@@ -30,16 +30,16 @@ KINDS = ("fsdp", "ddp")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("distributed_runs")
-    assert launch("w_train_and_save", 2, base, str(base)) == [0, 0]
+    assert launch(w_train_and_save, 2, base, str(base)) == [0, 0]
     flipped = base / "fsdp_flipped"
     shutil.copytree(base / "fsdp", flipped)
     victim = flipped / "step-00000004" / "__1_0.distcp"  # data files sorted: index 1 is rank 1's share
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
     victim.write_bytes(bytes(data))
-    assert launch("w_resume", 2, base, str(base), [*KINDS, "fsdp_flipped"]) == [0, 0]
-    assert launch("w_resume", 1, base, str(base), list(KINDS)) == [0]
-    assert launch("w_resume", 4, base, str(base), list(KINDS)) == [0, 0, 0, 0]
+    assert launch(w_resume, 2, base, str(base), [*KINDS, "fsdp_flipped"]) == [0, 0]
+    assert launch(w_resume, 1, base, str(base), list(KINDS)) == [0]
+    assert launch(w_resume, 4, base, str(base), list(KINDS)) == [0, 0, 0, 0]
     return base
 
 
