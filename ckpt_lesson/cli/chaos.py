@@ -227,6 +227,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="1 (default): kill single-process runs; 2 to 8: kill ranks of a multi-rank DCP save instead",
     )
+    parser.add_argument(
+        "--publish",
+        choices=("rename", "marker"),
+        default="rename",
+        help="with --ranks: how saves are published (default rename; marker: a commit marker written last)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds points, steps and offsets (default 0)")
     parser.add_argument("--workdir", default=None, help="folder for run directories (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the run directories")
@@ -236,6 +242,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if not 1 <= args.ranks <= MAX_RANKS:
         raise CheckpointError(f"--ranks must be 1 (single process) to {MAX_RANKS}, got {args.ranks}.")
+    if args.publish != "rename" and args.ranks == 1:
+        raise CheckpointError("--publish applies to multi-rank saves only; add --ranks 2 (or more).")
     if args.kills is not None and args.kills < 1:
         raise CheckpointError(f"--kills must be >= 1, got {args.kills}.")
     if args.workdir is not None and Path(args.workdir).exists() and not Path(args.workdir).is_dir():
@@ -245,7 +253,9 @@ def run(args: argparse.Namespace) -> int:
         from ckpt_lesson.cli.rank_chaos import NAMED_KILLS, draw_kills, run_rank_campaign
 
         count = len(NAMED_KILLS) if args.kills is None else args.kills
-        kills = draw_kills(count, world=args.ranks, seed=args.seed, named=not args.random_only)
+        kills = draw_kills(
+            count, world=args.ranks, seed=args.seed, named=not args.random_only, publish=args.publish
+        )
         result: Any = run_rank_campaign(
             kills, world=args.ranks, seed=args.seed, workdir=args.workdir, keep=args.keep
         )

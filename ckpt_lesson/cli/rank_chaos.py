@@ -21,7 +21,9 @@ Kill points (the manager event that triggers the kill, see
 Victims: ``one`` (the rank where the event fires), ``all``, or ``others``
 (every rank but rank 0, which then publishes on its own: the save survives).
 Each kill also runs with ``mode="async"``, where the event fires in DCP's
-background thread while training goes on.
+background thread while training goes on, and with ``publish="marker"``
+(``--publish marker``), where ``before_publish`` means after the manifest and
+before the commit marker.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ import shutil
 import tempfile
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES
 
 __all__ = [
     "NAMED_KILLS",
@@ -76,10 +79,13 @@ class RankKill:
     victims: str
     at: int = 0
     mode: str = "sync"
+    #: How the manager publishes: ``"rename"`` or ``"marker"`` (the commit marker, written last).
+    publish: str = "rename"
 
     @property
     def name(self) -> str:
-        return f"{self.mode}/{self.point}/{self.victims}@{self.at}"
+        suffix = "" if self.publish == "rename" else f"/{self.publish}"
+        return f"{self.mode}/{self.point}/{self.victims}@{self.at}{suffix}"
 
     def killed(self, world: int) -> list[int]:
         """The ranks this kill SIGKILLs in a run of ``world`` ranks."""
@@ -94,6 +100,7 @@ class RankKill:
             "at": self.at,
             "victims": self.killed(world),
             "mode": self.mode,
+            "publish": self.publish,
         }
 
 
@@ -104,8 +111,11 @@ def check_kill(kill: RankKill, world: int) -> None:
         CheckpointError: Unknown names, ``at`` outside the world, a rank-0 point
             fired elsewhere, or ``others`` where the survivor's publish races the kill.
     """
-    if kill.point not in POINTS or kill.victims not in VICTIMS or kill.mode not in MODES:
-        raise CheckpointError(f"{kill.name}: unknown point, victims or mode; see POINTS, VICTIMS, MODES.")
+    known = kill.point in POINTS and kill.victims in VICTIMS and kill.mode in MODES
+    if not known or kill.publish not in PUBLISH_MODES:
+        raise CheckpointError(
+            f"{kill.name}: unknown point, victims, mode or publish; see POINTS, VICTIMS, MODES."
+        )
     rank0_only = POINTS[kill.point][1]
     if not 0 <= kill.at < world or (rank0_only and kill.at != 0):
         raise CheckpointError(f"{kill.name}: point {kill.point!r} cannot fire on rank {kill.at} of {world}.")
@@ -143,10 +153,12 @@ NAMED_KILLS: tuple[RankKill, ...] = (
 )
 
 
-def draw_kills(count: int, *, world: int, seed: int, named: bool = True) -> list[RankKill]:
+def draw_kills(
+    count: int, *, world: int, seed: int, named: bool = True, publish: str = "rename"
+) -> list[RankKill]:
     """``count`` kills: the named ones first (when ``named``), then valid ones drawn from ``seed``."""
     rng = random.Random(seed)
-    kills = [k for k in NAMED_KILLS if k.at < world][:count] if named else []
+    kills = [replace(k, publish=publish) for k in NAMED_KILLS if k.at < world][:count] if named else []
     while len(kills) < count:
         point = rng.choice(sorted(POINTS))
         kill = RankKill(
@@ -154,6 +166,7 @@ def draw_kills(count: int, *, world: int, seed: int, named: bool = True) -> list
             rng.choice(VICTIMS),
             at=0 if POINTS[point][1] else rng.randrange(world),
             mode=rng.choice(MODES),
+            publish=publish,
         )
         try:
             check_kill(kill, world)

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from ckpt_lesson.distributed import DistributedCheckpointManager
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
+from ckpt_lesson.runs.dcp_marker import COMMIT_MARKER, MARKER_LOCK
 
 __all__ = [
     "SAVE_STEPS",
@@ -118,7 +119,8 @@ def w_fault(rank: int, world: int, run_dir: str, kill: dict[str, Any] | None) ->
     """Save every step of :data:`SAVE_STEPS`; during the last save, SIGKILL ranks.
 
     ``kill``: ``event`` (a manager event), ``at`` (the rank whose event fires),
-    ``victims`` (ranks to kill, this one last) and ``mode`` (``"sync"``/``"async"``);
+    ``victims`` (ranks to kill, this one last), ``mode`` (``"sync"``/``"async"``) and
+    ``publish`` (the manager's ``"rename"``/``"marker"``);
     ``None`` saves without killing. Survivors record how their save ended in
     ``outcome-rank{rank}.json``.
     """
@@ -137,7 +139,10 @@ def w_fault(rank: int, world: int, run_dir: str, kill: dict[str, Any] | None) ->
             os.kill(pid_of[r], signal.SIGKILL)
 
     model, opt, sched, sampler = make_run("fsdp", world, rank)
-    mgr = DistributedCheckpointManager(run, keep_last=3, every_steps=SAVE_STEPS[0], on_event=hook)
+    publish = "rename" if kill is None else kill["publish"]
+    mgr = DistributedCheckpointManager(
+        run, keep_last=3, every_steps=SAVE_STEPS[0], on_event=hook, publish=publish
+    )
     state = TrainState()
     outcome = "returned"
     for step in range(1, SAVE_STEPS[-1] + 1):
@@ -205,4 +210,10 @@ def w_check(rank: int, world: int, baseline_dir: str, runs: list[str]) -> None:
 
 
 def _staging(run: Path) -> list[str]:
-    return sorted(p.name for p in run.iterdir() if p.name.startswith(".staging"))
+    """Unpublished folders: staging folders, and marker-mode folders without their marker."""
+    unmarked = [
+        p for p in run.glob("step-*") if (p / MARKER_LOCK).exists() and not (p / COMMIT_MARKER).exists()
+    ]
+    return sorted(
+        [p.name for p in run.iterdir() if p.name.startswith(".staging")] + [p.name for p in unmarked]
+    )

@@ -37,6 +37,7 @@ from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.tagged_hash import DEFAULT_ALGO
 from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale
+from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, clean_unmarked
 from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
 from ckpt_lesson.runs.scan import step_dir_name
 
@@ -66,6 +67,9 @@ class DistributedCheckpointManager:
             ``manifest_written``, ``published``, ``retention_delete``, ``quarantined``, ``save_end``.
         algo: Hash algorithm of the manifest records.
         thread_count: DCP writer threads per rank.
+        publish: ``"rename"`` (default): publish by renaming a staging folder (a POSIX file
+            system); ``"marker"``: write in place and publish by a commit marker written last,
+            for storage without atomic rename (see :mod:`ckpt_lesson.runs.dcp_marker`).
 
     Raises:
         CheckpointError: Invalid settings, or ``run_dir`` is a file.
@@ -93,7 +97,10 @@ class DistributedCheckpointManager:
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
         algo: str = DEFAULT_ALGO,
         thread_count: int = 1,
+        publish: str = "rename",
     ) -> None:
+        if publish not in PUBLISH_MODES:
+            raise CheckpointError(f"publish must be one of {PUBLISH_MODES}, got {publish!r}.")
         if retention is not None and not callable(getattr(retention, "to_delete", None)):
             raise CheckpointError("retention needs a to_delete(steps, verified) method, e.g. KeepLastK(3).")
         self.policy = retention if retention is not None else KeepLastK(keep_last)
@@ -103,7 +110,7 @@ class DistributedCheckpointManager:
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"metadata must be a JSON dict: {exc}") from exc
         self.run_dir = Path(run_dir)
-        self.algo, self.thread_count, self.on_event = algo, thread_count, on_event
+        self.algo, self.thread_count, self.on_event, self.publish = algo, thread_count, on_event, publish
         # Two groups of our own: control decisions on the training thread, and DCP's collectives,
         # which an asynchronous save issues from its background thread (see comm.py).
         self._ctl = Comm(new_checkpoint_group())
@@ -122,7 +129,7 @@ class DistributedCheckpointManager:
                         f"{self.run_dir}: exists and is not a directory; pass a run directory."
                     )
                 self.run_dir.mkdir(parents=True, exist_ok=True)
-                clean_stale(self.run_dir)  # staging folders of writers killed earlier (their flock is gone)
+                self._clean()  # staging or unmarked folders of writers killed earlier (their flock is gone)
             except (CheckpointError, OSError) as exc:
                 problem = str(exc)
         problem = self._ctl.broadcast(problem)
@@ -150,6 +157,10 @@ class DistributedCheckpointManager:
                 self.wait()
             finally:
                 self._closed = True
+
+    def _clean(self) -> None:
+        clean_stale(self.run_dir)
+        clean_unmarked(self.run_dir)
 
     def step_dir(self, step: int) -> Path:
         """Where the published save of ``step`` lives (whether or not it exists)."""
@@ -263,7 +274,12 @@ class DistributedCheckpointManager:
             scheduler=scheduler,
             state=state,
             data_state=data_state,
-            writer_options={"algo": self.algo, "thread_count": self.thread_count, "metadata": self.metadata},
+            writer_options={
+                "algo": self.algo,
+                "thread_count": self.thread_count,
+                "metadata": self.metadata,
+                "publish": self.publish,
+            },
             emit=self._emit,
             after_publish=self._retention.after_publish,
         )
@@ -273,7 +289,7 @@ class DistributedCheckpointManager:
     def _end(self, job: SaveJob) -> Path:
         job.stack.close()  # rank 0: releases the lock (the folder is published by now)
         if self.rank == 0:
-            clean_stale(self.run_dir)
+            self._clean()
         self._emit("save_end", step=job.step, path=str(job.final))
         return job.final
 

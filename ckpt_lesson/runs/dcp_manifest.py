@@ -40,6 +40,7 @@ from ckpt_lesson.errors import (
 from ckpt_lesson.files.record_seal import SEAL_KEY, is_sealed, verify_record_seal
 from ckpt_lesson.files.schema import MANIFEST_NAME
 from ckpt_lesson.files.tagged_hash import check_hash_record, hash_file
+from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, check_commit_marker
 
 __all__ = [
     "LAYOUT",
@@ -74,6 +75,7 @@ def build_manifest(
     save_id: str,
     dcp_version: str | None,
     metadata: dict[str, Any] | None = None,
+    publish: str = "rename",
 ) -> dict[str, Any]:
     """Assemble (and validate) the manifest of one save.
 
@@ -87,6 +89,8 @@ def build_manifest(
         save_id: A fresh unique id (DCP's own ``save_id``).
         dcp_version: The DCP format version written into ``.metadata``.
         metadata: The caller's JSON dict (run id, config hash), copied in.
+        publish: ``"rename"`` or ``"marker"``; only a marker-mode manifest records
+            it (``"publish": "marker"``), telling readers to require the commit marker.
 
     Returns:
         The manifest dict, sorted parts.
@@ -116,6 +120,8 @@ def build_manifest(
         "metadata": dict(metadata or {}),
         "created_at": time.time(),
     }
+    if publish != "rename":
+        manifest["publish"] = publish
     validate_manifest(manifest, where=f"manifest of step {step}")
     return manifest
 
@@ -130,7 +136,8 @@ def read_dcp_manifest(folder: str | os.PathLike[str]) -> tuple[dict[str, Any], b
         ``(manifest, raw_bytes)``; the raw bytes let ranks check they all read the same record.
 
     Raises:
-        IncompleteCheckpointError: No manifest: the save never finished.
+        IncompleteCheckpointError: No manifest (or, for ``publish="marker"``, no commit
+            marker): the save never finished.
         CorruptCheckpointError: Not a regular file, too large, not JSON, or malformed.
         SchemaError: Another manifest schema (e.g. a single-process save).
         UnsafeCheckpointError: A part name that would leave the folder.
@@ -159,6 +166,8 @@ def read_dcp_manifest(folder: str | os.PathLike[str]) -> tuple[dict[str, Any], b
         raise CorruptCheckpointError(f"{where}: not valid JSON ({exc}); restore an older save.") from exc
     check_manifest_seal(manifest, where=where)
     validate_manifest(manifest, where=where)
+    if manifest.get("publish") == "marker":
+        check_commit_marker(folder, manifest, raw)  # written last: without it the save never finished
     return manifest, raw
 
 
@@ -250,6 +259,8 @@ def validate_manifest(manifest: Any, *, where: str) -> None:
     covers = manifest.get("covers")
     if not isinstance(covers, list) or not all(isinstance(c, str) for c in covers):
         raise CorruptCheckpointError(f"{where}: 'covers' must list the saved buckets.")
+    if manifest.get("publish", "rename") not in PUBLISH_MODES:
+        raise CorruptCheckpointError(f"{where}: 'publish' must be one of {PUBLISH_MODES}.")
     seen = check_parts_list(manifest.get("parts"), where, _check_part)
     if METADATA_FILE not in seen:
         raise CorruptCheckpointError(f"{where}: no {METADATA_FILE} part; a DCP save always has one.")

@@ -46,6 +46,7 @@ from ckpt_lesson.files.schema import MANIFEST_NAME, MANIFEST_SCHEMA
 from ckpt_lesson.files.verify import verify_part, verify_record
 from ckpt_lesson.runs.dcp_manifest import MANIFEST_SCHEMA as DCP_MANIFEST_SCHEMA
 from ckpt_lesson.runs.dcp_manifest import check_dcp_part, check_parts_list, read_dcp_manifest
+from ckpt_lesson.runs.dcp_marker import COMMIT_MARKER
 from ckpt_lesson.runs.folder_manifest import FOLDER_MANIFEST_NAME, checkpoint_folder_step, verify_folder
 
 __all__ = [
@@ -228,7 +229,9 @@ def inspect_save(
     try:
         manifest, is_dcp = _read_any_manifest(step_dir)
     except IncompleteCheckpointError:
-        return ScanResult(step_dir, step, "incomplete", f"no {MANIFEST_NAME} (save never finished)"), None
+        # With a manifest present, what is missing is a multi-rank save's commit marker (written last).
+        missing = COMMIT_MARKER if (step_dir / MANIFEST_NAME).exists() else MANIFEST_NAME
+        return ScanResult(step_dir, step, "incomplete", f"no {missing} (save never finished)"), None
     except (CorruptCheckpointError, UnsafeCheckpointError) as exc:
         return ScanResult(step_dir, step, "corrupt", str(exc)), None
     if manifest["step"] != step:
