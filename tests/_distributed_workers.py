@@ -9,6 +9,7 @@ What stays here trains a run uninterrupted and resumes it on other world sizes.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,15 @@ from ckpt_lesson.cli.rank_launch import launch
 from ckpt_lesson.cli.rank_programs import full_state, make_run, train_step, write_json
 from ckpt_lesson.distributed import DistributedCheckpointManager
 
-__all__ = ["launch", "make_run", "train_step", "w_resume", "w_train_and_save"]
+__all__ = [
+    "launch",
+    "make_run",
+    "native_threads",
+    "train_step",
+    "w_close_frees_threads",
+    "w_resume",
+    "w_train_and_save",
+]
 
 
 def w_train_and_save(rank: int, world: int, out: str) -> None:
@@ -129,3 +138,28 @@ def _diff(ref: Any, mine: Any, path: str = "") -> list[str]:
         same = ref.dtype == mine.dtype and ref.shape == mine.shape and torch.equal(ref, mine)
         return [] if same else [path]
     return [] if ref == mine else [f"{path}: {ref!r} != {mine!r}"]
+
+
+def native_threads() -> list[str]:
+    """Names of this process's native threads (gloo names its own: pt_gloo_runloop, gloo_tcp_loop)."""
+    tasks = Path("/proc/self/task")
+    return sorted((tasks / t / "comm").read_text().strip() for t in os.listdir(tasks))
+
+
+def w_close_frees_threads(rank: int, world: int, out: str) -> None:
+    """Count native threads before a manager exists, while it is open, and after close()."""
+    model, opt, sched, sampler = make_run("fsdp", world, rank)
+    before = native_threads()
+    mgr = DistributedCheckpointManager(Path(out) / "run", keep_last=2, every_steps=1)
+    opened = native_threads()
+    state = TrainState()
+    for step in (1, 2):
+        state.losses.append(train_step(model, opt, sched, sampler))
+        state.step = step
+        if step == 1:
+            mgr.save(model, opt, sched, state)
+        else:
+            mgr.save_async(model, opt, sched, state)  # DCP's executor thread, then close() waits
+    mgr.close()
+    after = native_threads()
+    write_json(Path(out) / f"threads-rank{rank}.json", {"before": before, "opened": opened, "after": after})

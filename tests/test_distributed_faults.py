@@ -144,6 +144,17 @@ def test_a_wrong_distributed_prediction_is_reported_as_fail_with_exit_1(
     assert any(line.split() == ["verdict", "FAIL"] for line in lines)
 
 
-def test_the_chaos_command_refuses_a_rank_count_out_of_range(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["chaos", "--ranks", "0"]) == 2
-    assert "--ranks must be 1" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ranks", "0"], "--ranks must be 1"),
+        (["--ranks", "9"], "--ranks must be 1"),
+        (["--publish", "marker"], "--publish applies to multi-rank saves only"),
+    ],
+)
+def test_the_chaos_command_refuses_distributed_options_that_do_not_fit(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["chaos", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

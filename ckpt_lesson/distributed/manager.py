@@ -41,7 +41,7 @@ from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, clean_unmarked
 from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
 from ckpt_lesson.runs.scan import step_dir_name
 
-from .comm import Comm, new_checkpoint_group, quiet_single_process
+from .comm import Comm, new_checkpoint_group, quiet_single_process, release_groups
 from .restore import WORLD_SIZE_POLICIES, DistributedRestore, restore_save
 from .saving import Retention, SaveJob, fail_save, prepare_save
 
@@ -113,7 +113,8 @@ class DistributedCheckpointManager:
         self.algo, self.thread_count, self.on_event, self.publish = algo, thread_count, on_event, publish
         # Two groups of our own: control decisions on the training thread, and DCP's collectives,
         # which an asynchronous save issues from its background thread (see comm.py).
-        self._ctl = Comm(new_checkpoint_group())
+        self._ctl_group = new_checkpoint_group()
+        self._ctl = Comm(self._ctl_group)
         self._io_group = new_checkpoint_group()
         self.rank, self.world_size = self._ctl.rank, self._ctl.world_size
         self._no_dist = not self._ctl.enabled  # says so to DCP, which otherwise warns on every call
@@ -151,12 +152,20 @@ class DistributedCheckpointManager:
             log.error("the save in flight failed too: %s", exc)
 
     def close(self) -> None:
-        """Wait for an asynchronous save in flight, then refuse further saves."""
+        """Wait for an asynchronous save in flight, refuse further saves, and free the manager's groups.
+
+        Collective. Call it before ``dist.destroy_process_group()``: it destroys
+        the manager's two gloo groups *and* drops its references to them, so their
+        native threads are joined now, not during interpreter teardown.
+        """
         if not self._closed:
             try:
                 self.wait()
             finally:
                 self._closed = True
+                self._ctl, io_group, self._io_group = Comm.solo(), self._io_group, None
+                release_groups(self._ctl_group, io_group)
+                self._ctl_group = None
 
     def _clean(self) -> None:
         clean_stale(self.run_dir)
@@ -326,6 +335,8 @@ class DistributedCheckpointManager:
             >>> restored = mgr.restore_latest(model, opt, sched)  # doctest: +SKIP
             >>> loader.load_state_dict(restored.data_state)  # doctest: +SKIP
         """
+        if self._closed:
+            raise CheckpointError(f"{self.run_dir}: this manager is closed; create a new one.")
         if on_world_size_change not in WORLD_SIZE_POLICIES:
             raise CheckpointError(f"on_world_size_change must be one of {WORLD_SIZE_POLICIES}.")
         self.wait()
