@@ -163,6 +163,8 @@ def test_a_second_save_waits_for_the_one_in_flight(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001", "step-00000002"]
     with pytest.raises(CheckpointError, match="closed"):
         mgr.save(model, opt, sched, TrainState(step=3))
+    with pytest.raises(CheckpointError, match="closed"):
+        mgr.restore_latest(model, opt, sched)  # its groups are gone: no collective may run
 
 
 def test_a_run_without_saves_restores_nothing_and_one_with_only_damaged_saves_lists_them(

@@ -26,13 +26,12 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.tagged_hash import DEFAULT_ALGO
 from ckpt_lesson.runs.cadence import SaveCadence
@@ -42,7 +41,7 @@ from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
 from ckpt_lesson.runs.scan import step_dir_name
 
 from .comm import Comm, new_checkpoint_group, quiet_single_process, release_groups
-from .restore import WORLD_SIZE_POLICIES, DistributedRestore, restore_save
+from .restore import WORLD_SIZE_POLICIES, DistributedRestore, restore_newest
 from .saving import Retention, SaveJob, fail_save, prepare_save
 
 __all__ = ["DistributedCheckpointManager"]
@@ -152,11 +151,10 @@ class DistributedCheckpointManager:
             log.error("the save in flight failed too: %s", exc)
 
     def close(self) -> None:
-        """Wait for an asynchronous save in flight, refuse further saves, and free the manager's groups.
+        """Wait for a save in flight, then free the manager's two gloo groups; collective.
 
-        Collective. Call it before ``dist.destroy_process_group()``: it destroys
-        the manager's two gloo groups *and* drops its references to them, so their
-        native threads are joined now, not during interpreter teardown.
+        Call it before ``dist.destroy_process_group()``: the groups' native threads are joined here,
+        not left to interpreter teardown (see :func:`~.comm.release_groups`). Later saves are refused.
         """
         if not self._closed:
             try:
@@ -167,7 +165,7 @@ class DistributedCheckpointManager:
                 release_groups(self._ctl_group, io_group)
                 self._ctl_group = None
 
-    def _clean(self) -> None:
+    def _clean(self) -> None:  # staging and unmarked folders of dead writers
         clean_stale(self.run_dir)
         clean_unmarked(self.run_dir)
 
@@ -341,30 +339,18 @@ class DistributedCheckpointManager:
             raise CheckpointError(f"on_world_size_change must be one of {WORLD_SIZE_POLICIES}.")
         self.wait()
         steps = self._ctl.broadcast(self._retention.published() if self.rank == 0 else None)
-        skipped: list[dict[str, Any]] = []
-        for step in reversed(steps):
-            folder = self.step_dir(step)
-            try:
-                restored = restore_save(
-                    folder,
-                    ctl=self._ctl,
-                    io_group=self._io_group,
-                    model=model,
-                    optimizer=optimizer,
-                    scheduler=scheduler,
-                    on_world_size_change=on_world_size_change,
-                    reseed_base=reseed_base,
-                )
-            except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
-                status = "incomplete" if isinstance(exc, IncompleteCheckpointError) else "corrupt"
-                skipped.append({"step": step, "status": status, "reason": str(exc)})
-                log.warning("restore: skipping %s (%s): %s", folder.name, status, exc)
-                continue
-            self._retention.verified.add(step)
-            self._cadence.mark_saved(step)
-            self.last_restore = replace(restored, skipped=skipped)
-            return self.last_restore
-        if not steps:
-            return None
-        lines = "; ".join(f"step {s['step']}: {s['status']}: {s['reason']}" for s in skipped)
-        raise CheckpointError(f"{self.run_dir}: {len(skipped)} save(s) found but none is usable: {lines}")
+        restored = restore_newest(
+            [self.step_dir(step) for step in steps],
+            ctl=self._ctl,
+            io_group=self._io_group,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            on_world_size_change=on_world_size_change,
+            reseed_base=reseed_base,
+        )
+        if restored is not None:
+            self._retention.verified.add(restored.step)
+            self._cadence.mark_saved(restored.step)
+            self.last_restore = restored
+        return restored
