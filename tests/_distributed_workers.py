@@ -1,157 +1,34 @@
-"""Multi-rank helpers for the distributed tests: a launcher, a tiny model, and the rank programs.
+"""Rank programs of the multi-rank tests that the package's fault campaign does not need.
 
-Ranks are processes forked from a *forkserver* that imported torch once, so a
-launch costs a fork and a gloo handshake (about a second), not a fresh Python
-importing torch per rank. The forkserver itself never runs a torch op, so no
-thread pool exists yet when it forks. Ranks meet through a ``FileStore`` (no
-ports) and report through files in the test's temporary folder.
-
-The launcher behaves like torchrun on failure: when one rank dies, the others
-get a grace period to notice and exit on their own, then are killed.
+The launcher, the tiny model and the fault programs live in the package
+(:mod:`ckpt_lesson.cli.rank_launch`, :mod:`ckpt_lesson.cli.rank_programs`), so
+``python -m ckpt_lesson chaos --ranks 2`` and these tests run the same code.
+What stays here trains a run uninterrupted and resumes it on other world sizes.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import multiprocessing as mp
 import os
-import signal
-import time
-import traceback
-import uuid
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from ckpt_lesson import CheckpointError, TrainState
+from ckpt_lesson.cli.rank_launch import launch
+from ckpt_lesson.cli.rank_programs import full_state, make_run, train_step, write_json
 from ckpt_lesson.distributed import DistributedCheckpointManager
 
-_CTX: Any = None
-
-
-def _context() -> Any:
-    global _CTX
-    if _CTX is None:
-        from multiprocessing import forkserver
-
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload([__name__])
-        # Python 3.11's forkserver imports the preload modules before it applies the parent's
-        # sys.path, so this folder (which pytest put on sys.path) must reach it via PYTHONPATH;
-        # otherwise the preload fails silently and every rank imports torch anew (~2 s each).
-        saved = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), saved) if p)
-        try:
-            forkserver.ensure_running()
-        finally:
-            if saved is None:
-                del os.environ["PYTHONPATH"]
-            else:
-                os.environ["PYTHONPATH"] = saved
-    return _CTX
-
-
-def launch(
-    target: str, world: int, workdir: Path, *args: Any, grace: float = 20.0, limit: float = 120.0
-) -> list[int]:
-    """Run ``target(rank, world, *args)`` (a function of this module) on ``world`` ranks.
-
-    Returns:
-        Exit codes by rank: 0 ok, 1 raised, negative: killed by that signal.
-    """
-    store = Path(workdir) / f"store-{uuid.uuid4().hex[:8]}"
-    ctx = _context()
-    procs = [ctx.Process(target=_entry, args=(target, r, world, str(store), args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    started, first_exit = time.monotonic(), None
-    while any(p.exitcode is None for p in procs):
-        now = time.monotonic()
-        if first_exit is None and any(p.exitcode not in (None, 0) for p in procs):
-            first_exit = now
-        late = first_exit is not None and now - first_exit > grace
-        if late or now - started > limit:
-            for p in procs:
-                if p.exitcode is None:
-                    os.kill(p.pid, signal.SIGKILL)  # our own child, by pid
-        time.sleep(0.02)
-    for p in procs:
-        p.join()
-    return [p.exitcode for p in procs]
-
-
-def _entry(target: str, rank: int, world: int, store: str, args: tuple[Any, ...]) -> None:
-    torch.set_num_threads(1)  # 2 cores shared by up to 4 ranks; also keeps losses reproducible
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
-    try:
-        globals()[target](rank, world, *args)
-    except BaseException:
-        traceback.print_exc()
-        os._exit(1)  # skip interpreter teardown: a peer may be dead and gloo's destructors can block
-    dist.destroy_process_group()
-
-
-# ---------------------------------------------------------------- the model and its data
-
-
-def make_run(kind: str, world: int, rank: int) -> tuple[Any, Any, Any, torch.Generator]:
-    """A tiny MLP with dropout (so RNG matters), wrapped for ``kind``, with AdamW, StepLR, and a sampler."""
-    if kind not in ("fsdp", "ddp", "plain"):
-        raise ValueError(f"unknown kind {kind!r}")  # a typo here once trained an unwrapped model
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 4)
-    )
-    if kind == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    elif kind == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)
-    sampler = torch.Generator().manual_seed(1000 + rank)  # each rank draws its own batches
-    torch.manual_seed(77 + rank)  # and its own dropout masks
-    return model, opt, sched, sampler
-
-
-_DATA = torch.Generator().manual_seed(123)
-_X = torch.randn(64, 8, generator=_DATA)
-_Y = _X @ torch.randn(8, 4, generator=_DATA)
-
-
-def train_step(model: Any, opt: Any, sched: Any, sampler: torch.Generator) -> float:
-    idx = torch.randint(0, 64, (4,), generator=sampler)
-    loss = torch.nn.functional.mse_loss(model(_X[idx]), _Y[idx])
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    sched.step()
-    return loss.item()
-
-
-def full_state(model: Any, opt: Any) -> dict[str, Any]:
-    """Full (unsharded) model and optimizer state on rank 0, ``{}`` elsewhere; collective."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd, optim_sd = get_state_dict(model, opt, options=options)
-    return {"model": model_sd, "optim": optim_sd}
-
-
-def write_json(path: Path, obj: Any) -> None:
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
-
-
-# ---------------------------------------------------------------- rank programs
+__all__ = [
+    "launch",
+    "make_run",
+    "native_threads",
+    "train_step",
+    "w_close_frees_threads",
+    "w_resume",
+    "w_train_and_save",
+]
 
 
 def w_train_and_save(rank: int, world: int, out: str) -> None:
@@ -224,72 +101,6 @@ def w_resume(rank: int, world: int, out: str, names: list[str]) -> None:
         write_json(run / f"resume-w{world}-rank{rank}.json", report)
 
 
-def w_fault(rank: int, world: int, run_dir: str, scenario: dict[str, Any]) -> None:
-    """Save step 2, then kill ranks at ``scenario["event"]`` during the save of step 4.
-
-    ``scenario``: ``event`` (a manager event), ``at`` (the rank whose event fires),
-    ``kill`` (``"self"``, ``"all"`` or a list of ranks) and ``mode`` (``"sync"``/``"async"``).
-    Survivors record how their save ended.
-    """
-    run = Path(run_dir)
-    pids = run / "pids"
-    pids.mkdir(parents=True, exist_ok=True)
-    (pids / str(rank)).write_text(str(os.getpid()))
-    dist.barrier()
-    pid_of = {r: int((pids / str(r)).read_text()) for r in range(world)}
-    armed = False
-
-    def hook(name: str, info: dict[str, Any]) -> None:
-        if not armed or name != scenario["event"] or info["rank"] != scenario["at"]:
-            return
-        kill = scenario["kill"]
-        victims = [rank] if kill == "self" else list(range(world)) if kill == "all" else list(kill)
-        for r in sorted(victims, key=lambda r: r == rank):  # this process last
-            os.kill(pid_of[r], signal.SIGKILL)
-
-    model, opt, sched, sampler = make_run("fsdp", world, rank)
-    mgr = DistributedCheckpointManager(run, keep_last=3, every_steps=2, on_event=hook)
-    state = TrainState()
-    outcome = "returned"
-    for step in range(1, 5):
-        state.losses.append(train_step(model, opt, sched, sampler))
-        state.step = step
-        if step == 4:
-            armed = True
-        if not mgr.should_save(step):
-            continue
-        try:
-            if step == 4 and scenario["mode"] == "async":
-                mgr.save_async(model, opt, sched, state)
-                train_step(model, opt, sched, sampler)  # training goes on while the save is written
-                mgr.wait()
-            else:
-                mgr.save(model, opt, sched, state)
-        except CheckpointError as exc:
-            outcome = f"{type(exc).__name__}: {exc}"
-    write_json(run / f"outcome-rank{rank}.json", {"outcome": outcome})
-    if outcome != "returned":
-        os._exit(3)  # a peer is gone: leave without collective teardown
-
-
-def w_restore_all(rank: int, world: int, runs: list[str]) -> None:
-    """Open a manager on each run (cleaning what dead writers left) and restore the latest save."""
-    for run_dir in runs:
-        run = Path(run_dir)
-        model, opt, sched, _ = make_run("fsdp", world, rank)
-        before = _staging(run)  # only rank 0's view is exact: its manager is the one that cleans
-        mgr = DistributedCheckpointManager(run, keep_last=3, every_steps=2)
-        restored = mgr.restore_latest(model, opt, sched)
-        report = {
-            "step": restored.step,
-            "skipped": restored.skipped,
-            "staging_before": before,
-            "staging_after": _staging(run),
-        }
-        write_json(run / f"restored-rank{rank}.json", report)
-        mgr.close()
-
-
 class _ListHandler(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -313,10 +124,6 @@ def _count_tensors(obj: Any) -> int:
     return int(isinstance(obj, torch.Tensor))
 
 
-def _staging(run: Path) -> list[str]:
-    return sorted(p.name for p in run.iterdir() if p.name.startswith(".staging"))
-
-
 def _diff(ref: Any, mine: Any, path: str = "") -> list[str]:
     """Every place where two nested states differ (empty: bitwise equal)."""
     if isinstance(ref, dict) and isinstance(mine, dict):
@@ -331,3 +138,28 @@ def _diff(ref: Any, mine: Any, path: str = "") -> list[str]:
         same = ref.dtype == mine.dtype and ref.shape == mine.shape and torch.equal(ref, mine)
         return [] if same else [path]
     return [] if ref == mine else [f"{path}: {ref!r} != {mine!r}"]
+
+
+def native_threads() -> list[str]:
+    """Names of this process's native threads (gloo names its own: pt_gloo_runloop, gloo_tcp_loop)."""
+    tasks = Path("/proc/self/task")
+    return sorted((tasks / t / "comm").read_text().strip() for t in os.listdir(tasks))
+
+
+def w_close_frees_threads(rank: int, world: int, out: str) -> None:
+    """Count native threads before a manager exists, while it is open, and after close()."""
+    model, opt, sched, sampler = make_run("fsdp", world, rank)
+    before = native_threads()
+    mgr = DistributedCheckpointManager(Path(out) / "run", keep_last=2, every_steps=1)
+    opened = native_threads()
+    state = TrainState()
+    for step in (1, 2):
+        state.losses.append(train_step(model, opt, sched, sampler))
+        state.step = step
+        if step == 1:
+            mgr.save(model, opt, sched, state)
+        else:
+            mgr.save_async(model, opt, sched, state)  # DCP's executor thread, then close() waits
+    mgr.close()
+    after = native_threads()
+    write_json(Path(out) / f"threads-rank{rank}.json", {"before": before, "opened": opened, "after": after})

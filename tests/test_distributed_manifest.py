@@ -11,6 +11,7 @@ import pytest
 
 from ckpt_lesson import CorruptCheckpointError, IncompleteCheckpointError, SchemaError, UnsafeCheckpointError
 from ckpt_lesson.distributed import hash_bytes, read_dcp_manifest
+from ckpt_lesson.files.record_seal import SEAL_KEY, seal_record
 from ckpt_lesson.runs.dcp_manifest import MAX_MANIFEST_BYTES, build_manifest
 
 
@@ -32,16 +33,18 @@ def _manifest(**changes: Any) -> dict[str, Any]:
     return build_manifest(**{**fields, **changes})
 
 
-def _write(folder: Path, manifest: Any) -> Path:
+def _write(folder: Path, manifest: Any, *, seal: bool = True) -> Path:
+    """Write ``manifest`` sealed (as the writer does), so the test reaches the field checks."""
     folder.mkdir(exist_ok=True)
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+    record = seal_record(manifest) if seal and isinstance(manifest, dict) else manifest
+    (folder / "manifest.json").write_text(json.dumps(record))
     return folder
 
 
 def test_a_built_manifest_reads_back_equal_with_sorted_parts(tmp_path: Path) -> None:
     manifest = _manifest()
     read, raw = read_dcp_manifest(_write(tmp_path / "s", manifest))
-    assert read == manifest
+    assert read == seal_record(manifest)
     assert [p["file"] for p in read["parts"]] == [".metadata", "__0_0.distcp"]
     assert raw == (tmp_path / "s" / "manifest.json").read_bytes()
 
@@ -120,3 +123,39 @@ def test_a_symlinked_or_oversized_manifest_is_refused_unread(tmp_path: Path) -> 
 def test_build_manifest_refuses_a_malformed_record_so_nothing_is_published() -> None:
     with pytest.raises(CorruptCheckpointError):
         _manifest(parts=[{"file": ".metadata", "bytes": 1, "algo": "md5", "digest": "0" * 32}])
+
+
+def test_a_well_formed_manifest_without_its_seal_is_refused_as_corrupt_naming_file_cause_and_fix(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(CorruptCheckpointError) as refused:
+        read_dcp_manifest(_write(tmp_path / "s", _manifest(), seal=False))
+    message = str(refused.value)
+    assert message.startswith("s/manifest.json: a multi-rank manifest without its checksum ('record_digest')")
+    assert "damaged or edited" in message and "Restore an older save" in message
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: m.update(step=6),
+        lambda m: m["covers"].remove("optimizer"),
+        lambda m: m["parts"][0].update(bytes=m["parts"][0]["bytes"] + 1),
+        lambda m: m.update({"record_digesT": m.pop(SEAL_KEY)}),  # a flipped bit in the seal's own name
+    ],
+)
+def test_a_sealed_manifest_with_a_field_edited_afterwards_is_refused_as_corrupt(
+    tmp_path: Path, edit: Any
+) -> None:
+    manifest = seal_record(_manifest())
+    edit(manifest)
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        read_dcp_manifest(_write(tmp_path / "s", manifest, seal=False))
+
+
+def test_an_unsealed_record_of_another_schema_is_still_a_schema_error(tmp_path: Path) -> None:
+    # The seal rule is about our own records; a single-process manifest read here must still
+    # be sent to the right manager, sealed or not.
+    other = {**_manifest(), "schema": "ckpt.manifest.v1"}
+    with pytest.raises(SchemaError, match="use CheckpointManager"):
+        read_dcp_manifest(_write(tmp_path / "s", other, seal=False))

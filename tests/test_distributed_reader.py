@@ -9,8 +9,10 @@ real: stock DCP runs them.
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed.checkpoint as dcp
@@ -24,6 +26,7 @@ import ckpt_lesson.distributed.reader as reader_module
 import ckpt_lesson.runs.dcp_manifest as dcp_manifest_module
 from ckpt_lesson import IncompleteCheckpointError, TrainState, UnsafeCheckpointError
 from ckpt_lesson.distributed import Comm, DistributedCheckpointManager, VerifyingReader, verify_save
+from ckpt_lesson.files.record_seal import SEAL_KEY
 
 STEP4 = "step-00000004"
 
@@ -136,6 +139,30 @@ def test_stock_dcp_runs_the_crafted_non_tensor_value(run: Path, tmp_path: Path) 
         no_dist=True,
     )
     assert marker.exists()
+
+
+def _unsealed(manifest: dict) -> None:
+    del manifest[SEAL_KEY]
+
+
+def _edited(manifest: dict) -> None:
+    manifest["state"]["step"] = 5  # a plausible value; the seal, not a field check, must catch it
+
+
+@pytest.mark.parametrize("damage", [_unsealed, _edited], ids=["seal-removed", "field-edited"])
+def test_a_manifest_without_a_valid_seal_is_refused_before_loading_and_restore_falls_back(
+    run: Path, loads: list[str], damage: Any
+) -> None:
+    path = run / STEP4 / "manifest.json"
+    manifest = json.loads(path.read_text())
+    damage(manifest)
+    path.write_text(json.dumps(manifest))
+    restored, _ = restore_locally(run)
+    assert restored.step == 2
+    assert loads == ["step-00000002"]  # step 4 was never handed to DCP
+    [skipped] = restored.skipped
+    assert skipped["status"] == "corrupt"
+    assert f"{STEP4}/manifest.json: " in skipped["reason"] and "checksum" in skipped["reason"]
 
 
 def test_a_missing_data_file_makes_the_save_incomplete_and_restore_falls_back(run: Path) -> None:

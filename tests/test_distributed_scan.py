@@ -71,6 +71,17 @@ def test_scan_calls_a_malformed_distributed_manifest_corrupt(tmp_path: Path) -> 
     assert (status, "'world_size'" in reason) == ("corrupt", True)
 
 
+def test_scan_calls_a_distributed_manifest_without_its_seal_corrupt(tmp_path: Path) -> None:
+    save_locally(tmp_path / "run", steps=(2, 4))
+    path = tmp_path / "run" / "step-00000004" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["record_digest"]
+    path.write_text(json.dumps(manifest))
+    status, reason = _statuses(tmp_path / "run")[4]
+    assert (status, "without its checksum" in reason) == ("corrupt", True)
+    assert _statuses(tmp_path / "run")[2] == ("ok", "")
+
+
 def test_a_size_only_inspection_of_a_distributed_save_reads_no_data(tmp_path: Path) -> None:
     # hash_parts=False is the cheap check the single-process manager uses for retention:
     # a same-size flip passes it, a truncation does not.

@@ -13,7 +13,8 @@ with :func:`~ckpt_lesson.cli.faults.predict_restored_step`, the same prediction 
 checks use.
 
 ``python -m ckpt_lesson chaos --kills 200 --seed 0`` runs one from the shell
-and exits 1 unless every check held.
+and exits 1 unless every check held. ``--ranks 2`` kills ranks of a multi-rank
+(DCP) save instead: see :mod:`ckpt_lesson.cli.rank_chaos`.
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ from ckpt_lesson.cli.kill_plan import POINTS, SHARDED_ONLY, KillPlan, RunConfig,
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.runs.report import read_recovery_log
 
-__all__ = ["CampaignResult", "run_campaign"]
+__all__ = ["MAX_RANKS", "CampaignResult", "run_campaign"]
+
+#: Most ranks ``--ranks`` launches: each is a process, and the test machines have 2 cores.
+MAX_RANKS = 8
 
 
 def _plan_run(
@@ -211,7 +215,24 @@ def run_campaign(
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kills", type=int, default=20, help="processes to kill (default 20)")
+    parser.add_argument(
+        "--kills",
+        type=int,
+        default=None,
+        help="kills to make (default 20; with --ranks, 10: one per named kill)",
+    )
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="1 (default): kill single-process runs; 2 to 8: kill ranks of a multi-rank DCP save instead",
+    )
+    parser.add_argument(
+        "--publish",
+        choices=("rename", "marker"),
+        default="rename",
+        help="with --ranks: how saves are published (default rename; marker: a commit marker written last)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds points, steps and offsets (default 0)")
     parser.add_argument("--workdir", default=None, help="folder for run directories (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the run directories")
@@ -219,14 +240,34 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.kills < 1:
+    if not 1 <= args.ranks <= MAX_RANKS:
+        raise CheckpointError(f"--ranks must be 1 (single process) to {MAX_RANKS}, got {args.ranks}.")
+    if args.publish != "rename" and args.ranks == 1:
+        raise CheckpointError("--publish applies to multi-rank saves only; add --ranks 2 (or more).")
+    if args.kills is not None and args.kills < 1:
         raise CheckpointError(f"--kills must be >= 1, got {args.kills}.")
     if args.workdir is not None and Path(args.workdir).exists() and not Path(args.workdir).is_dir():
         raise CheckpointError(f"--workdir {args.workdir}: is a file, not a folder; pick another --workdir.")
     started = time.perf_counter()
-    result = run_campaign(
-        args.kills, seed=args.seed, workdir=args.workdir, named_points=not args.random_only, keep=args.keep
-    )
+    if args.ranks > 1:
+        from ckpt_lesson.cli.rank_chaos import NAMED_KILLS, draw_kills, run_rank_campaign
+
+        count = len(NAMED_KILLS) if args.kills is None else args.kills
+        kills = draw_kills(
+            count, world=args.ranks, seed=args.seed, named=not args.random_only, publish=args.publish
+        )
+        result: Any = run_rank_campaign(
+            kills, world=args.ranks, seed=args.seed, workdir=args.workdir, keep=args.keep
+        )
+    else:
+        kills_made = 20 if args.kills is None else args.kills
+        result = run_campaign(
+            kills_made,
+            seed=args.seed,
+            workdir=args.workdir,
+            named_points=not args.random_only,
+            keep=args.keep,
+        )
     print(result.table())
     print(f"{'wall time':<24}{time.perf_counter() - started:.1f} s")
     return 0 if result.ok else 1

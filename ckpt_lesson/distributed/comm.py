@@ -26,7 +26,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt_lesson.errors import CheckpointError
 
-__all__ = ["Comm", "new_checkpoint_group", "quiet_single_process", "raise_from_checkpoint_exception"]
+__all__ = [
+    "Comm",
+    "new_checkpoint_group",
+    "quiet_single_process",
+    "raise_from_checkpoint_exception",
+    "release_groups",
+]
 
 
 def new_checkpoint_group() -> dist.ProcessGroup | None:
@@ -41,6 +47,25 @@ def new_checkpoint_group() -> dist.ProcessGroup | None:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     return dist.new_group(backend="gloo")
+
+
+def release_groups(*groups: dist.ProcessGroup | None) -> None:
+    """Destroy groups made by :func:`new_checkpoint_group`; the caller drops its references too.
+
+    ``destroy_process_group(group)`` only unregisters a group: its native threads
+    (gloo's ``pt_gloo_runloop`` workers and ``gloo_tcp_loop``) live on for as long
+    as any Python object refers to it, which for a manager kept in a global means
+    until interpreter teardown. Destroying it there races the interpreter's own
+    shutdown. Called with every reference gone, the threads are joined at once.
+
+    Example:
+        >>> release_groups(None)  # without torch.distributed, nothing to do
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    for group in groups:
+        if group is not None:
+            dist.destroy_process_group(group)
 
 
 class Comm:

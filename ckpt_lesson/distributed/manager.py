@@ -26,22 +26,22 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.tagged_hash import DEFAULT_ALGO
 from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale
+from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, clean_unmarked
 from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
 from ckpt_lesson.runs.scan import step_dir_name
 
-from .comm import Comm, new_checkpoint_group, quiet_single_process
-from .restore import WORLD_SIZE_POLICIES, DistributedRestore, restore_save
+from .comm import Comm, new_checkpoint_group, quiet_single_process, release_groups
+from .restore import WORLD_SIZE_POLICIES, DistributedRestore, restore_newest
 from .saving import Retention, SaveJob, fail_save, prepare_save
 
 __all__ = ["DistributedCheckpointManager"]
@@ -66,6 +66,9 @@ class DistributedCheckpointManager:
             ``manifest_written``, ``published``, ``retention_delete``, ``quarantined``, ``save_end``.
         algo: Hash algorithm of the manifest records.
         thread_count: DCP writer threads per rank.
+        publish: ``"rename"`` (default): publish by renaming a staging folder (a POSIX file
+            system); ``"marker"``: write in place and publish by a commit marker written last,
+            for storage without atomic rename (see :mod:`ckpt_lesson.runs.dcp_marker`).
 
     Raises:
         CheckpointError: Invalid settings, or ``run_dir`` is a file.
@@ -93,7 +96,10 @@ class DistributedCheckpointManager:
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
         algo: str = DEFAULT_ALGO,
         thread_count: int = 1,
+        publish: str = "rename",
     ) -> None:
+        if publish not in PUBLISH_MODES:
+            raise CheckpointError(f"publish must be one of {PUBLISH_MODES}, got {publish!r}.")
         if retention is not None and not callable(getattr(retention, "to_delete", None)):
             raise CheckpointError("retention needs a to_delete(steps, verified) method, e.g. KeepLastK(3).")
         self.policy = retention if retention is not None else KeepLastK(keep_last)
@@ -103,10 +109,11 @@ class DistributedCheckpointManager:
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"metadata must be a JSON dict: {exc}") from exc
         self.run_dir = Path(run_dir)
-        self.algo, self.thread_count, self.on_event = algo, thread_count, on_event
+        self.algo, self.thread_count, self.on_event, self.publish = algo, thread_count, on_event, publish
         # Two groups of our own: control decisions on the training thread, and DCP's collectives,
         # which an asynchronous save issues from its background thread (see comm.py).
-        self._ctl = Comm(new_checkpoint_group())
+        self._ctl_group = new_checkpoint_group()
+        self._ctl = Comm(self._ctl_group)
         self._io_group = new_checkpoint_group()
         self.rank, self.world_size = self._ctl.rank, self._ctl.world_size
         self._no_dist = not self._ctl.enabled  # says so to DCP, which otherwise warns on every call
@@ -122,7 +129,7 @@ class DistributedCheckpointManager:
                         f"{self.run_dir}: exists and is not a directory; pass a run directory."
                     )
                 self.run_dir.mkdir(parents=True, exist_ok=True)
-                clean_stale(self.run_dir)  # staging folders of writers killed earlier (their flock is gone)
+                self._clean()  # staging or unmarked folders of writers killed earlier (their flock is gone)
             except (CheckpointError, OSError) as exc:
                 problem = str(exc)
         problem = self._ctl.broadcast(problem)
@@ -144,12 +151,23 @@ class DistributedCheckpointManager:
             log.error("the save in flight failed too: %s", exc)
 
     def close(self) -> None:
-        """Wait for an asynchronous save in flight, then refuse further saves."""
+        """Wait for a save in flight, then free the manager's two gloo groups; collective.
+
+        Call it before ``dist.destroy_process_group()``: the groups' native threads are joined here,
+        not left to interpreter teardown (see :func:`~.comm.release_groups`). Later saves are refused.
+        """
         if not self._closed:
             try:
                 self.wait()
             finally:
                 self._closed = True
+                self._ctl, io_group, self._io_group = Comm.solo(), self._io_group, None
+                release_groups(self._ctl_group, io_group)
+                self._ctl_group = None
+
+    def _clean(self) -> None:  # staging and unmarked folders of dead writers
+        clean_stale(self.run_dir)
+        clean_unmarked(self.run_dir)
 
     def step_dir(self, step: int) -> Path:
         """Where the published save of ``step`` lives (whether or not it exists)."""
@@ -263,7 +281,12 @@ class DistributedCheckpointManager:
             scheduler=scheduler,
             state=state,
             data_state=data_state,
-            writer_options={"algo": self.algo, "thread_count": self.thread_count, "metadata": self.metadata},
+            writer_options={
+                "algo": self.algo,
+                "thread_count": self.thread_count,
+                "metadata": self.metadata,
+                "publish": self.publish,
+            },
             emit=self._emit,
             after_publish=self._retention.after_publish,
         )
@@ -273,7 +296,7 @@ class DistributedCheckpointManager:
     def _end(self, job: SaveJob) -> Path:
         job.stack.close()  # rank 0: releases the lock (the folder is published by now)
         if self.rank == 0:
-            clean_stale(self.run_dir)
+            self._clean()
         self._emit("save_end", step=job.step, path=str(job.final))
         return job.final
 
@@ -310,34 +333,24 @@ class DistributedCheckpointManager:
             >>> restored = mgr.restore_latest(model, opt, sched)  # doctest: +SKIP
             >>> loader.load_state_dict(restored.data_state)  # doctest: +SKIP
         """
+        if self._closed:
+            raise CheckpointError(f"{self.run_dir}: this manager is closed; create a new one.")
         if on_world_size_change not in WORLD_SIZE_POLICIES:
             raise CheckpointError(f"on_world_size_change must be one of {WORLD_SIZE_POLICIES}.")
         self.wait()
         steps = self._ctl.broadcast(self._retention.published() if self.rank == 0 else None)
-        skipped: list[dict[str, Any]] = []
-        for step in reversed(steps):
-            folder = self.step_dir(step)
-            try:
-                restored = restore_save(
-                    folder,
-                    ctl=self._ctl,
-                    io_group=self._io_group,
-                    model=model,
-                    optimizer=optimizer,
-                    scheduler=scheduler,
-                    on_world_size_change=on_world_size_change,
-                    reseed_base=reseed_base,
-                )
-            except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
-                status = "incomplete" if isinstance(exc, IncompleteCheckpointError) else "corrupt"
-                skipped.append({"step": step, "status": status, "reason": str(exc)})
-                log.warning("restore: skipping %s (%s): %s", folder.name, status, exc)
-                continue
-            self._retention.verified.add(step)
-            self._cadence.mark_saved(step)
-            self.last_restore = replace(restored, skipped=skipped)
-            return self.last_restore
-        if not steps:
-            return None
-        lines = "; ".join(f"step {s['step']}: {s['status']}: {s['reason']}" for s in skipped)
-        raise CheckpointError(f"{self.run_dir}: {len(skipped)} save(s) found but none is usable: {lines}")
+        restored = restore_newest(
+            [self.step_dir(step) for step in steps],
+            ctl=self._ctl,
+            io_group=self._io_group,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            on_world_size_change=on_world_size_change,
+            reseed_base=reseed_base,
+        )
+        if restored is not None:
+            self._retention.verified.add(restored.step)
+            self._cadence.mark_saved(restored.step)
+            self.last_restore = restored
+        return restored

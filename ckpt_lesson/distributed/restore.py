@@ -23,7 +23,7 @@ counters, gives every rank a fresh reproducible stream, and says so in the log.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +31,22 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckpt_lesson.errors import StateMismatchError, UnsafeCheckpointError
+from ckpt_lesson.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StateMismatchError,
+    UnsafeCheckpointError,
+)
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.rng import restore_rng_state
+from ckpt_lesson.runs.scan import step_of
 
 from .comm import Comm, quiet_single_process, raise_from_checkpoint_exception
 from .reader import VerifyingReader, WeightsOnlyLoadPlanner, verify_save
 from .state import apply_shared_state, build_load_template, decode_rank_state, rank_key, reseed_generators
 
-__all__ = ["WORLD_SIZE_POLICIES", "DistributedRestore", "restore_save"]
+__all__ = ["WORLD_SIZE_POLICIES", "DistributedRestore", "restore_newest", "restore_save"]
 
 log = logging.getLogger("ckpt_lesson.distributed")
 
@@ -186,3 +193,38 @@ def restore_save(
         save_id=manifest["save_id"],
         reseed=seed,
     )
+
+
+def restore_newest(folders: list[Path], **options: Any) -> DistributedRestore | None:
+    """Try ``folders`` newest first with :func:`restore_save`; skip damaged ones; collective.
+
+    Args:
+        folders: The published saves, oldest first (the same list on every rank).
+        options: The keyword arguments of :func:`restore_save`.
+
+    Returns:
+        The first save that restored, its ``skipped`` listing the newer ones
+        passed over; ``None`` when ``folders`` is empty.
+
+    Raises:
+        CheckpointError: Saves exist but none is usable (each reason listed), or
+            what :func:`restore_save` raises for anything but damage.
+
+    Example:
+        >>> restore_newest([run / "step-00000002"], ctl=Comm(), io_group=None,  # doctest: +SKIP
+        ...     model=m, optimizer=opt, scheduler=None, on_world_size_change="refuse", reseed_base=0)
+    """
+    skipped: list[dict[str, Any]] = []
+    for folder in reversed(folders):
+        try:
+            restored = restore_save(folder, **options)
+        except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
+            status = "incomplete" if isinstance(exc, IncompleteCheckpointError) else "corrupt"
+            skipped.append({"step": step_of(folder.name), "status": status, "reason": str(exc)})
+            log.warning("restore: skipping %s (%s): %s", folder.name, status, exc)
+            continue
+        return replace(restored, skipped=skipped)
+    if not folders:
+        return None
+    lines = "; ".join(f"step {s['step']}: {s['status']}: {s['reason']}" for s in skipped)
+    raise CheckpointError(f"{folders[0].parent}: {len(skipped)} save(s) found but none is usable: {lines}")

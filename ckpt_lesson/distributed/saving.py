@@ -32,6 +32,7 @@ from ckpt_lesson.files.atomic import fsync_dir
 from ckpt_lesson.files.rng import capture_rng_state
 from ckpt_lesson.runs.commit import QUARANTINE_PREFIX, delete_save, open_staging
 from ckpt_lesson.runs.dcp_manifest import read_dcp_manifest
+from ckpt_lesson.runs.dcp_marker import open_marker_folder
 from ckpt_lesson.runs.retention import RetentionPolicy
 from ckpt_lesson.runs.scan import step_dir_name, step_of
 
@@ -80,7 +81,7 @@ def prepare_save(
         ctl: The control group.
         run_dir: The run directory.
         model, optimizer, scheduler, state, data_state: As ``DistributedCheckpointManager.save``.
-        writer_options: ``algo``, ``thread_count`` and the manifest's ``metadata``.
+        writer_options: ``algo``, ``thread_count``, ``publish`` and the manifest's ``metadata``.
         emit: The manager's event hook.
         after_publish: Rank 0's post-publish callback (retention).
 
@@ -113,7 +114,9 @@ def prepare_save(
     if ctl.rank == 0:
         try:
             clear_target(run_dir, final, emit)
-            staging = stack.enter_context(open_staging(run_dir, step)).name
+            by_marker = writer_options["publish"] == "marker"  # then the final folder is written in place
+            folder = open_marker_folder(final) if by_marker else open_staging(run_dir, step)
+            staging = stack.enter_context(folder).name
         except (CheckpointError, OSError) as exc:
             stack.close()
             refusal = str(exc)
@@ -137,6 +140,7 @@ def prepare_save(
         emit=emit,
         after_publish=after_publish if ctl.rank == 0 else None,
         thread_count=writer_options["thread_count"],
+        publish=writer_options["publish"],
     )
     return SaveJob(step, final, writer, state_dict, stack)
 

@@ -51,6 +51,7 @@ from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.tagged_hash import DEFAULT_ALGO, new_hasher
 from ckpt_lesson.runs.commit import publish
 from ckpt_lesson.runs.dcp_manifest import METADATA_FILE, build_manifest
+from ckpt_lesson.runs.dcp_marker import write_commit_marker
 from ckpt_lesson.runs.scan import MANIFEST_NAME
 
 __all__ = ["CommitWriter", "HashingFileSystem"]
@@ -181,6 +182,9 @@ class CommitWriter(FileSystemWriter):
         after_publish: Called on rank 0 with ``(final, manifest)`` once the
             save is durable (retention goes here); its errors are the caller's.
         thread_count: DCP writer threads per rank.
+        publish: ``"rename"``: ``staging`` is renamed to ``final``; ``"marker"``:
+            ``staging`` *is* ``final`` and a commit marker written last publishes it
+            (see :mod:`ckpt_lesson.runs.dcp_marker`).
 
     Example:
         >>> writer = CommitWriter(staging, run / "step-00000040", step=40,  # doctest: +SKIP
@@ -199,8 +203,10 @@ class CommitWriter(FileSystemWriter):
         emit: Emit = _no_event,
         after_publish: Callable[[Path, dict[str, Any]], None] | None = None,
         thread_count: int = 1,
+        publish: str = "rename",
     ) -> None:
         super().__init__(staging, single_file_per_rank=True, sync_files=True, thread_count=thread_count)
+        self.publish = publish
         self.overwrite = False
         self.fs = HashingFileSystem(algo, emit)
         self.staging, self.final, self.step = Path(staging), Path(final), step
@@ -258,16 +264,20 @@ class CommitWriter(FileSystemWriter):
             parts=list(parts.values()),
             save_id=self.save_id,
             dcp_version=metadata.version,
+            publish=self.publish,
             **self.manifest_fields,
         )
         # Sealed like every commit record: a flipped bit in the manifest itself is damage, not a refusal.
         atomic_write_json(seal_record(manifest), self.staging / MANIFEST_NAME)  # fsyncs file and folder
         self.emit("manifest_written", step=self.step, save_id=self.save_id)
-        if self.final.exists():
-            raise CheckpointError(
-                f"{self.final}: appeared while this save was written (another writer?); not replacing it."
-            )
-        publish(self.staging, self.final)  # one rename, then fsync of the run directory
+        if self.publish == "marker":  # no rename: the marker, written last, is the commit
+            write_commit_marker(self.final, manifest, (self.final / MANIFEST_NAME).read_bytes())
+        else:
+            if self.final.exists():
+                raise CheckpointError(
+                    f"{self.final}: appeared while this save was written (another writer?); not replacing it."
+                )
+            publish(self.staging, self.final)  # one rename, then fsync of the run directory
         self.emit("published", step=self.step, path=str(self.final), save_id=self.save_id)
         if self.after_publish is not None:
             self.after_publish(self.final, manifest)

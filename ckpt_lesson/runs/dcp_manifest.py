@@ -37,19 +37,21 @@ from ckpt_lesson.errors import (
     SchemaError,
     UnsafeCheckpointError,
 )
-from ckpt_lesson.files.record_seal import is_sealed, verify_record_seal
+from ckpt_lesson.files.record_seal import SEAL_KEY, is_sealed, verify_record_seal
 from ckpt_lesson.files.schema import MANIFEST_NAME
 from ckpt_lesson.files.tagged_hash import check_hash_record, hash_file
+from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, check_commit_marker
 
 __all__ = [
     "LAYOUT",
     "MANIFEST_NAME",
     "MANIFEST_SCHEMA",
-    "check_parts_list",
     "MAX_MANIFEST_BYTES",
     "METADATA_FILE",
     "build_manifest",
     "check_dcp_part",
+    "check_manifest_seal",
+    "check_parts_list",
     "read_dcp_manifest",
     "validate_manifest",
 ]
@@ -73,6 +75,7 @@ def build_manifest(
     save_id: str,
     dcp_version: str | None,
     metadata: dict[str, Any] | None = None,
+    publish: str = "rename",
 ) -> dict[str, Any]:
     """Assemble (and validate) the manifest of one save.
 
@@ -86,6 +89,8 @@ def build_manifest(
         save_id: A fresh unique id (DCP's own ``save_id``).
         dcp_version: The DCP format version written into ``.metadata``.
         metadata: The caller's JSON dict (run id, config hash), copied in.
+        publish: ``"rename"`` or ``"marker"``; only a marker-mode manifest records
+            it (``"publish": "marker"``), telling readers to require the commit marker.
 
     Returns:
         The manifest dict, sorted parts.
@@ -115,6 +120,8 @@ def build_manifest(
         "metadata": dict(metadata or {}),
         "created_at": time.time(),
     }
+    if publish != "rename":
+        manifest["publish"] = publish
     validate_manifest(manifest, where=f"manifest of step {step}")
     return manifest
 
@@ -129,7 +136,8 @@ def read_dcp_manifest(folder: str | os.PathLike[str]) -> tuple[dict[str, Any], b
         ``(manifest, raw_bytes)``; the raw bytes let ranks check they all read the same record.
 
     Raises:
-        IncompleteCheckpointError: No manifest: the save never finished.
+        IncompleteCheckpointError: No manifest (or, for ``publish="marker"``, no commit
+            marker): the save never finished.
         CorruptCheckpointError: Not a regular file, too large, not JSON, or malformed.
         SchemaError: Another manifest schema (e.g. a single-process save).
         UnsafeCheckpointError: A part name that would leave the folder.
@@ -156,11 +164,42 @@ def read_dcp_manifest(folder: str | os.PathLike[str]) -> tuple[dict[str, Any], b
         manifest = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise CorruptCheckpointError(f"{where}: not valid JSON ({exc}); restore an older save.") from exc
-    if isinstance(manifest, dict) and is_sealed(manifest):
-        # A sealed manifest must match its seal: a flipped bit in the record itself is damage.
-        verify_record_seal(manifest, where=where, legacy_keys=())
+    check_manifest_seal(manifest, where=where)
     validate_manifest(manifest, where=where)
+    if manifest.get("publish") == "marker":
+        check_commit_marker(folder, manifest, raw)  # written last: without it the save never finished
     return manifest, raw
+
+
+def check_manifest_seal(manifest: Any, *, where: str) -> None:
+    """Refuse a multi-rank manifest whose seal is missing or does not match its contents.
+
+    Every multi-rank manifest is written sealed (see ``files/record_seal.py``), and
+    there are no older unsealed ones to accept: a record without its seal, or with a
+    field changed after sealing, can only be damage (or an edit), so nothing in it
+    may be trusted, however well-formed its fields look. A record of another schema
+    is left to :func:`validate_manifest`, which names the right manager.
+
+    Raises:
+        CorruptCheckpointError: No seal, a damaged seal, or contents that do not match it.
+
+    Example:
+        >>> check_manifest_seal({"schema": MANIFEST_SCHEMA, "step": 4}, where="m")
+        Traceback (most recent call last):
+        ...
+        ckpt_lesson.errors.CorruptCheckpointError: m: a multi-rank manifest without its checksum ...
+    """
+    if not isinstance(manifest, dict):
+        return  # validate_manifest says what is wrong with it
+    if is_sealed(manifest):
+        # A flipped bit anywhere in the record, the seal's own name included, fails here.
+        verify_record_seal(manifest, where=where, legacy_keys=())
+    elif manifest.get("schema") == MANIFEST_SCHEMA:
+        raise CorruptCheckpointError(
+            f"{where}: a multi-rank manifest without its checksum ({SEAL_KEY!r}); every one is written "
+            "sealed, so this one was damaged or edited after it was written and nothing in it can be "
+            "trusted. Restore an older save (restore_latest falls back on its own)."
+        )
 
 
 def check_parts_list(parts: Any, where: str, check_part: Callable[[Any, str], None]) -> set[str]:
@@ -220,6 +259,8 @@ def validate_manifest(manifest: Any, *, where: str) -> None:
     covers = manifest.get("covers")
     if not isinstance(covers, list) or not all(isinstance(c, str) for c in covers):
         raise CorruptCheckpointError(f"{where}: 'covers' must list the saved buckets.")
+    if manifest.get("publish", "rename") not in PUBLISH_MODES:
+        raise CorruptCheckpointError(f"{where}: 'publish' must be one of {PUBLISH_MODES}.")
     seen = check_parts_list(manifest.get("parts"), where, _check_part)
     if METADATA_FILE not in seen:
         raise CorruptCheckpointError(f"{where}: no {METADATA_FILE} part; a DCP save always has one.")

@@ -51,6 +51,7 @@ from ckpt_lesson.files.schema import MANIFEST_NAME, MANIFEST_SCHEMA
 from ckpt_lesson.files.verify import verify_part, verify_record
 from ckpt_lesson.runs.dcp_manifest import MANIFEST_SCHEMA as DCP_MANIFEST_SCHEMA
 from ckpt_lesson.runs.dcp_manifest import check_dcp_part, check_parts_list, read_dcp_manifest
+from ckpt_lesson.runs.dcp_marker import COMMIT_MARKER
 from ckpt_lesson.runs.folder_manifest import FOLDER_MANIFEST_NAME, checkpoint_folder_step, verify_folder
 from ckpt_lesson.runs.lightning_files import LIGHTNING_SUFFIX, inspect_lightning_file, is_lightning_temp_file
 
@@ -166,15 +167,17 @@ def read_manifest(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{where}: unreadable ({why}); restore an older save.") from exc
     if not isinstance(manifest, dict):
         raise CorruptCheckpointError(f"{where}: expected a JSON object; restore an older save.")
-    # The manifest's own checksum comes first: an unverifiable record is damage, never a refusal.
-    verify_record_seal(manifest, where=where, legacy_keys=LEGACY_MANIFEST_KEYS)
     schema = manifest.get("schema")
-    if not isinstance(schema, str):
-        raise CorruptCheckpointError(f"{where}: no 'schema' field; restore an older save.")
     if schema == DCP_MANIFEST_SCHEMA:
+        # Before the seal check: a multi-rank record has its own seal rule (dcp_manifest.py), and
+        # its reader, not the legacy rule of single-process records, gives the verdict.
         raise SchemaError(
             f"{where}: a multi-rank save (schema {schema!r}); restore it with DistributedCheckpointManager."
         )
+    # The manifest's own checksum comes first: an unverifiable record is damage, never a refusal.
+    verify_record_seal(manifest, where=where, legacy_keys=LEGACY_MANIFEST_KEYS)
+    if not isinstance(schema, str):
+        raise CorruptCheckpointError(f"{where}: no 'schema' field; restore an older save.")
     if schema != MANIFEST_SCHEMA:
         raise SchemaError(f"{where}: unknown manifest schema {schema!r}; upgrade ckpt_lesson to read it.")
     step = manifest.get("step")
@@ -236,7 +239,9 @@ def inspect_save(
     try:
         manifest, is_dcp = _read_any_manifest(step_dir)
     except IncompleteCheckpointError:
-        return ScanResult(step_dir, step, "incomplete", f"no {MANIFEST_NAME} (save never finished)"), None
+        # With a manifest present, what is missing is a multi-rank save's commit marker (written last).
+        missing = COMMIT_MARKER if (step_dir / MANIFEST_NAME).exists() else MANIFEST_NAME
+        return ScanResult(step_dir, step, "incomplete", f"no {missing} (save never finished)"), None
     except (CorruptCheckpointError, UnsafeCheckpointError) as exc:
         return ScanResult(step_dir, step, "corrupt", str(exc)), None
     if manifest["step"] != step:
