@@ -424,3 +424,20 @@ def test_nothing_a_mapped_load_returns_still_reads_the_file(tmp_path, tiny_run, 
         import signal
 
         assert done.returncode == -signal.SIGBUS
+
+
+def test_a_file_system_that_cannot_map_falls_back_to_reading_the_file(saved, tiny_run, monkeypatch):
+    run, path = saved
+    real_load = torch.load
+
+    def no_mmap(*args, **kwargs):
+        if kwargs.get("mmap"):
+            raise RuntimeError("mmap: operation not supported by this file system")
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", no_mmap)
+    other = tiny_run(7)
+    state = load_checkpoint(path, other.model, other.optimizer, other.scheduler)  # mmap=True by default
+    assert state.step == 5
+    assert same(other.model.state_dict(), run.model.state_dict())
+    assert same(other.optimizer.state_dict(), run.optimizer.state_dict())

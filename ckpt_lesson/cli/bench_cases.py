@@ -55,12 +55,12 @@ PAIRS: list[tuple[str, str, str]] = [
     (
         "load_checkpoint",
         "torch_load_apply",
-        "verified restore + 1 optimizer step vs torch.load + load_state_dicts",
+        "verified restore (mmap=False: read into memory) + 1 step vs torch.load + load_state_dicts",
     ),
     (
         "load_checkpoint_mmap",
         "torch_load_apply",
-        "the same restore with load_checkpoint(mmap=True): weights copied from the file mapping",
+        "the same restore, load_checkpoint(mmap=True): weights copied from the file mapping",
     ),
     ("load_checkpoint_cold", "torch_load_apply_cold", "verified restore, file evicted from the page cache"),
     ("load_checkpoint_mmap_cold", "torch_load_apply_cold", "mapped verified restore, file evicted"),
@@ -191,10 +191,10 @@ def make_cases(w: Workload) -> dict[str, Callable[[Path], Sample | float]]:
             lambda: save_sharded_checkpoint(w.model, w.optimizer, w.scheduler, w.state, d / "s", num_shards=8)
         ),
         "torch_load_apply": lambda d: restore(d, False),
-        "load_checkpoint": lambda d: restore(d, True),
+        "load_checkpoint": lambda d: restore(d, True, mmap=False),
         "load_checkpoint_mmap": lambda d: restore(d, True, mmap=True),
         "torch_load_apply_cold": lambda d: restore(d, False, cold=True),
-        "load_checkpoint_cold": lambda d: restore(d, True, cold=True),
+        "load_checkpoint_cold": lambda d: restore(d, True, mmap=False, cold=True),
         "load_checkpoint_mmap_cold": lambda d: restore(d, True, mmap=True, cold=True),
         **async_cases(w),
     }

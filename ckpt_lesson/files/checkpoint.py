@@ -252,7 +252,7 @@ def load_checkpoint(
     expected_digest: str | None = None,
     algo: str | None = None,
     allow_dtype_cast: bool = False,
-    mmap: bool = False,
+    mmap: bool = True,
 ) -> TrainState:
     """Load a checkpoint written by :func:`save_checkpoint` and restore everything.
 
@@ -266,7 +266,10 @@ def load_checkpoint(
         allow_dtype_cast: Accept weights saved in another dtype (see :func:`apply_payload`).
         mmap: Copy the weights into the model straight from the verified file's
             mapping instead of reading them into memory first (see
-            :func:`read_checkpoint`); every tensor that outlives the call is a copy.
+            :func:`read_checkpoint`); every tensor that outlives the call is a
+            copy. On by default: measured 0.80x the time of a plain
+            ``torch.load`` restore from the page cache, against 1.05x for the
+            read (``benchmarks/``). ``False`` reads the file into memory.
 
     Returns:
         The saved :class:`TrainState`; training continues at ``state.step + 1``.

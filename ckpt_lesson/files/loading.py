@@ -74,7 +74,9 @@ def load_verified_file(
             page-cache pages (a private, copy-on-write mapping): copy what you
             keep, and drop the rest before the file could be truncated, which
             would make a later access fault. :func:`~ckpt_lesson.files.checkpoint.load_checkpoint`
-            does exactly that.
+            does exactly that. Any failure of the mapped load (a file system
+            that cannot map, a damaged archive) falls back to the plain read,
+            which loads the file or reports it as any load would.
 
     Returns:
         The loaded object and the file's digest (``has_footer`` is ``False``
@@ -129,7 +131,12 @@ def load_verified_file(
         # /proc/self/fd/N opens the same inode we verified.
         same_file = Path(f"/proc/self/fd/{f.fileno()}")
         if mmap and same_file.exists():
-            return _weights_only_load(str(same_file), path, map_location, mmap=True), digest
+            try:
+                return torch.load(same_file, map_location=map_location, weights_only=True, mmap=True), digest
+            except Exception:  # any failure is judged by the plain read below
+                # A file system without mmap, a hostile pickle, a damaged archive: the read path
+                # below loads it the ordinary way, or classifies the failure exactly as for any load.
+                f.seek(0)
         return _weights_only_load(f, path, map_location), digest
 
 
@@ -196,10 +203,8 @@ def _named_global(head: bytes) -> str | None:
     return None
 
 
-def _weights_only_load(f: Any, path: Path, map_location: Any, *, mmap: bool = False) -> Any:
+def _weights_only_load(f: Any, path: Path, map_location: Any) -> Any:
     try:
-        if mmap:
-            return torch.load(f, map_location=map_location, weights_only=True, mmap=True)
         return torch.load(f, map_location=map_location, weights_only=True)
     except MemoryError as exc:
         raise _environment_error(path, exc) from exc

@@ -108,7 +108,9 @@ def load_save(
         # One pass: load_verified_file checks footer and the manifest's digest while hashing.
         path = target / "checkpoint.pt"
         algo, want = part_digest(by_name["checkpoint.pt"])
-        payload = read_checkpoint(path, map_location=map_location, expected_digest=want, algo=algo)
+        payload = read_checkpoint(
+            path, map_location=map_location, expected_digest=want, algo=algo, mmap_model=True
+        )
         saved = TrainState.from_dict(payload["state"], source=str(path))
         if saved.step != step:
             raise CorruptCheckpointError(f"{target.name}: payload holds step {saved.step}")
