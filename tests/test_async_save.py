@@ -420,3 +420,30 @@ def test_a_sigkill_during_an_async_write_leaves_the_previous_save_restorable(tmp
     assert fresh.state is not None and fresh.state.step == 4
     fresh.train(12)
     assert fresh.state.losses == losses
+
+
+def test_writer_nice_lowers_only_the_writer_threads_priority(tmp_path, tiny_run, monkeypatch):
+    run = tiny_run(0)
+    run.train(2)
+    mgr = CheckpointManager(tmp_path / "run", every_steps=1)
+    seen: list[int] = []
+    real_save = mgr.save
+
+    def save(*args, **kwargs):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(mgr, "save", save)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with AsyncCheckpointer(mgr, writer_nice=10) as ckpt:
+        ckpt.save_async(run.model, run.optimizer, run.scheduler, run.state)
+        assert ckpt.wait().name == "step-00000002"
+    assert seen == [min(19, mine + 10)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # training thread untouched
+
+
+@pytest.mark.parametrize("nice", [-1, 20, 2.5, True, "10"])
+def test_a_writer_nice_outside_0_to_19_is_refused(tmp_path, nice):
+    mgr = CheckpointManager(tmp_path / "run", every_steps=1)
+    with pytest.raises(CheckpointError, match="writer_nice must be an int from 0 to 19"):
+        AsyncCheckpointer(mgr, writer_nice=nice)

@@ -70,10 +70,10 @@ def _dcp_case(workload: Any, persistent: bool, measure: str) -> Callable[[Path],
     return case
 
 
-def _ours(workload: Any, measure: str) -> Callable[[Path], float]:
+def _ours(workload: Any, measure: str, nice: int = 0) -> Callable[[Path], float]:
     def case(d: Path) -> float:
         mgr = CheckpointManager(d / "run", every_steps=1)
-        with AsyncCheckpointer(mgr) as ckpt:
+        with AsyncCheckpointer(mgr, writer_nice=nice) as ckpt:
             ckpt.save_async(workload.model, workload.optimizer, workload.scheduler, TrainState(step=1))
             ckpt.wait()  # a first save fills the buffers, as in a long run
             start = time.perf_counter()
@@ -91,6 +91,7 @@ def async_cases(workload: Any) -> dict[str, Callable[[Path], float]]:
     return {
         "async_stall": _ours(workload, "stall"),
         "async_steps": _ours(workload, "steps"),
+        "async_steps_nice": _ours(workload, "steps", nice=10),
         "dcp_async_stall": _dcp_case(workload, False, "stall"),
         "dcp_async_persistent_stall": _dcp_case(workload, True, "stall"),
         "dcp_async_steps": _dcp_case(workload, False, "steps"),

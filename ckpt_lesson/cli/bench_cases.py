@@ -50,6 +50,7 @@ PAIRS: list[tuple[str, str, str]] = [
     ("dcp_async_stall", "manager_save", "DCP async_save stall (default stager) vs a managed save"),
     ("dcp_async_persistent_stall", "manager_save", "DCP async_save stall (persistent stager) vs the same"),
     ("async_steps", "steps_alone", "3 training steps during our background save vs with no save"),
+    ("async_steps_nice", "steps_alone", "the same with AsyncCheckpointer(writer_nice=10)"),
     ("dcp_async_steps", "steps_alone", "3 steps during DCP async_save (default stager) vs no save"),
     ("dcp_async_persistent_steps", "steps_alone", "3 steps during DCP async_save (persistent stager)"),
     (
