@@ -140,7 +140,7 @@ def test_a_byte_flipped_in_the_newest_folder_makes_the_helper_pick_the_previous_
     weights.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING):
         assert latest_verified_checkpoint(out) == str(out / "checkpoint-4")
-    assert "checkpoint-6" in caplog.text and "model.safetensors: sha256" in caplog.text
+    assert "checkpoint-6" in caplog.text and "model.safetensors: xxh3_128" in caplog.text
     statuses = {r.path.name: r.status for r in scan_checkpoints(out)}
     assert statuses == {"checkpoint-2": "ok", "checkpoint-4": "ok", "checkpoint-6": "corrupt"}
 
@@ -158,6 +158,35 @@ def test_a_file_added_after_the_manifest_or_a_missing_one_fails_verification(tmp
     (folder / "late.bin").unlink()
     (folder / "sub" / "b.bin").unlink()
     assert verify_folder(folder) == "sub/b.bin: missing"
+
+
+@pytest.mark.parametrize("algo", ["xxh3_128", "sha256"])
+def test_every_algorithm_records_and_catches_a_flipped_byte(tmp_path, algo):
+    folder = tmp_path / "checkpoint-2"
+    folder.mkdir()
+    (folder / "w.bin").write_bytes(bytes(range(256)) * 64)
+    manifest = write_folder_manifest(folder, algo=algo)
+    assert manifest["files"][0]["algo"] == algo and verify_folder(folder) is None
+    raw = bytearray((folder / "w.bin").read_bytes())
+    raw[1000] ^= 0x01
+    (folder / "w.bin").write_bytes(bytes(raw))
+    assert verify_folder(folder).startswith(f"w.bin: {algo} ")
+
+
+def test_a_manifest_from_earlier_versions_with_sha256_entries_still_verifies(tmp_path):
+    import hashlib
+    import json
+
+    folder = tmp_path / "checkpoint-4"
+    folder.mkdir()
+    data = b"weights" * 1000
+    (folder / "model.safetensors").write_bytes(data)
+    old = {"file": "model.safetensors", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest = {"schema": "ckpt.folder-manifest.v1", "step": 4, "files": [old]}
+    (folder / FOLDER_MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert verify_folder(folder) is None
+    (folder / "model.safetensors").write_bytes(data[:-1] + b"X")
+    assert verify_folder(folder).startswith("model.safetensors: sha256 ")
 
 
 def test_a_manifest_naming_a_path_outside_its_folder_is_rejected(tmp_path):

@@ -10,7 +10,7 @@ half-way through a save leaves exactly that folder, and the next
 
 :class:`VerifiedCheckpointCallback` runs after every save (``on_save``, which
 the Trainer calls once the folder is written) and records
-``ckpt_lesson_manifest.json`` in it with every file's size and sha256, having
+``ckpt_lesson_manifest.json`` in it with every file's size and digest, having
 fsynced the files and the folder (see :mod:`ckpt_lesson.runs.folder_manifest`).
 :func:`latest_verified_checkpoint` returns the newest folder whose manifest
 verifies, logging why newer ones were skipped.

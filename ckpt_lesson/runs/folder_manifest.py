@@ -10,18 +10,18 @@ done, :func:`write_folder_manifest`
 1. fsyncs every file (the trainer did not), hashing it in the same read;
 2. fsyncs the folder (and any sub-folder), so the names are durable;
 3. writes ``ckpt_lesson_manifest.json`` atomically, **last**: every file's
-   relative path, size and sha256;
+   relative path, size and digest (xxh3-128 by default, the algorithm named;
+   manifests from earlier versions record sha256 and still verify);
 4. fsyncs the parent, so the folder itself survives a power cut.
 
 A folder counts as a save only if its manifest exists and every listed file
-has its recorded size and sha256, and nothing unlisted was added after it.
+has its recorded size and digest, and nothing unlisted was added after it.
 :func:`latest_verified_folder` walks the folders newest first and returns the
 first that passes, logging why each newer one was skipped.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -29,8 +29,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 from ckpt_lesson.files.atomic import atomic_write_json, fsync_dir, is_temp_file
+from ckpt_lesson.files.hashing import DEFAULT_ALGO, new_hasher, part_digest, record_fields
 
 __all__ = [
     "FOLDER_MANIFEST_NAME",
@@ -69,8 +70,8 @@ def _files_in(folder: Path) -> list[Path]:
     return found
 
 
-def _sync_and_hash(path: Path) -> tuple[int, str]:
-    h = hashlib.sha256()
+def _sync_and_hash(path: Path, algo: str) -> tuple[int, str]:
+    h = new_hasher(algo)
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(_CHUNK), b""):
             h.update(chunk)
@@ -79,12 +80,15 @@ def _sync_and_hash(path: Path) -> tuple[int, str]:
         return os.fstat(f.fileno()).st_size, h.hexdigest()
 
 
-def write_folder_manifest(folder: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
-    """Make a finished folder durable and record every file's size and sha256, manifest last.
+def write_folder_manifest(
+    folder: str | os.PathLike[str], *, step: int | None = None, algo: str = DEFAULT_ALGO
+) -> dict[str, Any]:
+    """Make a finished folder durable and record every file's size and digest, manifest last.
 
     Args:
         folder: A folder whose writer has finished (e.g. ``checkpoint-500``).
         step: Recorded in the manifest; defaults to the number in the folder's name.
+        algo: Hash of every entry (``sha256`` or ``blake3`` where a digest is pinned elsewhere).
 
     Returns:
         The manifest written.
@@ -104,8 +108,8 @@ def write_folder_manifest(folder: str | os.PathLike[str], *, step: int | None = 
         raise CheckpointError(f"{folder.name}: holds no files; nothing to record as a save.")
     entries = []
     for rel in files:
-        size, digest = _sync_and_hash(folder / rel)
-        entries.append({"file": rel.as_posix(), "bytes": size, "sha256": digest})
+        size, digest = _sync_and_hash(folder / rel, algo)
+        entries.append({"file": rel.as_posix(), "bytes": size, **record_fields(algo, digest)})
     for sub in sorted({(folder / rel).parent for rel in files}, key=lambda p: -len(p.parts)):
         fsync_dir(sub)
     manifest = {
@@ -144,10 +148,18 @@ def _read(folder: Path) -> tuple[dict[str, Any] | None, str]:
             or "\x00" in name
             or ".." in name.split("/")
             or not isinstance(entry.get("bytes"), int)
-            or not isinstance(entry.get("sha256"), str)
+            or not _has_digest(entry)
         ):
             return None, f"{FOLDER_MANIFEST_NAME}: malformed entry {str(entry)[:80]}"
     return manifest, ""
+
+
+def _has_digest(entry: dict[str, Any]) -> bool:
+    try:
+        part_digest(entry)  # {"algo", "digest"}, or {"sha256"} from earlier versions
+    except CorruptCheckpointError:
+        return False
+    return True
 
 
 def verify_folder(folder: str | os.PathLike[str]) -> str | None:
@@ -178,12 +190,13 @@ def verify_folder(folder: str | os.PathLike[str]) -> str | None:
         if path.stat().st_size != entry["bytes"]:
             return f"{name}: size {path.stat().st_size} != recorded {entry['bytes']}"
     for name, entry in listed.items():
-        h = hashlib.sha256()
+        algo, want = part_digest(entry)
+        h = new_hasher(algo)
         with open(folder / name, "rb") as f:
             for chunk in iter(lambda f=f: f.read(_CHUNK), b""):
                 h.update(chunk)
-        if h.hexdigest() != entry["sha256"]:
-            return f"{name}: sha256 {h.hexdigest()[:12]}... != recorded {entry['sha256'][:12]}..."
+        if h.hexdigest() != want:
+            return f"{name}: {algo} {h.hexdigest()[:12]}... != recorded {want[:12]}..."
     return None
 
 
