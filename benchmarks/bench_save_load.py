@@ -14,14 +14,14 @@ round-robin so that drift (other jobs, cache pressure) hits every variant alike:
 
 * ``torch.save``                      plain save, no fsync (what most code does)
 * ``torch.save + fsync``              plain save, then fsync of file and directory (fair baseline)
-* ``atomic_save``                     ours: temp file, sha256 hashed while writing, footer,
+* ``atomic_save``                     ours: temp file, xxh3-128 hashed while writing, footer,
                                       fsync, ``os.replace``, fsync of the directory
 * ``save_checkpoint`` / ``save_sharded_checkpoint(4)``  the full payload (model + optimizer + RNG ...)
 * ``dcp.save``                        torch.distributed.checkpoint, single process, no process group:
                                       one data file + ``.metadata`` in a directory (FileSystemWriter
                                       defaults: fsync of both files, no fsync of the directory)
 * ``torch.load(weights_only=True)``   plain load from the page cache
-* ``load_verified_file``              ours: one sha256 pass checking the footer, then the same load
+* ``load_verified_file``              ours: one hash pass checking the footer, then the same load
 * ``dcp.load``                        DCP load into a pre-allocated state dict of the same shapes
                                       (in place, as DCP is used); no content check
 """
@@ -169,13 +169,13 @@ def run(root: Path, mb: int, runs: int) -> dict[str, list[float]]:
 ROWS: dict[str, tuple[int, str, str | None, str]] = {
     "torch.save": (1, "torch.save + fsync", "dcp.save", "no fsync, not atomic"),
     "torch.save + fsync": (1, "torch.save + fsync", "dcp.save", "file + dir fsynced; not atomic"),
-    "atomic_save": (1, "torch.save + fsync", "dcp.save", "atomic; file + dir fsynced; sha256 footer"),
+    "atomic_save": (1, "torch.save + fsync", "dcp.save", "atomic; file + dir fsynced; xxh3-128 footer"),
     "dcp.save": (1, "torch.save + fsync", "dcp.save", "files fsynced, dir not; `.metadata` renamed last"),
     "torch.save + fsync, model+AdamW": (3, "torch.save + fsync, model+AdamW", None, "as torch.save + fsync"),
     "save_checkpoint, model+AdamW": (3, "torch.save + fsync, model+AdamW", None, "as atomic_save"),
     "save_sharded_checkpoint (4), model+AdamW": (3, "save_checkpoint, model+AdamW", None, "as atomic_save"),
     "torch.load(weights_only=True)": (1, "torch.load(weights_only=True)", "dcp.load", "not verified"),
-    "load_verified_file": (1, "torch.load(weights_only=True)", "dcp.load", "size + sha256 verified"),
+    "load_verified_file": (1, "torch.load(weights_only=True)", "dcp.load", "size + xxh3-128 verified"),
     "dcp.load": (1, "torch.load(weights_only=True)", "dcp.load", "not verified; `.metadata` via pickle.load"),
 }
 
@@ -205,8 +205,8 @@ def render(times: dict[str, list[float]], mb: int, runs: int) -> str:
         "",
         "Read the ratios, not the seconds: on a shared VM the disk and the neighbours move absolute",
         "times between runs. The fair baseline for our saves is `torch.save + fsync` of the same bytes",
-        "(both durable); what remains is the sha256 computed while writing, the footer, the temp file",
-        "and its rename. For loads, the extra is one sha256 pass over the file before the unpickler",
+        "(both durable); what remains is the hash computed while writing, the footer, the temp file",
+        "and its rename. For loads, the extra is one hash pass over the file before the unpickler",
         "sees it. `vs DCP` compares with `dcp.save` / `dcp.load` (torch.distributed.checkpoint, one",
         "process, no process group, FileSystemWriter defaults) of the same state dict; `dcp.load` fills",
         "pre-allocated tensors in place. The last column is what each path guarantees by its code, not",
