@@ -441,3 +441,12 @@ def test_a_file_system_that_cannot_map_falls_back_to_reading_the_file(saved, tin
     assert state.step == 5
     assert same(other.model.state_dict(), run.model.state_dict())
     assert same(other.optimizer.state_dict(), run.optimizer.state_dict())
+
+
+def test_the_private_copy_after_a_mapped_load_copies_cpu_tensors_and_leaves_device_tensors_alone():
+    from ckpt_lesson.files.checkpoint import _private
+
+    cpu, meta = torch.ones(3), torch.empty(3, device="meta")  # "meta" stands in for a CUDA tensor here
+    out = _private({"moments": [cpu, (meta, 1)], "step": 3})
+    assert out["moments"][0] is not cpu and torch.equal(out["moments"][0], cpu)
+    assert out["moments"][1][0] is meta and out["step"] == 3

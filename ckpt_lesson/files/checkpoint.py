@@ -231,9 +231,13 @@ def read_checkpoint(
 
 
 def _private(tree: Any) -> Any:
-    """``tree`` with every tensor copied into memory of its own (out of a file mapping)."""
+    """``tree`` with every CPU tensor copied into memory of its own (out of a file mapping).
+
+    Tensors that ``map_location`` already moved to a device are copies; cloning
+    them again would only double, for a moment, the device memory they take.
+    """
     if isinstance(tree, torch.Tensor):
-        return tree.clone()
+        return tree.clone() if tree.device.type == "cpu" else tree
     if isinstance(tree, dict):
         return {k: _private(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
