@@ -167,11 +167,16 @@ class FolderWatcher:
         self.layout = layout
         self._names: set[str] = set()
         self._files: Snapshot = {}
+        # Published folders already reported. A directory listing taken while another entry of the
+        # same folder is being renamed may miss an entry that is there the whole time (POSIX leaves
+        # it unspecified); without this, its reappearance would report the same save twice.
+        self._reported: set[str] = set()
         #: The snapshot before the last poll's (what a save that just began changed from).
         self.previous: Snapshot = {}
         # What is there already (a restart finds the saves of the processes before it) is the
         # starting point, not news.
         self._names, self._files = self._take()
+        self._reported = {n for n in self._names if _STEP_DIR.match(n)}
         if any(_is_manager_name(n) for n in self._names):
             self.layout = MANAGER
         elif self._files and self.layout == NONE:
@@ -221,7 +226,8 @@ class FolderWatcher:
             staged, published = _STAGING_DIR.match(name), _STEP_DIR.match(name)
             if staged:
                 events.append(FolderEvent("staging", name, int(staged.group(1))))
-            elif published:
+            elif published and name not in self._reported:
+                self._reported.add(name)
                 events.append(FolderEvent("published", name, int(published.group(1))))
         if events:
             self.layout = MANAGER
