@@ -27,6 +27,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = ["FILES", "MANAGER", "NONE", "FolderEvent", "FolderWatcher", "SaveBurst", "Snapshot", "Waker"]
 
@@ -167,16 +168,11 @@ class FolderWatcher:
         self.layout = layout
         self._names: set[str] = set()
         self._files: Snapshot = {}
-        # Published folders already reported. A directory listing taken while another entry of the
-        # same folder is being renamed may miss an entry that is there the whole time (POSIX leaves
-        # it unspecified); without this, its reappearance would report the same save twice.
-        self._reported: set[str] = set()
         #: The snapshot before the last poll's (what a save that just began changed from).
         self.previous: Snapshot = {}
         # What is there already (a restart finds the saves of the processes before it) is the
         # starting point, not news.
         self._names, self._files = self._take()
-        self._reported = {n for n in self._names if _STEP_DIR.match(n)}
         if any(_is_manager_name(n) for n in self._names):
             self.layout = MANAGER
         elif self._files and self.layout == NONE:
@@ -194,14 +190,18 @@ class FolderWatcher:
         for entry in top:
             names.add(entry.name)
         if self.layout != MANAGER and not any(_is_manager_name(n) for n in names):
-            self._walk(self.root, "", files)
+            # Walk the very listing the names came from: a second listing of the top folder could
+            # already hold a staging folder the first did not, and its files would then look like a
+            # generic save starting (seen in CI as the step-4 save reported twice).
+            self._walk(self.root, "", files, top)
         return names, files
 
-    def _walk(self, folder: Path, prefix: str, files: Snapshot) -> None:
-        try:
-            entries = list(os.scandir(folder))
-        except OSError:  # vanished between listing and reading: the next snapshot sees why
-            return
+    def _walk(self, folder: Path, prefix: str, files: Snapshot, entries: list[Any] | None = None) -> None:
+        if entries is None:
+            try:
+                entries = list(os.scandir(folder))
+            except OSError:  # vanished between listing and reading: the next snapshot sees why
+                return
         for entry in entries:
             if len(files) >= MAX_ENTRIES:
                 return
@@ -226,8 +226,7 @@ class FolderWatcher:
             staged, published = _STAGING_DIR.match(name), _STEP_DIR.match(name)
             if staged:
                 events.append(FolderEvent("staging", name, int(staged.group(1))))
-            elif published and name not in self._reported:
-                self._reported.add(name)
+            elif published:
                 events.append(FolderEvent("published", name, int(published.group(1))))
         if events:
             self.layout = MANAGER
