@@ -66,7 +66,13 @@ from ckpt_lesson.files.shard_index import (
     read_shard_index,
     verify_sharded_checkpoint,
 )
-from ckpt_lesson.files.shard_plan import _nbytes, plan_optimizer_shards, plan_shards, shard_keys_by_prefix
+from ckpt_lesson.files.shard_plan import (
+    _check_plan_args,
+    _nbytes,
+    plan_optimizer_shards,
+    plan_shards,
+    shard_keys_by_prefix,
+)
 
 __all__ = [
     "INDEX_NAME",
@@ -189,7 +195,7 @@ def save_sharded_checkpoint(
     Example:
         >>> save_sharded_checkpoint(model, opt, sched, state, "ckpt/step-12", num_shards=4)  # doctest: +SKIP
     """
-    plan_shards({}, num_shards, layout)  # validates both arguments before anything is built
+    _check_plan_args(num_shards, layout)  # before anything is built or written
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise CheckpointError(f"workers must be an int >= 1 (or None for one per core), got {workers!r}.")
     out_dir = Path(out_dir)
@@ -242,7 +248,9 @@ def save_sharded_checkpoint(
     return ShardedSaveResult(out_dir=out_dir, files=files, meta=meta, index=index_digest)
 
 
-def _shard_parts(root: Path, index: dict[str, Any], entry: dict[str, Any], path: Path, obj: Any) -> tuple:
+def _shard_parts(
+    root: Path, index: dict[str, Any], entry: dict[str, Any], path: Path, obj: Any
+) -> tuple[dict[str, Any], dict[Any, Any]]:
     """``(model tensors, optimizer states)`` of one loaded shard, checked against its index entry."""
     if index["schema"] == "ckpt.sharded.v1":  # a plain {key: tensor} dict; the moments sit in meta.pt
         body, opt = obj, {}
