@@ -42,7 +42,8 @@ from ckpt_lesson.files.sharded import (
     _shard_name,
     _write_all,
 )
-from ckpt_lesson.files.state_payload import PARTS_SCHEMA, Restored, apply_state_payload, build_state_payload
+from ckpt_lesson.files.state_apply import apply_state_payload
+from ckpt_lesson.files.state_payload import PARTS_SCHEMA, Restored, build_state_payload
 
 __all__ = ["load_state", "read_state_payload", "save_state", "write_state_payload"]
 

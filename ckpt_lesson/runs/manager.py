@@ -47,8 +47,8 @@ from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale, open_staging, publish
 from ckpt_lesson.runs.contract import ENV_POLICIES
 from ckpt_lesson.runs.manager_config import EventHook, ManagerConfig
-from ckpt_lesson.runs.restore import check_resume_contract, load_save, restore_newest
-from ckpt_lesson.runs.restore_state import load_state_save
+from ckpt_lesson.runs.restore import check_resume_contract, restore_newest
+from ckpt_lesson.runs.restore_state import loader_for
 from ckpt_lesson.runs.retain import apply_retention
 from ckpt_lesson.runs.retention import RetentionPolicy
 from ckpt_lesson.runs.save_parts import refuse_if_already_saved, stage_payload_save, stage_save
@@ -59,12 +59,7 @@ from ckpt_lesson.runs.scan import (
     published_steps,
     step_dir_name,
 )
-from ckpt_lesson.runs.state_args import (
-    check_state_mapping,
-    is_state_call,
-    positional_restore_args,
-    positional_save_args,
-)
+from ckpt_lesson.runs.state_args import is_state_call, positional_save_args
 
 __all__ = ["CheckpointManager"]
 
@@ -345,20 +340,7 @@ class CheckpointManager:
         self.check_open()
         self._contract = None
         self.last_restore = {}
-        if len(args) == 1 and isinstance(args[0], Mapping):
-            state = args[0]
-            check_state_mapping(state)
-
-            def load(target: Path, step: int) -> tuple[dict[str, Any], Any]:
-                return load_state_save(target, step, state, strict=strict, map_location=map_location,
-                                       check_contract=self._check_contract)  # fmt: skip
-        else:
-            model, optimizer, scheduler = positional_restore_args(args)
-
-            def load(target: Path, step: int) -> tuple[dict[str, Any], Any]:
-                return load_save(target, step, model, optimizer, scheduler, map_location=map_location,
-                                 check_contract=self._check_contract)  # fmt: skip
-
+        load = loader_for(args, strict=strict, map_location=map_location, check_contract=self._check_contract)
         found = restore_newest(self.run_dir, self._published(), load, record=self.last_restore)
         self._verified.difference_update(s["step"] for s in self.last_restore["skipped"])
         if found is None:

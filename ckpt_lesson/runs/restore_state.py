@@ -10,19 +10,21 @@ values ``train_state`` and ``extras``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CorruptCheckpointError, StateMismatchError
 from ckpt_lesson.files.checkpoint import read_checkpoint
 from ckpt_lesson.files.integrity import part_digest
+from ckpt_lesson.files.state_apply import apply_state_payload
 from ckpt_lesson.files.state_files import read_state_payload
-from ckpt_lesson.files.state_payload import PARTS_SCHEMA, Restored, apply_state_payload, parts_view
-from ckpt_lesson.runs.restore import ContractCheck, check_parts_present, verify_other_parts
+from ckpt_lesson.files.state_payload import PARTS_SCHEMA, Restored, parts_view
+from ckpt_lesson.runs.restore import ContractCheck, check_parts_present, load_save, verify_other_parts
 from ckpt_lesson.runs.scan import read_manifest
+from ckpt_lesson.runs.state_args import check_state_mapping, positional_restore_args
 
-__all__ = ["load_state_save"]
+__all__ = ["load_state_save", "loader_for"]
 
 
 def load_state_save(
@@ -85,3 +87,24 @@ def load_state_save(
     restored.path = target
     restored.save_id = manifest.get("save_id")
     return manifest, restored
+
+
+def loader_for(
+    args: tuple[Any, ...], *, strict: bool, map_location: Any, check_contract: ContractCheck
+) -> Callable[[Path, int], tuple[dict[str, Any], Any]]:
+    """``load(folder, step)`` for ``restore_latest(*args)``: the state API for one mapping, else positional.
+
+    Raises:
+        CheckpointError: Arguments of neither form (named by :mod:`~ckpt_lesson.runs.state_args`).
+    """
+    if len(args) == 1 and isinstance(args[0], Mapping):
+        state = args[0]
+        return lambda target, step: load_state_save(
+            target, step, state, strict=strict, map_location=map_location, check_contract=check_contract
+        )
+    if len(args) == 1:
+        check_state_mapping(args[0])
+    model, optimizer, scheduler = positional_restore_args(args)
+    return lambda target, step: load_save(
+        target, step, model, optimizer, scheduler, map_location=map_location, check_contract=check_contract
+    )
