@@ -32,6 +32,7 @@ from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, Incomple
 from ckpt_lesson.files.atomic import atomic_write_json, fsync_dir
 from ckpt_lesson.files.record_seal import seal_record, verify_record_seal
 from ckpt_lesson.files.safe_read import parse_json_text, read_regular_file
+from ckpt_lesson.files.side_files import open_beside, open_existing_lock
 from ckpt_lesson.files.tagged_hash import hash_bytes
 
 __all__ = [
@@ -138,7 +139,7 @@ def open_marker_folder(final: Path) -> Iterator[Path]:
     """
     final.mkdir()
     try:
-        fd = os.open(final / MARKER_LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = open_beside(final / MARKER_LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BaseException:
         shutil.rmtree(final, ignore_errors=True)
@@ -187,8 +188,8 @@ def clean_unmarked(run_dir: Path) -> list[str]:
 
 def _lock_is_free(path: Path) -> bool:
     try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError:
+        fd = open_existing_lock(path)
+    except (OSError, CheckpointError):
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
