@@ -29,8 +29,13 @@ from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.atomic import fsync_dir
 from ckpt_lesson.files.safe_read import parse_json_text, read_regular_file
 from ckpt_lesson.runs.commit import QUARANTINE_PREFIX
-from ckpt_lesson.runs.dcp_manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, check_dcp_part, check_manifest_seal
-from ckpt_lesson.runs.dcp_manifest import validate_manifest
+from ckpt_lesson.runs.dcp_manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    check_dcp_part,
+    check_manifest_seal,
+    validate_manifest,
+)
 from ckpt_lesson.runs.dcp_marker import COMMIT_MARKER, MARKER_LOCK, lock_is_free
 
 __all__ = ["clean_unmarked", "unmarked_save_verifies"]
