@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 
 __all__ = [
     "Comm",
@@ -154,4 +154,7 @@ def raise_from_checkpoint_exception(exc: CheckpointException, what: str) -> NoRe
     summary = "; ".join(
         f"rank {rank}: {type(failures[rank][0]).__name__}: {failures[rank][0]}" for rank in sorted(failures)
     )
+    if any(isinstance(failures[rank][0], OSError) for rank in failures):
+        # EIO while reading a part: damage to this copy, so callers fall back to an older save.
+        raise CorruptCheckpointError(f"{what} failed reading a file ({summary}).") from exc
     raise CheckpointError(f"{what} failed ({summary}).") from exc
