@@ -120,6 +120,7 @@ def save_checkpoint(
     data: dict[str, Any] | None = None,
     rng: dict[str, Any] | None = None,
     algo: str = DEFAULT_ALGO,
+    zip_crc32: bool = False,
 ) -> FileDigest:
     """Save a complete, resumable checkpoint to one file, atomically.
 
@@ -138,6 +139,8 @@ def save_checkpoint(
         rng: Generator state captured earlier (see :func:`build_payload`);
             ``None`` captures it now.
         algo: Integrity hash of the footer (see :data:`~ckpt_lesson.files.hashing.ALGORITHMS`).
+        zip_crc32: Keep the zip CRC32s, for tools that test zip archives
+            (``unzip -t``); off by default, as in :func:`~ckpt_lesson.files.atomic.atomic_save`.
 
     Returns:
         Size and digest of the file written.
@@ -156,7 +159,7 @@ def save_checkpoint(
             f"{hint} or leave schema out."
         )
     payload = build_payload(model, optimizer, scheduler, state, extras=extras, data=data, rng=rng)
-    return atomic_save(payload, out_path, algo=algo)
+    return atomic_save(payload, out_path, algo=algo, zip_crc32=zip_crc32)
 
 
 def read_checkpoint(

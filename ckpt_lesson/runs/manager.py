@@ -77,6 +77,9 @@ class CheckpointManager:
         verify_on_save: Re-hash the parts before publishing (see module doc).
         hash_algo: Integrity hash of every part (default ``xxh3_128``, fast;
             ``sha256`` or ``blake3`` when digests are pinned somewhere trusted).
+        zip_crc32: Keep the zip CRC32s ``torch.save`` writes (off by default:
+            ``torch.load`` never checks them; our digests cover the bytes). Turn
+            it on when other tools (``unzip -t``, ``zipfile``) must accept the files.
         data: Dataset description recorded in payload and manifest, e.g.
             ``{"fingerprint": ds.fingerprint(), "order_seed": 11}``.
         metadata: Caller's dict copied into every manifest (run id, config hash).
@@ -119,6 +122,7 @@ class CheckpointManager:
         expect: Mapping[str, Any] | None = None,
         env_policy: str = "refuse",
         hash_algo: str = DEFAULT_ALGO,
+        zip_crc32: bool = False,
     ) -> None:
         if env_policy not in ENV_POLICIES:
             raise CheckpointError(f"env_policy must be one of {ENV_POLICIES}, got {env_policy!r}.")
@@ -135,6 +139,7 @@ class CheckpointManager:
             metadata=metadata or {},
             retention=retention,
             hash_algo=hash_algo,
+            zip_crc32=zip_crc32,
         )
         self.run_dir = Path(run_dir)
         if self.run_dir.exists() and not self.run_dir.is_dir():
