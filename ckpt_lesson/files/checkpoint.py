@@ -35,6 +35,7 @@ from ckpt_lesson.files.atomic import atomic_save
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.files.integrity import FileDigest
 from ckpt_lesson.files.loading import load_verified_file
+from ckpt_lesson.files.mapped_restore import keep_no_mapped_extra_state
 from ckpt_lesson.files.payload import (
     check_model_state,
     optimizer_state_with_bindings,
@@ -213,6 +214,9 @@ def read_checkpoint(
         # Optimizer moments would otherwise stay mapped: Optimizer.load_state_dict keeps a tensor
         # that already has the parameter's dtype and device instead of copying it.
         payload = {k: v if k == "model" else _private(v) for k, v in payload.items()}
+        # Extra state is handed to set_extra_state as it is, and a module may keep it: copy it
+        # out too, or a kept tensor would keep the file mapped (SIGBUS if it is truncated later).
+        payload = keep_no_mapped_extra_state(payload)
     original = payload.get("schema") if isinstance(payload, dict) else None
     payload = migrate_payload(payload, source=str(path))
     require_footer({"schema": original}, digest, path)

@@ -313,9 +313,14 @@ class CheckpointManager:
     # ------------------------------------------------------------------ restore
 
     def restore_latest(
-        self, model: Any, optimizer: Any, scheduler: Any, *, map_location: Any = "cpu"
+        self, model: Any, optimizer: Any, scheduler: Any, *, map_location: Any = "cpu", mmap: bool = True
     ) -> TrainState | None:
         """Restore the newest save that verifies; skip (and log) damaged newer ones.
+
+        ``mmap=False`` reads each file into memory instead of copying the
+        weights from a mapping of it: slower, but immune to another process
+        truncating the file during the restore (which kills a mapped restore
+        with SIGBUS; see the README's safety section).
 
         Returns:
             The restored :class:`TrainState`, or ``None`` when the run
@@ -342,6 +347,7 @@ class CheckpointManager:
             map_location=map_location,
             check_contract=self._check_contract,
             record=self.last_restore,
+            mmap=mmap,
         )
         self._verified.difference_update(s["step"] for s in self.last_restore["skipped"])
         if found is None:

@@ -65,6 +65,7 @@ def load_save(
     *,
     map_location: Any,
     check_contract: ContractCheck,
+    mmap: bool = True,
 ) -> tuple[dict[str, Any], TrainState]:
     """Verify one published save folder and restore it into the live objects.
 
@@ -75,6 +76,9 @@ def load_save(
         map_location: As for ``torch.load``.
         check_contract: Called with ``(target, manifest)`` before any part is
             read; it raises to refuse the save.
+        mmap: Copy the weights from a mapping of the verified file (see
+            :func:`~ckpt_lesson.files.checkpoint.read_checkpoint`); ``False`` reads
+            the file into memory, which no truncation by another process can disturb.
 
     Returns:
         ``(manifest, state)``.
@@ -109,7 +113,7 @@ def load_save(
         path = target / "checkpoint.pt"
         algo, want = part_digest(by_name["checkpoint.pt"])
         payload = read_checkpoint(
-            path, map_location=map_location, expected_digest=want, algo=algo, mmap_model=True
+            path, map_location=map_location, expected_digest=want, algo=algo, mmap_model=mmap
         )
         saved = TrainState.from_dict(payload["state"], source=str(path))
         if saved.step != step:
@@ -216,12 +220,13 @@ def load_newest_good(
     map_location: Any,
     check_contract: Callable[[Path, dict[str, Any]], None],
     skipped: list[dict[str, Any]],
+    mmap: bool = True,
 ) -> tuple[int, Path, dict[str, Any], TrainState]:
     """Try the saves newest first; load the first that verifies, skipping (and logging) damage.
 
     Args:
         run_dir: The run directory; ``steps`` are its published steps, ascending.
-        model, optimizer, scheduler, map_location, check_contract: As for :func:`load_save`.
+        model, optimizer, scheduler, map_location, check_contract, mmap: As for :func:`load_save`.
         skipped: A list this function appends ``{"step", "status", "reason"}`` to,
             one per damaged or incomplete save passed over (the caller keeps it
             for its report even when this raises).
@@ -238,7 +243,7 @@ def load_newest_good(
         try:
             manifest, state = load_save(
                 target, step, model, optimizer, scheduler,
-                map_location=map_location, check_contract=check_contract,
+                map_location=map_location, check_contract=check_contract, mmap=mmap,
             )  # fmt: skip
         except (CorruptCheckpointError, IncompleteCheckpointError, OSError) as exc:
             # An OSError (EIO) reading a part is damage to this copy, like a wrong hash: fall back.
@@ -270,6 +275,7 @@ def restore_newest(
     map_location: Any,
     check_contract: ContractCheck,
     record: dict[str, Any],
+    mmap: bool = True,
 ) -> tuple[int, TrainState] | None:
     """:func:`load_newest_good`, filling ``record`` (the manager's ``last_restore``) as it goes.
 
@@ -296,7 +302,7 @@ def restore_newest(
         return None
     step, target, manifest, state = load_newest_good(
         run_dir, steps, model, optimizer, scheduler,
-        map_location=map_location, check_contract=check_contract, skipped=skipped,
+        map_location=map_location, check_contract=check_contract, skipped=skipped, mmap=mmap,
     )  # fmt: skip
     record.update(
         step=step,
