@@ -209,9 +209,9 @@ def test_verify_part_fails_a_check_of_the_size_only():
 
 def test_verify_part_fails_raising_on_a_missing_file():
     def raises_when_missing(path, *, size, sha256):
-        data = Path(path).read_bytes()
-        ok = len(data) == size and hashlib.sha256(data).hexdigest() == sha256
-        return None if ok else "mismatch"
+        if Path(path).stat().st_size != size:
+            return "size differs"
+        return None if hashlib.sha256(Path(path).read_bytes()).hexdigest() == sha256 else "mismatch"
 
     failure = _fails(check_verify_part, raises_when_missing)
     assert "raised FileNotFoundError" in failure
@@ -233,14 +233,46 @@ def test_verify_part_fails_hashing_only_the_first_kilobyte():
 def test_verify_part_passes_a_correct_answer_in_other_words():
     def mine(path, *, size, sha256):
         try:
+            actual = os.stat(path).st_size
+        except FileNotFoundError:
+            return "gone"
+        if actual != size:
+            return f"has {actual} bytes"
+        with open(path, "rb") as f:
+            return None if hashlib.file_digest(f, "sha256").hexdigest() == sha256 else "hash differs"
+
+    assert check_verify_part(mine, verbose=False).passed
+
+
+def test_verify_part_fails_an_answer_that_hashes_before_comparing_the_size():
+    def hash_first(path, *, size, sha256):
+        try:
             data = Path(path).read_bytes()
         except FileNotFoundError:
             return "gone"
+        if hashlib.sha256(data).hexdigest() != sha256:
+            return "hash differs"
+        return None if len(data) == size else f"has {len(data)} bytes"
+
+    failure = _fails(check_verify_part, hash_first)
+    assert "yet verify_part opened it" in failure
+    assert "compare the size first" in failure
+
+
+def test_verify_part_fails_reading_through_os_open_before_the_size_check():
+    def low_level(path, *, size, sha256):
+        if not Path(path).exists():
+            return "gone"
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            data = os.read(fd, size + 1)
+        finally:
+            os.close(fd)
         if len(data) != size:
-            return f"has {len(data)} bytes"
+            return "size differs"
         return None if hashlib.sha256(data).hexdigest() == sha256 else "hash differs"
 
-    assert check_verify_part(mine, verbose=False).passed
+    assert "yet verify_part opened it" in _fails(check_verify_part, low_level)
 
 
 def test_verify_part_grader_prints_no_temp_paths(capsys):
