@@ -3,6 +3,7 @@ and reports an untouched scaffold as not attempted without raising."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import random
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from ckpt_lesson.course import exercises, graders_files, graders_runs, solutions
+from ckpt_lesson.course.exercise import SOLVE_FIRST
 from ckpt_lesson.course.exercises import EXERCISES, Exercise
 from ckpt_lesson.course.graders_disk import check_atomic_save, check_round_trip
 from ckpt_lesson.course.graders_files import check_migration, check_verify_part
@@ -418,6 +420,57 @@ def test_hints_are_counted_per_exercise_object(capsys):
     one.hint()
     two.hint()
     assert capsys.readouterr().out.splitlines() == ["Hint 1 of 2 (one): a", "Hint 1 of 2 (two): c"]
+
+
+LESSON_EXERCISES = ["atomic", "batch_position", "param_group", "rng_capture", "round_trip"]
+
+
+def test_the_five_lesson_exercises_are_the_ones_that_name_the_package_version():
+    assert sorted(n for n, e in EXERCISES.items() if e.package) == LESSON_EXERCISES
+
+
+@pytest.mark.parametrize("name", LESSON_EXERCISES)
+def test_compare_prints_the_solve_first_line_until_a_check_passes(name, capsys):
+    exercise = dataclasses.replace(EXERCISES[name])  # a fresh object: nothing earned yet
+    exercise.compare()
+    exercise.check(*[scaffold for _ in exercise.references])
+    exercise.compare()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{SOLVE_FIRST}: the package's version appears here once {name}.check(...)")
+    assert out[2] == out[0]
+    assert not any(line.startswith("def ") for line in out)
+
+
+@pytest.mark.parametrize("name", LESSON_EXERCISES)
+def test_compare_shows_the_package_source_once_a_check_passed(name, capsys):
+    exercise = dataclasses.replace(EXERCISES[name])
+    exercise.check(*exercise.references)
+    capsys.readouterr()
+    exercise.compare()
+    out = capsys.readouterr().out
+    assert out.startswith("# ckpt_lesson/")
+    for spec in exercise.package:
+        assert f"def {spec.partition(':')[2]}(" in out
+
+
+def test_compare_shows_the_package_source_after_the_solution_was_asked_for(capsys):
+    exercise = dataclasses.replace(exercises.atomic)
+    exercise.solution()
+    capsys.readouterr()
+    exercise.compare()
+    assert "def _atomic_write(" in capsys.readouterr().out
+
+
+def test_a_failing_check_does_not_earn_the_package_version(capsys):
+    exercise = dataclasses.replace(exercises.param_group)
+
+    def one_shard_for_all(state_dict, num_shards):
+        return [list(state_dict)] + [[] for _ in range(num_shards - 1)]
+
+    assert not exercise.check(one_shard_for_all).passed
+    capsys.readouterr()
+    exercise.compare()
+    assert capsys.readouterr().out.startswith(SOLVE_FIRST)
 
 
 @pytest.mark.parametrize("name", sorted(EXERCISES))
