@@ -11,7 +11,7 @@ from ._version_check import check_torch_version
 check_torch_version()
 
 from .cli.chaos import CampaignResult, run_campaign  # noqa: E402
-from .cli.faults import KillPlan  # noqa: E402
+from .cli.faults import KillPlan, RunConfig, compute_baseline, run_kill_sequence  # noqa: E402
 from .cli.lesson_demo import main, parse_args  # noqa: E402
 from .course.accumulating import MicroStepRecord, train_accumulating  # noqa: E402
 from .course.controls import run_negative_control  # noqa: E402
@@ -55,6 +55,7 @@ from .files.checkpoint import (  # noqa: E402
 )
 from .files.integrity import FileDigest, file_digest, file_sha256  # noqa: E402
 from .files.migrate import MigrationResult, migrate_file, write_legacy_v1_checkpoint  # noqa: E402
+from .files.record_seal import seal_record  # noqa: E402
 from .files.rng import capture_rng_state, restore_rng_state, tuple_from_nested  # noqa: E402
 from .files.schema import (  # noqa: E402
     CHECKPOINT_SCHEMA,
@@ -133,6 +134,7 @@ __all__ = [
     "PreemptionHandler",
     "RecoveryRecorder",
     "ResumeReport",
+    "RunConfig",
     "SCHEMA_V1",
     "SCHEMA_V2",
     "SHARD_SCHEMA",
@@ -158,6 +160,7 @@ __all__ = [
     "check_torch_version",
     "check_verify_part",
     "compare_spot",
+    "compute_baseline",
     "config_fingerprint",
     "contract_metadata",
     "cost_per_accepted_step",
@@ -190,6 +193,7 @@ __all__ = [
     "resume_report",
     "run_campaign",
     "run_full_demo",
+    "run_kill_sequence",
     "run_managed_training",
     "run_negative_control",
     "run_resume_demo",
@@ -197,6 +201,7 @@ __all__ = [
     "save_checkpoint",
     "save_sharded_checkpoint",
     "scan_checkpoints",
+    "seal_record",
     "seed_everything",
     "shard_keys_by_prefix",
     "should_save",
