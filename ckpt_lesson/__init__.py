@@ -10,9 +10,11 @@ from ._version_check import check_torch_version
 
 check_torch_version()
 
+from .cli import main as run_command  # noqa: E402  (one `python -m ckpt_lesson` command, in-process)
 from .cli.chaos import CampaignResult, run_campaign  # noqa: E402
 from .cli.faults import KillPlan, RunConfig, compute_baseline, run_kill_sequence  # noqa: E402
 from .cli.lesson_demo import main, parse_args  # noqa: E402
+from .cli.scan import format_table as format_scan_table  # noqa: E402
 from .course.accumulating import MicroStepRecord, train_accumulating  # noqa: E402
 from .course.controls import run_negative_control  # noqa: E402
 from .course.demo import run_full_demo, run_resume_demo  # noqa: E402
@@ -169,6 +171,7 @@ __all__ = [
     "expected_wall_time",
     "file_digest",
     "file_sha256",
+    "format_scan_table",
     "fsync_dir",
     "keep_last_k",
     "latest_verified_folder",
@@ -192,6 +195,7 @@ __all__ = [
     "restore_rng_state",
     "resume_report",
     "run_campaign",
+    "run_command",
     "run_full_demo",
     "run_kill_sequence",
     "run_managed_training",
