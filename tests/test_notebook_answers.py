@@ -73,3 +73,34 @@ def test_no_lesson_prints_the_package_source_anywhere_above_its_exercise(noteboo
         assert not re.search(rf"^{name}\.(solution|compare)\(", source, re.M)
         for call in re.findall(r"show_source\(([^)]*)\)", source):
             assert not any(re.search(rf"\b{fn}\b", call) for fn in shown), f"{notebook}: {call}"
+
+
+# The package's names for the piece each lesson asks for: none may run above the exercise.
+PIECES = {
+    "01_rng_capture": ("capture_rng_state", "restore_rng_state"),
+    "02_atomic_saves": ("atomic_save",),
+    "03_full_round_trip": ("save_checkpoint", "load_checkpoint"),
+    "04_sharding": ("plan_shards",),
+    "05_mid_epoch_resume": ("next_batch_ids", "batch_sample_ids", "epoch_order"),
+}
+NOT_YET = {  # still use the package's piece before the exercise; restructuring them is open work
+    "03_full_round_trip": "c3/c7 save and resume with cl.save_checkpoint / cl.load_checkpoint",
+    "05_mid_epoch_resume": "c3/c5 use batch_sample_ids and epoch_order",
+}
+
+
+@pytest.mark.parametrize(
+    "notebook",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(reason=NOT_YET[n], strict=True)) if n in NOT_YET else n
+        for n in sorted(PIECES)
+    ],
+)
+def test_no_cell_above_the_exercise_uses_the_package_version_of_its_piece(notebook):
+    cells = _code_cells(notebook)
+    name = LESSONS[notebook]
+    check = next(i for i, c in enumerate(cells) if re.search(rf"\b{name}\.check\(", _source(c)))
+    for i, cell in enumerate(cells[:check]):
+        for piece in PIECES[notebook]:
+            used = re.search(rf"(\bcl\.{piece}\b|from ckpt_lesson[\w.]* import [^\n]*\b{piece}\b)", _source(cell))
+            assert not used, f"{notebook} code cell {i} uses the package's {piece} before the exercise"

@@ -4,9 +4,9 @@ The method (notebooks/README.md, "Time"): reading at 200 words a minute, 1.25 mi
 to run and read each code cell, 10 minutes per graded exercise, rounded to the
 nearest 5 minutes. It was calibrated once, against a careful learner's timed
 walk-through of the whole course (issue 24: core 00-05 took 3-3.5 hours, everything
-7-7.5 hours; the method gives 3 h 30 min and 7 h 10 min). The tests recompute the
-estimate from the committed notebooks, so a notebook that grows changes its time, and
-the header, the notebooks' README and the top-level README must follow.
+7-7.5 hours; the method, applied to those notebooks, gave 3 h 30 min and 7 h 10 min). The tests
+recompute the estimate from the committed notebooks, so a notebook that grows changes its
+time, and the header, the notebooks' README and the top-level README must follow.
 """
 
 from __future__ import annotations
