@@ -83,18 +83,9 @@ PIECES = {
     "04_sharding": ("plan_shards",),
     "05_mid_epoch_resume": ("next_batch_ids", "batch_sample_ids", "epoch_order"),
 }
-NOT_YET = {  # still use the package's piece before the exercise; restructuring them is open work
-    "03_full_round_trip": "c3/c7 save and resume with cl.save_checkpoint / cl.load_checkpoint",
-}
 
 
-@pytest.mark.parametrize(
-    "notebook",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(reason=NOT_YET[n], strict=True)) if n in NOT_YET else n
-        for n in sorted(PIECES)
-    ],
-)
+@pytest.mark.parametrize("notebook", sorted(PIECES))
 def test_no_cell_above_the_exercise_uses_the_package_version_of_its_piece(notebook):
     cells = _code_cells(notebook)
     name = LESSONS[notebook]
