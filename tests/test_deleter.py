@@ -147,3 +147,31 @@ def test_a_sigkill_during_a_background_deletion_leaves_the_save_or_a_leftover_th
         assert mgr.restore_latest(model, opt, None).step == 2
         mgr.save(model, opt, None, TrainState(step=3))
     assert names(run_dir) == ["step-00000003"]
+
+
+def test_the_scrub_finds_a_rotten_save_that_no_deletion_depended_on_yet(tmp_path):
+    scrubbed: dict[int, bool] = {}
+    done = threading.Event()
+
+    def hook(name: str, info: dict) -> None:
+        if name == "scrubbed":
+            scrubbed[info["step"]] = info["ok"]
+            if info["step"] == 1:
+                done.set()
+
+    model, opt = tiny()
+    mgr = CheckpointManager(tmp_path, keep_last=5, every_steps=1, scrub_bytes_per_s=1e12, on_event=hook)
+    for step in (1, 2):
+        mgr.save(model, opt, None, TrainState(step=step))
+    mgr.wait_retention()
+    path = tmp_path / "step-00000001" / "checkpoint.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    scrubbed.clear()
+    done.clear()  # the scrubs after saves 1 and 2 may have read step 1 before the flip
+    mgr.save(model, opt, None, TrainState(step=3))  # nothing to delete: only the scrub reads step 1
+    assert done.wait(timeout=60)
+    mgr.close()
+    assert scrubbed[1] is False
+    assert 1 not in mgr._retention.known.verified

@@ -36,8 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ckpt_lesson.runs.retention import RetentionPolicy
-from ckpt_lesson.runs.reverify import Emit, KnownGood, check_save, retention_pass
-from ckpt_lesson.runs.scan import read_manifest, step_dir_name
+from ckpt_lesson.runs.reverify import Emit, KnownGood, retention_pass
+from ckpt_lesson.runs.scan import inspect_save, step_dir_name
 
 __all__ = ["BackgroundRetention"]
 
@@ -61,7 +61,8 @@ class BackgroundRetention:
         run_dir: The run directory.
         policy: ``to_delete(steps, verified)``, e.g. ``KeepLastK(3)``.
         emit: Event hook (called on the background thread): ``retention_delete``
-            before each deletion, ``retention_renamed`` once it is renamed aside.
+            before each deletion, ``retention_renamed`` once it is renamed aside,
+            ``scrubbed`` (info ``step``, ``ok``) after the scrub hashed a save.
         after_pass: Called on the background thread after each pass (cleanup of
             stale staging folders), errors logged.
         scrub_bytes_per_s: Rate of the idle-time scrub; ``None`` (default) for none.
@@ -90,6 +91,10 @@ class BackgroundRetention:
         self.deleted: list[int] = []
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        # submit() may come from an AsyncCheckpointer's writer thread while the training thread
+        # waits (restore, close): one at a time. Event hooks run on the pass's thread and must
+        # not call back into the manager (they would wait for themselves).
+        self._gate = threading.Lock()
         _LIVE.add(self)
 
     def submit(self, step: int, *, checked: bool) -> None:
@@ -99,24 +104,30 @@ class BackgroundRetention:
             step: The save just published.
             checked: It passed its write-time check; ``False`` makes the pass hash it first.
         """
-        self.wait()
         fresh, unchecked = ((step,), ()) if checked else ((), (step,))
-        if not self.background:
-            self._run(fresh, unchecked, scrub=False)
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(
-            target=self._run, args=(fresh, unchecked, True), name="ckpt-retention", daemon=True
-        )
-        self._thread.start()
+        with self._gate:
+            self._join()
+            if not self.background:
+                self._run(fresh, unchecked, scrub=False)
+                return
+            self._stop.clear()
+            self._thread = threading.Thread(
+                target=self._run, args=(fresh, unchecked, True), name="ckpt-retention", daemon=True
+            )
+            self._thread.start()
 
     def run_now(self) -> list[int]:
         """Wait for the pass in flight, then run one more on this thread; returns what it deleted."""
-        self.wait()
-        return self._pass((), ())
+        with self._gate:
+            self._join()
+            return self._pass((), ())
 
     def wait(self) -> None:
         """Block until the pass in flight (if any) is done; a scrub in progress stops early."""
+        with self._gate:
+            self._join()
+
+    def _join(self) -> None:
         thread = self._thread
         if thread is None:
             return
@@ -163,12 +174,16 @@ class BackgroundRetention:
                 return
             folder = self.run_dir / step_dir_name(step)
             try:
-                size = sum(p["bytes"] for p in read_manifest(folder)["parts"])
-            except Exception:
-                size = 0  # a multi-rank or damaged manifest: the check below says which
-            problem = check_save(folder, full=True)
+                result, manifest = inspect_save(folder)
+                problem = None if result.ok else result.reason
+            except Exception as exc:  # an unknown schema, a vanished folder
+                manifest, problem = None, str(exc)
+            size = sum(p["bytes"] for p in manifest["parts"]) if manifest else 0
+            self.emit("scrubbed", step=step, ok=not problem)
             if problem:
-                log.warning("scrub: %s no longer verifies; not counting it as good", problem)
+                log.warning(
+                    "scrub: %s no longer verifies (%s); not counting it as good", folder.name, problem
+                )
                 known.forget([step])
             else:
                 known.hashed_at[step] = known.passes
