@@ -35,7 +35,7 @@ from ckpt_lesson.runs.dcp_marker import open_marker_folder
 from ckpt_lesson.runs.deleter import BackgroundRetention
 from ckpt_lesson.runs.retention import RetentionPolicy
 from ckpt_lesson.runs.reverify import check_save
-from ckpt_lesson.runs.scan import step_dir_name, step_of
+from ckpt_lesson.runs.scan import published_steps, step_dir_name, step_of
 
 from .comm import Comm, raise_from_checkpoint_exception
 from .reader import verify_save
@@ -228,8 +228,7 @@ class Retention:
 
     def published(self) -> list[int]:
         """Published steps, ascending (folder names only; nothing is read)."""
-        found = (step_of(e.name) for e in self.run_dir.iterdir() if e.is_dir() and not e.is_symlink())
-        return sorted(s for s in found if s is not None)
+        return published_steps(self.run_dir)
 
     def after_publish(self, final: Path, manifest: dict[str, Any]) -> None:
         """Count the new save as good and start the purge behind it; errors are logged, not raised."""

@@ -232,9 +232,11 @@ def clean_stale(run_dir: Path) -> list[str]:
         ['.staging-step-00000280-4242-0f3a9c1e']
     """
     removed = []
-    for entry in sorted(run_dir.iterdir()):
-        if not entry.is_dir() or entry.is_symlink():
-            continue
+    # Only the names starting with a dot can be ours to clean: filter on the name first, so a run
+    # directory of 10,000 saves costs one listing, not a stat per save (scandir gives the kind).
+    with os.scandir(run_dir) as listing:
+        hidden = sorted(e.name for e in listing if e.name.startswith(".") and e.is_dir(follow_symlinks=False))
+    for entry in (run_dir / name for name in hidden):
         if entry.name.startswith(DELETING_PREFIX):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry.name)
