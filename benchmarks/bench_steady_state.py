@@ -70,6 +70,7 @@ from ckpt_lesson.runs.async_save import AsyncCheckpointer  # noqa: E402
 from ckpt_lesson.runs.manager import CheckpointManager  # noqa: E402
 from ckpt_lesson.runs.retention import KeepLastK  # noqa: E402
 from ckpt_lesson.runs.reverify import KnownGood, retention_pass  # noqa: E402
+from ckpt_lesson.runs.scan import scan_checkpoints  # noqa: E402
 
 WIDTH = 2048  # one Linear(2048, 2048) holds 4.2M parameters
 
@@ -339,6 +340,10 @@ def folder_rows(count: int, rounds: int, work: Path) -> list[tuple[str, str, flo
     ours, base = paired(rounds, lambda i: restore(big), lambda i: restore(small))
     rows.append((f"restore_latest, {count:,} folders, newest good", "1 folder", ours, base, ""))
 
+    per = timed(lambda: scan_checkpoints(small))
+    whole = timed(lambda: scan_checkpoints(big))
+    rows.append((f"scan, {count:,} folders", f"scan of 1 folder x {count:,}", whole, per * count, ""))
+
     keep_all = CheckpointManager(big, keep_last=count * 10, every_steps=1)
     lone = CheckpointManager(small, keep_last=count * 10, every_steps=1)
     nums = iter(range(last + 1, last + 1000))
@@ -396,7 +401,7 @@ def folder_rows(count: int, rounds: int, work: Path) -> list[tuple[str, str, flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=int, nargs="+", default=[64])
+    parser.add_argument("--mb", type=int, nargs="*", default=[64], help="state sizes; none: folder rows only")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--folders", type=int, default=10_000)
     parser.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
@@ -407,7 +412,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-steady-", dir=args.dir) as tmp:
         work = Path(tmp)
-        write, read = disk_speed(work, min(max(args.mb), 1024))
+        write, read = disk_speed(work, min(max(args.mb, default=64), 1024))
         for mb in args.mb:
             rows += rows_for_size(mb, args.rounds, work)
         if args.folders:
