@@ -328,6 +328,7 @@ def folder_rows(count: int, rounds: int, work: Path) -> list[tuple[str, str, flo
     damaged = count // 10
     make_folders(big, count, real=(count - damaged, count))
     make_folders(small, 1)
+    os.sync()  # the 10,000 unsynced manifests must not land in the first timed save's fsync
     last = count
 
     def restore(run: Path) -> float:
@@ -374,6 +375,7 @@ def folder_rows(count: int, rounds: int, work: Path) -> list[tuple[str, str, flo
     for folder in sorted(big.glob("step-*"))[-rounds * 2 :]:
         if int(folder.name[5:]) > count:
             shutil.rmtree(folder)  # the saves made above: the newest must be a damaged one
+    os.sync()
     logging.getLogger("ckpt_lesson").setLevel(logging.ERROR)  # one skip line per damaged save
     seconds = restore(big)
     rows.append(
