@@ -86,6 +86,15 @@ def build(mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
+def tiny() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A 50 KB state for the many-folder rows: they measure the folders, not the bytes."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step(model, opt)
+    return model, opt
+
+
 def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad(set_to_none=False)
     for p in model.parameters():
@@ -304,7 +313,7 @@ def make_folders(run: Path, count: int, real: tuple[int, ...] = ()) -> None:
     """``count`` step folders: real small saves at ``real`` (and step 1), the others hard links of
     step 1's file with their own sealed manifests (they scan as good; a restore would refuse them,
     as their payload says step 1)."""
-    model, opt = build(1)
+    model, opt = tiny()
     with CheckpointManager(run, keep_last=count + 10, every_steps=1) as mgr:
         mgr.save(model, opt, None, TrainState(step=1))
         first = run / "step-00000001"
@@ -323,7 +332,7 @@ def make_folders(run: Path, count: int, real: tuple[int, ...] = ()) -> None:
 
 def folder_rows(count: int, rounds: int, work: Path) -> list[tuple[str, str, float, float, str]]:
     rows = []
-    model, opt = build(1)
+    model, opt = tiny()
     big, small = work / "many", work / "one"
     damaged = count // 10
     make_folders(big, count, real=(count - damaged, count))

@@ -165,7 +165,6 @@ class CheckpointManager:
             scrub_bytes_per_s=scrub_bytes_per_s,
             background=background_retention,
         )
-        self._verified: set[int] = self._retention.known.verified
         self._closed = False
         #: What the last :meth:`restore_latest` did (chosen step, save_id, skipped saves, manifest).
         self.last_restore: dict[str, Any] | None = None
