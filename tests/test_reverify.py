@@ -155,3 +155,15 @@ def test_a_save_published_unchecked_is_hashed_before_anything_is_deleted_for_it(
         mgr.save(model, opt, None, TrainState(step=2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001", "step-00000002"]
     assert "retention_delete" not in events
+
+
+def test_on_two_gloo_ranks_a_same_size_bit_flip_keeps_two_good_dcp_saves(tmp_path):
+    import json
+
+    from _distributed_workers import launch, w_retention_after_bit_flip
+
+    assert launch(w_retention_after_bit_flip, 2, tmp_path, str(tmp_path)) == [0, 0]
+    listing = json.loads((tmp_path / "listing.json").read_text())
+    assert listing == ["step-00000002", "step-00000004", "step-00000006"]
+    assert check_save(tmp_path / "run" / "step-00000002", full=True) is None
+    assert check_save(tmp_path / "run" / "step-00000004", full=True) is not None
