@@ -14,6 +14,7 @@ from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.hashing import DEFAULT_ALGO, check_algo
+from ckpt_lesson.files.readback import verify_mode
 from ckpt_lesson.runs.cadence import validate_cadence
 from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
 
@@ -22,7 +23,8 @@ __all__ = ["EventHook", "ManagerConfig"]
 #: ``on_event(name, info)``: called at each stage of a save, in this order:
 #: ``save_begin``, ``part_begin``, ``part_written`` (info has ``file``),
 #: ``parts_complete``, ``manifest_written``, ``verified``, ``published``,
-#: ``retention_delete`` (before each delete; info has ``step``), ``save_end``;
+#: ``save_end``; then, on the retention thread (runs/deleter.py), ``retention_delete``
+#: (before each delete; info has ``step``) and ``retention_renamed`` (renamed aside);
 #: and ``quarantined`` when publishing moved a damaged folder aside. For the
 #: sharded layout the writer makes every file in one call, so there is one
 #: ``part_begin`` (``file="*"``) and then one ``part_written`` per file.
@@ -51,7 +53,8 @@ class ManagerConfig:
     Raises:
         CheckpointError: ``keep_last < 1``; ``every_steps < 1``; ``every_seconds <= 0``;
             neither cadence set; ``num_shards < 1``; ``data``/``metadata`` not JSON dicts;
-            ``hash_algo`` not one of :data:`~ckpt_lesson.files.hashing.ALGORITHMS`.
+            ``hash_algo`` not one of :data:`~ckpt_lesson.files.hashing.ALGORITHMS`;
+            ``verify_on_save`` not True/False/"writer"/"device"; ``scrub_bytes_per_s <= 0``.
 
     Example:
         >>> ManagerConfig(keep_last=2, every_steps=10).num_shards is None
@@ -63,17 +66,24 @@ class ManagerConfig:
     every_seconds: float | None = None
     num_shards: int | None = None
     shard_layout: str = "round_robin"
-    verify_on_save: bool = True
+    verify_on_save: bool | str = "writer"
     data: dict[str, Any] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     retention: RetentionPolicy | None = None
     hash_algo: str = DEFAULT_ALGO
     zip_crc32: bool = False
+    scrub_bytes_per_s: float | None = None
+    background_retention: bool = True
 
     def __post_init__(self) -> None:
         check_algo(self.hash_algo)
+        verify_mode(self.verify_on_save)
         if not isinstance(self.zip_crc32, bool):
             raise CheckpointError(f"zip_crc32 must be True or False, got {self.zip_crc32!r}.")
+        rate = self.scrub_bytes_per_s
+        bad_rate = isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0
+        if rate is not None and bad_rate:
+            raise CheckpointError(f"scrub_bytes_per_s must be None (no scrub) or a number > 0, got {rate!r}.")
         keep = self.keep_last
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise CheckpointError(
