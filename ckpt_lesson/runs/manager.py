@@ -74,23 +74,11 @@ class CheckpointManager:
         run_dir: The run's folder (created if missing).
         keep_last: How many verified saves retention keeps.
         every_steps, every_seconds: Cadence for :meth:`should_save` (at least one).
-        num_shards: ``None`` for one ``checkpoint.pt`` per save, else the
-            sharded layout with that many model shards.
+        num_shards: ``None`` for one ``checkpoint.pt`` per save, else that many shards.
         clock: Time source for ``every_seconds`` (tests pass a fake one).
-        verify_on_save: Check the parts before publishing: ``"writer"`` (default:
-            every part complete at its recorded size; the digest was taken from the
-            bytes written), ``"device"`` or ``True`` (evict the cached pages, then hash
-            what the disk returns), ``False`` (no check; retention hashes the save
-            before relying on it). See ``docs/performance.md``.
-        scrub_bytes_per_s: After each retention pass, hash the other kept saves at
-            this average rate in idle time (``None``: no scrub).
-        background_retention: Run retention on a background thread (default);
-            ``False`` runs it inside :meth:`save`.
-        hash_algo: Integrity hash of every part (default ``xxh3_128``, fast;
-            ``sha256`` or ``blake3`` when digests are pinned somewhere trusted).
-        zip_crc32: Keep the zip CRC32s ``torch.save`` writes (off by default:
-            ``torch.load`` never checks them; our digests cover the bytes). Turn
-            it on when other tools (``unzip -t``, ``zipfile``) must accept the files.
+        verify_on_save, scrub_bytes_per_s, background_retention, hash_algo, zip_crc32:
+            How saves are checked, re-checked, deleted and hashed: see
+            :class:`~ckpt_lesson.runs.manager_config.ManagerConfig`.
         data: Dataset description recorded in payload and manifest, e.g.
             ``{"fingerprint": ds.fingerprint(), "order_seed": 11}``.
         metadata: Caller's dict copied into every manifest (run id, config hash).
@@ -109,11 +97,11 @@ class CheckpointManager:
 
     Example:
         >>> with CheckpointManager("runs/a", keep_last=2, every_steps=50) as mgr:  # doctest: +SKIP
-        ...     state = mgr.restore_latest(model, opt, sched) or TrainState()
-        ...     def after_step(state, record):
-        ...         if mgr.should_save(state.step):
-        ...             mgr.save(model, opt, sched, state)
-        ...     train(model, opt, sched, state, data, until_step=500, seed=11, after_step=after_step)
+        ...     restored = mgr.restore_latest({"model": model, "optimizer": opt})
+        ...     for step in range(restored.step + 1 if restored else 1, 501):
+        ...         train_one_step(model, opt)
+        ...         if mgr.should_save(step):
+        ...             mgr.save(step, {"model": model, "optimizer": opt})
     """
 
     def __init__(
@@ -276,11 +264,9 @@ class CheckpointManager:
             The published ``step-XXXXXXXX`` folder.
 
         Raises:
-            CheckpointError: The manager is closed, a part or value is refused
-                (named, before anything is written), or a save of this step
-                already exists and verifies. ``CorruptCheckpointError`` when
-                ``verify_on_save`` finds the written bytes differ (nothing is
-                published then).
+            CheckpointError: The manager is closed, a part or value is refused (named, before
+                anything is written), a good save of this step exists, or ``verify_on_save``
+                found the written bytes differ (nothing is published then).
 
         Example:
             >>> mgr.save(240, {"model": model, "optimizer": opt, "best": 0.31}).name  # doctest: +SKIP
@@ -291,12 +277,9 @@ class CheckpointManager:
             step, state = args
             if extras is not None:
                 raise CheckpointError(
-                    "extras= belongs to the positional form; put plain values in the state mapping."
+                    "extras= belongs to the positional form; put values in the state mapping."
                 )
-            payload = build_state_payload(
-                step, state, rng=True if rng is None else rng, data=self.config.data
-            )
-            return self.save_payload(payload)
+            return self.save_payload(build_state_payload(step, state, rng=rng, data=self.config.data))
         model, optimizer, scheduler, state = positional_save_args(args)
         step = state.step
         return self._commit(step, lambda staging: stage_save(

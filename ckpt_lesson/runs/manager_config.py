@@ -50,6 +50,23 @@ def _plain_dict(value: Any, name: str) -> dict[str, Any]:
 class ManagerConfig:
     """Validated, immutable settings of a :class:`CheckpointManager`.
 
+    The ones documented only here:
+
+    * ``verify_on_save``: check the parts before publishing: ``"writer"``
+      (default: every part complete at its recorded size; the digest was taken
+      from the bytes written), ``"device"`` or ``True`` (evict the cached pages,
+      then hash what the disk returns), ``False`` (no check; retention hashes
+      the save before relying on it). See ``docs/performance.md``.
+    * ``scrub_bytes_per_s``: after each retention pass, hash the other kept
+      saves at this average rate in idle time (``None``: no scrub).
+    * ``background_retention``: run retention on a background thread (default);
+      ``False`` runs it inside ``save()``.
+    * ``hash_algo``: integrity hash of every part (default ``xxh3_128``, fast;
+      ``sha256`` or ``blake3`` when digests are pinned somewhere trusted).
+    * ``zip_crc32``: keep the zip CRC32s ``torch.save`` writes (off: ``torch.load``
+      never checks them and our digests cover the bytes); turn it on when other
+      tools (``unzip -t``, ``zipfile``) must accept the files.
+
     Raises:
         CheckpointError: ``keep_last < 1``; ``every_steps < 1``; ``every_seconds <= 0``;
             neither cadence set; ``num_shards < 1``; ``data``/``metadata`` not JSON dicts;
