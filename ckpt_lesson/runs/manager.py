@@ -43,6 +43,7 @@ from typing import Any
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
+from ckpt_lesson.files.storage import is_store_url
 from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale, open_staging, publish
 from ckpt_lesson.runs.contract import ENV_POLICIES
@@ -101,6 +102,15 @@ class CheckpointManager:
         ...             mgr.save(model, opt, sched, state)
         ...     train(model, opt, sched, state, data, until_step=500, seed=11, after_step=after_step)
     """
+
+    def __new__(cls, run_dir: Any = None, *args: Any, **kwargs: Any) -> CheckpointManager:
+        # A URL (s3://bucket/prefix) is a run whose durable copy lives in an object store:
+        # same API, plus the store's commit protocol (see runs/store_manager.py).
+        if cls is CheckpointManager and is_store_url(run_dir):
+            from ckpt_lesson.runs.store_manager import StoreCheckpointManager
+
+            return super().__new__(StoreCheckpointManager)
+        return super().__new__(cls)
 
     def __init__(
         self,
