@@ -47,7 +47,6 @@ def options_for(endpoint: str, key: str = "testing", secret: str = "testing") ->
         "key": key,
         "secret": secret,
         "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-        "skip_instance_cache": True,
     }
 
 
