@@ -33,7 +33,9 @@ def test_a_zombie_writer_cannot_commit_a_step_its_replacement_already_committed(
     store = FsspecStorage(s3_bucket.url(), s3_bucket.options)
     marker, _ = read_commit(store, 4)
     # Only the winner's upload remains: the zombie removed its own, and never touched the winner's.
-    assert {k.split("/")[1] for k in store.list_keys("step-00000004") if k.count("/") == 2} == {marker["save_id"]}
+    assert {k.split("/")[1] for k in store.list_keys("step-00000004") if k.count("/") == 2} == {
+        marker["save_id"]
+    }
     fresh = tiny_run(seed=9)
     with _manager(s3_bucket) as mgr:
         assert mgr.restore_latest(fresh.model, fresh.optimizer, fresh.scheduler).step == 4

@@ -186,7 +186,9 @@ class LocalStorage(Storage):
         with open(os.open(self._path(key), os.O_RDONLY | _NOFOLLOW), "rb") as f:
             data = f.read(limit + 1)
         if len(data) > limit:
-            raise CheckpointError(f"{self.where(key)}: larger than {limit} bytes; not a record this package wrote.")
+            raise CheckpointError(
+                f"{self.where(key)}: larger than {limit} bytes; not a record this package wrote."
+            )
         return data
 
     def iter_chunks(self, key: str, *, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:

@@ -51,7 +51,9 @@ def _filesystem(url: str, options: Mapping[str, Any]) -> tuple[Any, str]:
             "(s3fs; gcsfs or adlfs for gs:// and az://)."
         ) from None
     except ValueError as exc:  # fsspec: "Protocol not known"
-        raise CheckpointError(f"{url}: fsspec does not know {protocol}:// ({exc}); use s3://, gs:// or az://.") from None
+        raise CheckpointError(
+            f"{url}: fsspec does not know {protocol}:// ({exc}); use s3://, gs:// or az://."
+        ) from None
     root = fs._strip_protocol(url).rstrip("/")
     if not root:
         raise CheckpointError(f"{url}: no bucket in the URL; write it as {protocol}://BUCKET/PREFIX.")

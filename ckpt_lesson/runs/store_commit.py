@@ -85,7 +85,9 @@ def _write_lease(storage: Storage, attempt: str, lease_seconds: float) -> None:
     storage.put_bytes(f"{attempt}/{LEASE_NAME}", json.dumps(lease).encode())
 
 
-def upload_save(storage: Storage, local: Path, step: int, *, algo: str, lease_seconds: float) -> dict[str, Any]:
+def upload_save(
+    storage: Storage, local: Path, step: int, *, algo: str, lease_seconds: float
+) -> dict[str, Any]:
     """Upload one locally staged save and commit it with a conditional marker.
 
     Args:
@@ -128,7 +130,11 @@ def upload_save(storage: Storage, local: Path, step: int, *, algo: str, lease_se
         "schema": COMMIT_SCHEMA,
         "step": step,
         "save_id": save_id,
-        "manifest": {"bytes": len(manifest_bytes), "algo": algo, "digest": digest_bytes(manifest_bytes, algo)},
+        "manifest": {
+            "bytes": len(manifest_bytes),
+            "algo": algo,
+            "digest": digest_bytes(manifest_bytes, algo),
+        },
         "writer": f"{socket.gethostname()}:{os.getpid()}",
         "created_at": time.time(),
     }
@@ -172,7 +178,9 @@ def read_commit(storage: Storage, step: int) -> tuple[dict[str, Any], bytes]:
     try:
         marker = parse_json_text(storage.read_bytes(key, limit=MAX_MARKER_BYTES), where=where)
     except FileNotFoundError:
-        raise IncompleteCheckpointError(f"{where}: no commit marker; step {step} was never committed.") from None
+        raise IncompleteCheckpointError(
+            f"{where}: no commit marker; step {step} was never committed."
+        ) from None
     except CheckpointError as exc:
         if isinstance(exc, CorruptCheckpointError):
             raise
@@ -212,7 +220,9 @@ def delete_store_save(storage: Storage, step: int) -> None:
 
 def _lease_expired(storage: Storage, attempt: str, now: float) -> bool:
     try:
-        lease = parse_json_text(storage.read_bytes(f"{attempt}/{LEASE_NAME}", limit=MAX_MARKER_BYTES), where=attempt)
+        lease = parse_json_text(
+            storage.read_bytes(f"{attempt}/{LEASE_NAME}", limit=MAX_MARKER_BYTES), where=attempt
+        )
     except (FileNotFoundError, CorruptCheckpointError):
         return True  # the lease is written before any part: no readable lease, no live writer
     expires = lease.get("expires_at") if isinstance(lease, dict) else None

@@ -126,7 +126,9 @@ class StoreCheckpointManager(CheckpointManager):
         local = Path(super().save(*args, **kwargs))
         step = int(self.last_save["step"]) if self.last_save else -1
         try:
-            upload_save(self.storage, local, step, algo=self.config.hash_algo, lease_seconds=self.lease_seconds)
+            upload_save(
+                self.storage, local, step, algo=self.config.hash_algo, lease_seconds=self.lease_seconds
+            )
             self._emit("uploaded", step=step, url=f"{self.url}/{step_dir_name(step)}")
         finally:
             delete_save(local)  # scratch either way: the store holds the durable copy
