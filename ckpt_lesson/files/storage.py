@@ -136,8 +136,8 @@ class LocalStorage(Storage):
 
     Example:
         >>> store = LocalStorage(tmp_path / "bucket")  # doctest: +SKIP
-        >>> store.create_if_absent("a/COMMIT", b"{}"), store.create_if_absent("a/COMMIT", b"{}")  # doctest: +SKIP
-        (True, False)
+        >>> [store.create_if_absent("a/COMMIT", b"{}") for _ in range(2)]  # doctest: +SKIP
+        [True, False]
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:

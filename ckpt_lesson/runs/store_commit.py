@@ -108,7 +108,8 @@ def upload_save(
         LoadEnvironmentError: The store cannot be reached.
 
     Example:
-        >>> upload_save(store, cache / "step-00000010", 10, algo="xxh3_128", lease_seconds=900)  # doctest: +SKIP
+        >>> upload_save(store, cache / "step-00000010", 10, algo="xxh3_128", lease_seconds=900)
+        ... # doctest: +SKIP
         {'schema': 'ckpt_lesson.commit/1', 'step': 10, ...}
     """
     manifest = read_manifest(local)
@@ -121,7 +122,8 @@ def upload_save(
         if (size, got) != (part["bytes"], want):
             raise CorruptCheckpointError(
                 f"{storage.where(attempt)}/{part['file']}: uploaded {size} bytes hashing {got}, but the "
-                f"manifest records {part['bytes']} bytes {want}; the local copy changed. Nothing was committed."
+                f"manifest records {part['bytes']} bytes {want}; the local copy changed. "
+                "Nothing was committed."
             )
         _write_lease(storage, attempt, lease_seconds)
     manifest_bytes = (local / MANIFEST_NAME).read_bytes()
@@ -190,7 +192,8 @@ def read_commit(storage: Storage, step: int) -> tuple[dict[str, Any], bytes]:
         raise CorruptCheckpointError(f"{where}: not a commit marker of ours; restore an older save.")
     if marker.get("step") != step:
         raise CorruptCheckpointError(
-            f"{where}: the marker names step {marker.get('step')!r}, not {step} (a stale copy); restore an older save."
+            f"{where}: the marker names step {marker.get('step')!r}, not {step} (a stale copy); "
+            "restore an older save."
         )
     if not isinstance(save_id, str) or not save_id.isalnum():
         raise CorruptCheckpointError(f"{where}: no valid save_id; restore an older save.")
@@ -203,11 +206,13 @@ def read_commit(storage: Storage, step: int) -> tuple[dict[str, Any], bytes]:
         raw = storage.read_bytes(manifest_key, limit=MAX_RECORD_BYTES)
     except FileNotFoundError:
         raise IncompleteCheckpointError(
-            f"{storage.where(manifest_key)}: missing, though step {step}'s marker names it; restore an older save."
+            f"{storage.where(manifest_key)}: missing, though step {step}'s marker names it; "
+            "restore an older save."
         ) from None
     if digest_bytes(raw, algo) != digest:
         raise CorruptCheckpointError(
-            f"{storage.where(manifest_key)}: does not match the digest in its commit marker; restore an older save."
+            f"{storage.where(manifest_key)}: does not match the digest in its commit marker; "
+            "restore an older save."
         )
     return marker, raw
 

@@ -88,7 +88,8 @@ def fetch_verified(storage: Storage, step: int, cache: Path) -> dict[str, Any]:
         if manifest["step"] != step or manifest["save_id"] != marker["save_id"]:
             raise CorruptCheckpointError(
                 f"{storage.where(step_dir_name(step))}: the manifest names step {manifest['step']} / save "
-                f"{manifest['save_id']}, the marker step {step} / save {marker['save_id']}; restore an older save."
+                f"{manifest['save_id']}, the marker step {step} / save {marker['save_id']}; "
+                "restore an older save."
             )
         attempt = f"{step_dir_name(step)}/{marker['save_id']}"
         for part in manifest["parts"]:
