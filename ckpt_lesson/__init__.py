@@ -73,6 +73,7 @@ from .files.sharded import (  # noqa: E402
     shard_keys_by_prefix,
     verify_sharded_checkpoint,
 )
+from .files.storage import open_storage  # noqa: E402
 from .files.verify import verify_part  # noqa: E402
 from .runs.accumulation import AccumulationState, load_accumulating, save_accumulating  # noqa: E402
 from .runs.async_save import AsyncCheckpointer, TrainingSnapshot  # noqa: E402
@@ -102,6 +103,8 @@ from .runs.report import RecoveryRecorder, read_recovery_log, summarize_recoveri
 from .runs.retention import KeepBest, KeepLastK, keep_last_k  # noqa: E402
 from .runs.scan import ScanResult, read_manifest, scan_checkpoints  # noqa: E402
 from .runs.steplog import log_step  # noqa: E402
+from .runs.store_commit import CommitConflictError  # noqa: E402
+from .runs.store_manager import StoreCheckpointManager  # noqa: E402
 from .runs.warm_start import WarmStartRecord, warm_start_from  # noqa: E402
 
 __version__ = "0.1.0"
@@ -115,6 +118,7 @@ __all__ = [
     "CampaignResult",
     "CheckpointError",
     "CheckpointManager",
+    "CommitConflictError",
     "ContractMismatchError",
     "CorruptCheckpointError",
     "DistributedCheckpointManager",
@@ -142,6 +146,7 @@ __all__ = [
     "ShardedSaveResult",
     "SpotComparison",
     "StateMismatchError",
+    "StoreCheckpointManager",
     "SyntheticRegression",
     "TrainState",
     "TrainingSnapshot",
@@ -179,6 +184,7 @@ __all__ = [
     "migrate_file",
     "migrate_v1_to_v2",
     "model_fingerprint",
+    "open_storage",
     "parse_args",
     "plan_shards",
     "read_checkpoint",
