@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -84,3 +85,47 @@ def test_listings_past_1000_keys_find_every_committed_save(tiny_run, s3_bucket):
     store = FsspecStorage(s3_bucket.url(), s3_bucket.options)
     # The leftovers had no lease: the clean after the save removed all 1,050 (deletes go 1,000 a request).
     assert [k.rsplit("/", 1)[-1] for k in store.list_keys()] == ["COMMIT", "checkpoint.pt", "manifest.json"]
+
+
+def test_two_writers_racing_for_one_step_leave_exactly_one_whole_save(tiny_run, s3_bucket):
+    runs = [tiny_run(seed=s) for s in (1, 2)]
+    for run in runs:
+        run.train(until_step=4)
+    managers = [_manager(s3_bucket) for _ in runs]
+    barrier, outcome = threading.Barrier(2), {}
+
+    def write(i):
+        barrier.wait()
+        try:
+            managers[i].save(runs[i].model, runs[i].optimizer, runs[i].scheduler, runs[i].state)
+            outcome[i] = "committed"
+        except CommitConflictError:
+            outcome[i] = "refused"
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # Real S3 serialises the two conditional creates: one commits, one is refused. moto's check is
+    # not atomic across its threads, so there both may pass; either way each upload has its own
+    # prefix, so the marker always names one whole save and the restore is one writer's model.
+    assert "committed" in outcome.values()
+    fresh = tiny_run(seed=9)
+    with _manager(s3_bucket) as mgr:
+        assert mgr.restore_latest(fresh.model, fresh.optimizer, fresh.scheduler).step == 4
+    got = list(fresh.model.state_dict().values())
+    matches = [
+        all(torch.equal(a, b) for a, b in zip(r.model.state_dict().values(), got, strict=True)) for r in runs
+    ]
+    assert matches.count(True) == 1
+
+
+def test_cleaning_aborts_the_unfinished_multipart_upload_of_a_dead_writer(s3_bucket):
+    store = FsspecStorage(s3_bucket.url(), s3_bucket.options)
+    fs = s3_bucket.fs()
+    key = "run/step-00000002/" + "ef" * 16 + "/checkpoint.pt"
+    fs.call_s3("create_multipart_upload", Bucket=s3_bucket.name, Key=key)
+    store.put_bytes("step-00000002/" + "ef" * 16 + "/LEASE", b'{"expires_at": 0}')
+    assert clean_uncommitted(store) == ["step-00000002/" + "ef" * 16]
+    assert fs.call_s3("list_multipart_uploads", Bucket=s3_bucket.name).get("Uploads", []) == []
