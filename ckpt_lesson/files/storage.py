@@ -99,8 +99,12 @@ class Storage:
         """The whole object, refusing one larger than ``limit`` bytes. ``FileNotFoundError`` if missing."""
         raise NotImplementedError
 
-    def iter_chunks(self, key: str, *, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
-        """Stream the object in ranged chunks. ``FileNotFoundError`` if missing."""
+    def iter_chunks(self, key: str, *, chunk: int = CHUNK_BYTES, size: int | None = None) -> Iterator[bytes]:
+        """Stream the object in ranged chunks. ``FileNotFoundError`` if missing.
+
+        ``size``: the expected size, when known (saves a round trip); a longer
+        object still yields at least one byte more, so the caller sees it differs.
+        """
         raise NotImplementedError
 
     def list_keys(self, prefix: str = "") -> list[str]:
@@ -191,7 +195,7 @@ class LocalStorage(Storage):
             )
         return data
 
-    def iter_chunks(self, key: str, *, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
+    def iter_chunks(self, key: str, *, chunk: int = CHUNK_BYTES, size: int | None = None) -> Iterator[bytes]:
         with open(os.open(self._path(key), os.O_RDONLY | _NOFOLLOW), "rb") as f:
             while block := f.read(chunk):
                 yield block

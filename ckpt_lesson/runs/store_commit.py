@@ -116,7 +116,7 @@ def upload_save(
     save_id = manifest["save_id"]
     attempt = f"{step_dir_name(step)}/{save_id}"
     _write_lease(storage, attempt, lease_seconds)
-    for part in manifest["parts"]:
+    for i, part in enumerate(manifest["parts"]):
         part_algo, want = part_digest(part)
         size, got = storage.put_file(f"{attempt}/{part['file']}", local / part["file"], algo=part_algo)
         if (size, got) != (part["bytes"], want):
@@ -125,7 +125,8 @@ def upload_save(
                 f"manifest records {part['bytes']} bytes {want}; the local copy changed. "
                 "Nothing was committed."
             )
-        _write_lease(storage, attempt, lease_seconds)
+        if i + 1 < len(manifest["parts"]):  # renewed between parts: a long upload stays "alive"
+            _write_lease(storage, attempt, lease_seconds)
     manifest_bytes = (local / MANIFEST_NAME).read_bytes()
     storage.put_bytes(f"{attempt}/{MANIFEST_NAME}", manifest_bytes)
     marker = {
