@@ -5,7 +5,7 @@ Run from the repository root::
     python benchmarks/bench_store.py              # a 32 MiB checkpoint, 5 rounds
     python benchmarks/bench_store.py --mib 256 --rounds 7
 
-A local moto S3 server (``ThreadedMotoServer`` on 127.0.0.1) serves both sides,
+A local moto S3 server (``python -m moto.server`` on 127.0.0.1, its own process) serves both sides,
 so the network is the loopback and the ratio isolates our overhead: lease,
 hashing while streaming, digest check, manifest and the conditional ``COMMIT``
 on the way up; marker and manifest checks, hashing and the write to the local
@@ -17,11 +17,13 @@ keys. Prints a markdown table with the machine and the load average.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import platform
 import shutil
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -29,7 +31,6 @@ from pathlib import Path
 
 import s3fs
 import torch
-from moto.server import ThreadedMotoServer
 
 from ckpt_lesson.files.storage_fsspec import FsspecStorage
 from ckpt_lesson.runs.manager import CheckpointManager
@@ -47,15 +48,37 @@ def _stage(folder: Path, mib: int) -> Path:
         return Path(mgr.save(model, opt, None, TrainState(step=1)))
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for(host: str, port: int, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise SystemExit(f"moto server did not start on {host}:{port} within {seconds:.0f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
+    host, port = "127.0.0.1", _free_port()
+    # Its own process, as a real store is another machine: in-process, the server's threads would
+    # compete with the client for the GIL and tax whichever side does more Python work.
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", host, "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    _wait_for(host, port)
     options = {"key": "bench", "secret": "bench", "client_kwargs": {"endpoint_url": f"http://{host}:{port}"}}
     fs = s3fs.S3FileSystem(**options)
     fs.call_s3("create_bucket", Bucket="bench")
@@ -92,7 +115,7 @@ def main() -> None:
             shutil.rmtree(work / f"cache-{round_}", ignore_errors=True)
         med = {k: statistics.median(v) for k, v in times.items()}
         print(f"machine: {platform.node()} ({platform.machine()}, {os.cpu_count()} cores), "
-              f"load average {os.getloadavg()[0]:.2f}; moto server on the loopback")  # fmt: skip
+              f"load average {os.getloadavg()[0]:.2f}; moto server process on the loopback")  # fmt: skip
         print(f"checkpoint.pt: {size / 2**20:.1f} MiB; {args.rounds} interleaved rounds; medians\n")
         print("| direction | plain s3fs | ours | ratio |")
         print("|---|---|---|---|")
@@ -101,7 +124,8 @@ def main() -> None:
             print(f"| {label} | {med[plain]:.3f} s ({plain}) | {med[ours]:.3f} s ({ours}) | {ratio:.2f}x |")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        server.stop()
+        server.terminate()
+        server.wait()
 
 
 if __name__ == "__main__":

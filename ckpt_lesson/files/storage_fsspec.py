@@ -37,8 +37,9 @@ from ckpt_lesson.files.storage import CHUNK_BYTES, Storage, check_key
 __all__ = ["FsspecStorage", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install ckpt_lesson[s3]"
-#: Parts up to this size go up in one PUT (like s3fs's own put_file); larger ones as multipart.
-SINGLE_PUT_BYTES = 64 << 20
+#: Parts below this size go up in one PUT, as s3fs's own put_file does (below 2 x 50 MiB);
+#: larger ones as a multipart upload.
+SINGLE_PUT_BYTES = 100 << 20
 #: Multipart block, and download range, for large parts (s3fs's default put chunk is 50 MiB).
 UPLOAD_BLOCK_BYTES = 64 << 20
 
@@ -125,7 +126,7 @@ class FsspecStorage(Storage):
     def put_file(self, key: str, local: Path, *, algo: str = DEFAULT_ALGO) -> tuple[int, str]:
         hasher, total = new_hasher(algo), 0
         with self._reaching(f"uploading {key}", writing=True), open(local, "rb") as src:
-            if os.fstat(src.fileno()).st_size <= SINGLE_PUT_BYTES:
+            if os.fstat(src.fileno()).st_size < SINGLE_PUT_BYTES:
                 # One PUT, as plain s3fs does: the bytes hashed are exactly the bytes sent.
                 data = src.read()
                 hasher.update(data)
