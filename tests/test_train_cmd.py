@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -163,7 +164,7 @@ def _cli(env, *argv):
     return subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=300)
 
 
-def test_train_cli_saves_to_a_bucket_and_resumes_from_it_with_scan_listing_the_saves(s3_bucket):
+def test_train_cli_saves_to_a_bucket_and_resumes_from_it_with_scan_and_report_reading_it(s3_bucket):
     url = s3_bucket.url("cli-run")
     args = ("train", "--ckpt-dir", url, "--total-steps", "12", "--ckpt-every-steps", "4", "--no-progress")
     first = _cli(s3_bucket.env(), *args, "--stop-after-step", "10")
@@ -174,6 +175,9 @@ def test_train_cli_saves_to_a_bucket_and_resumes_from_it_with_scan_listing_the_s
     scan = _cli(s3_bucket.env(), "scan", url)
     assert scan.returncode == 0, scan.stderr
     assert "3 save(s): 3 ok" in scan.stdout
+    report = _cli(s3_bucket.env(), "report", url, "--json")
+    assert report.returncode == 0, report.stderr
+    assert json.loads(report.stdout)["restores"] == 1  # the recovery log lives in the bucket too
 
 
 def test_train_cli_names_a_missing_bucket_in_one_line_with_exit_2(s3_bucket):

@@ -47,6 +47,7 @@ from ckpt_lesson.runs.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
 from ckpt_lesson.runs.report import RecoveryRecorder
 from ckpt_lesson.runs.scan import step_of
 from ckpt_lesson.runs.store_commit import committed_steps
+from ckpt_lesson.runs.store_report import StoreRecoveryRecorder
 
 __all__ = ["DEFAULT_EVERY_STEPS", "RESUME_MODES", "run_managed_training"]
 
@@ -178,7 +179,11 @@ def run_managed_training(
         "config_fingerprint": config_fingerprint(settings),
         "model_fingerprint": model_fingerprint(model),
     }
-    recorder = RecoveryRecorder(recorder_dir)  # reads the crashed process's last heartbeat first
+    recorder = (
+        StoreRecoveryRecorder(run_dir, recorder_dir)
+        if isinstance(run_dir, str)
+        else RecoveryRecorder(run_dir)
+    )  # reads the crashed process's last heartbeat first
 
     def record_saves(name: str, info: dict[str, Any]) -> None:
         if name == "published":
