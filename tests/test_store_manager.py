@@ -52,13 +52,17 @@ def test_an_empty_prefix_restores_nothing_and_a_missing_bucket_names_the_bucket(
         CheckpointManager("s3://no-such-bucket-23/run", storage_options=s3_bucket.options, every_steps=2)
 
 
+def _killed_writer(bucket, point):
+    writer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_store_writer.py")
+    env = {**os.environ, **bucket.env(), "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([sys.executable, writer, bucket.url(), point], env=env, timeout=300)
+    assert done.returncode == -signal.SIGKILL
+
+
 def test_a_writer_killed_mid_upload_leaves_no_committed_save_and_its_leftovers_go_after_the_lease(
     tiny_run, s3_bucket
 ):
-    writer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_store_writer.py")
-    env = {**os.environ, **s3_bucket.env(), "PYTHONPATH": os.getcwd()}
-    done = subprocess.run([sys.executable, writer, s3_bucket.url(), "2"], env=env, timeout=300)
-    assert done.returncode == -signal.SIGKILL
+    _killed_writer(s3_bucket, "part:2")
     store = FsspecStorage(s3_bucket.url(), s3_bucket.options)
     leftovers = [k for k in store.list_keys("step-00000004")]
     assert leftovers and "step-00000004/COMMIT" not in leftovers
@@ -69,6 +73,21 @@ def test_a_writer_killed_mid_upload_leaves_no_committed_save_and_its_leftovers_g
     assert store.list_keys("step-00000004") == leftovers  # the lease still runs: maybe a slow writer
     assert len(clean_uncommitted(store, now=time.time() + 3601)) == 1
     assert store.list_keys("step-00000004") == []
+
+
+@pytest.mark.parametrize(("point", "expected"), [("manifest", 2), ("commit", 4)])
+def test_kills_around_the_marker_restore_exactly_the_newest_committed_step_bit_for_bit(
+    tiny_run, s3_bucket, point, expected
+):
+    _killed_writer(s3_bucket, point)
+    twin = tiny_run(seed=4)  # the writer's run, replayed here to know the weights it saved
+    twin.train(until_step=expected)
+    fresh = tiny_run(seed=7)
+    with CheckpointManager(s3_bucket.url(), every_steps=2, storage_options=s3_bucket.options) as mgr:
+        assert mgr.restore_latest(fresh.model, fresh.optimizer, fresh.scheduler).step == expected
+        assert mgr.last_restore["skipped"] == []  # no wrong choice, nothing corrupt on the way
+    for a, b in zip(twin.model.state_dict().values(), fresh.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_wrong_credentials_are_a_load_environment_error_naming_the_bucket(s3_bucket, monkeypatch):
