@@ -78,6 +78,7 @@ from .files.sharded import (  # noqa: E402
 )
 from .files.state_files import load_state, save_state  # noqa: E402
 from .files.state_payload import Restored  # noqa: E402
+from .files.storage import open_storage  # noqa: E402
 from .files.verify import verify_part  # noqa: E402
 from .runs.accumulation import AccumulationState, load_accumulating, save_accumulating  # noqa: E402
 from .runs.async_save import AsyncCheckpointer, TrainingSnapshot  # noqa: E402
@@ -107,6 +108,8 @@ from .runs.report import RecoveryRecorder, read_recovery_log, summarize_recoveri
 from .runs.retention import KeepBest, KeepLastK, keep_last_k  # noqa: E402
 from .runs.scan import ScanResult, read_manifest, scan_checkpoints  # noqa: E402
 from .runs.steplog import log_step  # noqa: E402
+from .runs.store_commit import CommitConflictError  # noqa: E402
+from .runs.store_manager import StoreCheckpointManager  # noqa: E402
 from .runs.warm_start import WarmStartRecord, warm_start_from  # noqa: E402
 
 __version__ = "0.1.0"
@@ -121,6 +124,7 @@ __all__ = [
     "CampaignResult",
     "CheckpointError",
     "CheckpointManager",
+    "CommitConflictError",
     "ContractMismatchError",
     "CorruptCheckpointError",
     "DistributedCheckpointManager",
@@ -148,6 +152,7 @@ __all__ = [
     "ShardedSaveResult",
     "SpotComparison",
     "StateMismatchError",
+    "StoreCheckpointManager",
     "TrainState",
     "TrainingSnapshot",
     "UnsafeCheckpointError",
@@ -180,6 +185,7 @@ __all__ = [
     "migrate_file",
     "migrate_v1_to_v2",
     "model_fingerprint",
+    "open_storage",
     "plan_shards",
     "read_checkpoint",
     "read_manifest",

@@ -136,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     data = make_data(args.seed)
     model = make_model()
     optimizer = make_optimizer(model)
-    ckpt_dir = Path(args.ckpt_dir)
-    naive_path = ckpt_dir / "checkpoint.pt"
+    # A bucket URL (s3://BUCKET/PREFIX) moves the durable copy off this machine; a path keeps it here.
+    ckpt_dir = args.ckpt_dir if "://" in args.ckpt_dir else Path(args.ckpt_dir)
+    naive_path = Path(args.ckpt_dir) / "checkpoint.pt"
     manager = None
     if mistake == "torch-save":
         ckpt_dir.mkdir(parents=True, exist_ok=True)

@@ -96,3 +96,7 @@ def fake_command():
         return [sys.executable, fake, *extra]
 
     return command
+
+
+# The object-store fixtures (a local moto S3 server and a bucket per test).
+from _s3_server import s3_bucket, s3_endpoint  # noqa: E402, F401

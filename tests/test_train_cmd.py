@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from ckpt_lesson import cli
@@ -150,3 +155,32 @@ def test_train_cli_help_lists_its_options(capsys):
 def test_sample_ids_follow_the_seeded_epoch_order(tmp_path):
     out = run_managed_training(tmp_path, total_steps=3, every_steps=3)
     assert out["sample_ids"][2] == batch_sample_ids(SEED, 0, 1, 256, 16)
+
+
+def _cli(env, *argv):
+    """``python -m ckpt_lesson ARGV`` in a child with the bucket's AWS_* environment."""
+    full = {**os.environ, **env, "PYTHONPATH": os.getcwd()}
+    cmd = [sys.executable, "-m", "ckpt_lesson", *argv]
+    return subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=300)
+
+
+def test_train_cli_saves_to_a_bucket_and_resumes_from_it_with_scan_and_report_reading_it(s3_bucket):
+    url = s3_bucket.url("cli-run")
+    args = ("train", "--ckpt-dir", url, "--total-steps", "12", "--ckpt-every-steps", "4", "--no-progress")
+    first = _cli(s3_bucket.env(), *args, "--stop-after-step", "10")
+    assert first.returncode == 0, first.stderr
+    second = _cli(s3_bucket.env(), *args)
+    assert second.returncode == 0, second.stderr
+    assert "(from step 8)" in second.stdout
+    scan = _cli(s3_bucket.env(), "scan", url)
+    assert scan.returncode == 0, scan.stderr
+    assert "3 save(s): 3 ok" in scan.stdout
+    report = _cli(s3_bucket.env(), "report", url, "--json")
+    assert report.returncode == 0, report.stderr
+    assert json.loads(report.stdout)["restores"] == 1  # the recovery log lives in the bucket too
+
+
+def test_train_cli_names_a_missing_bucket_in_one_line_with_exit_2(s3_bucket):
+    done = _cli(s3_bucket.env(), "train", "--ckpt-dir", "s3://no-such-bucket-23/run", "--total-steps", "4")
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "bucket 'no-such-bucket-23' does not exist" in done.stderr

@@ -8,16 +8,24 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
+from ckpt_lesson.files.storage import is_store_url
 from ckpt_lesson.runs.report import RECOVERY_LOG, read_recovery_log, summarize_recoveries
+from ckpt_lesson.runs.store_report import read_store_recovery_log
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", help="a run directory (holds step-* saves and recovery.jsonl)")
+    parser.add_argument(
+        "run_dir",
+        help="a run directory (holds step-* saves and recovery.jsonl), or its bucket URL (s3://...)",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    records = read_recovery_log(args.run_dir)
+    if is_store_url(args.run_dir):
+        records = read_store_recovery_log(args.run_dir)  # credentials from the AWS_* environment
+    else:
+        records = read_recovery_log(args.run_dir)
     summary = summarize_recoveries(records)
     if args.json:
         # Strict JSON: NaN and Infinity are not JSON, so they become null (unknown).
@@ -27,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
         }
         print(json.dumps(clean, indent=2, sort_keys=True, allow_nan=False))
     elif not records:
-        print(f"{Path(args.run_dir).name}: no restores recorded ({RECOVERY_LOG} is absent or empty)")
+        name = Path(args.run_dir).name  # for a URL, its last part too
+        print(f"{name}: no restores recorded ({RECOVERY_LOG} is absent or empty)")
     else:
         print(summary.format())
     return 0

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpt_lesson.cli.resume_machine import lose_machine, machine_for
 from ckpt_lesson.cli.resume_plan import KillTarget, KillTrigger, TrialPlan
 from ckpt_lesson.cli.resume_steps import StepPattern, StepReader, StepRecord
 from ckpt_lesson.cli.resume_watch import MANAGER, NONE, FolderWatcher, SaveBurst, Waker
@@ -50,6 +51,8 @@ class RunSpec:
     signal: str = "KILL"
     grace: float = 10.0
     timeout: float = 300.0
+    #: ``--lose-machine``: each restart on a fresh "machine" (see resume_machine.py).
+    lose_machine: bool = False
 
 
 @dataclass
@@ -173,6 +176,7 @@ def run_attempt(
     """
     folder.mkdir(parents=True, exist_ok=True)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
+    spec = machine_for(spec, folder, ckpt_dir, index)  # {run_id}; --lose-machine: a fresh machine
     steps_file = folder / "steps.jsonl"
     env = {**spec.env, CKPT_DIR_ENV: str(ckpt_dir), STEP_LOG_ENV: str(steps_file), "PYTHONUNBUFFERED": "1"}
     argv = [arg.replace("{ckpt_dir}", str(ckpt_dir)) for arg in spec.command]
@@ -332,6 +336,8 @@ def run_trial(spec: RunSpec, folder: Path, plan: TrialPlan, *, layout: str) -> T
             spec, folder / f"attempt-{index}", folder / "ckpt", index=index, target=target, layout=layout
         )
         trial.attempts.append(attempt)
+        if attempt.kill is not None and spec.lose_machine:
+            lose_machine(folder / "ckpt", attempt, spec)  # the disk goes with the machine
         if attempt.timed_out:
             trial.status = "timeout"
             return trial

@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from ckpt_lesson.cli.resume_compare import trajectory
 from ckpt_lesson.cli.resume_diagnose import exact_resumes, judge_trial
+from ckpt_lesson.cli.resume_machine import format_failure_domain, judge_lost_machine
 from ckpt_lesson.cli.resume_plan import KINDS, plan_trials
 from ckpt_lesson.cli.resume_report import build_report, format_text, write_json, write_plot
 from ckpt_lesson.cli.resume_runner import Attempt, RunSpec, run_attempt, run_trial
@@ -118,6 +119,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="read steps from the command's stdout instead of log_step: named groups (?P<step>...) "
         "and (?P<loss>...), or two plain groups in that order")  # fmt: skip
     add("--json", action="store_true", help="print the report as JSON instead of text")
+    add("--lose-machine", action="store_true",
+        help="restart each kill on a fresh 'machine' (new cwd, HOME, TMPDIR, caches; no local "
+        "checkpoint folder): only a store named in the command (s3://..., {run_id} for a per-run "
+        "prefix) survives")  # fmt: skip
 
 
 def _check_options(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...]]:
@@ -235,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
     pattern = StepPattern(args.step_pattern) if args.step_pattern else None
     workdir = prepare_workdir(args.workdir)
     env = {k: v for k, v in os.environ.items() if k not in (STEP_LOG_ENV, CKPT_DIR_ENV)}
-    spec = RunSpec(tuple(command), Path.cwd(), env, pattern, args.signal, args.grace, args.timeout)
+    spec = RunSpec(tuple(command), Path.cwd(), env, pattern, args.signal, args.grace, args.timeout,
+                   lose_machine=getattr(args, "lose_machine", False))  # fmt: skip
     bar = tqdm(total=args.trials, unit="trial", file=sys.stderr, leave=False,
                disable=not sys.stderr.isatty(), desc="baseline")  # fmt: skip
     try:
@@ -265,6 +271,10 @@ def run(args: argparse.Namespace) -> int:
         command=command, workdir=workdir, settings=_settings(args, kinds), baseline=baseline,
         layout=layout, trials=trials, verdicts=verdicts, notes=_notes(plans, trials, layout),
     )  # fmt: skip
+    if spec.lose_machine:  # the failure domain's verdict joins the trajectory's
+        report["failure_domain"] = judge_lost_machine(trials, baseline.records[0].step)
+        if report["failure_domain"]["verdict"] == "FAIL":
+            report["verdict"] = "FAIL"
     report["plot"] = write_plot(workdir / "report.png", baseline, trials, verdicts)
     write_json(report, workdir / "report.json")
     if args.json:
@@ -273,6 +283,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2, allow_nan=True))
     else:
         print(format_text(report))
+        if "failure_domain" in report:
+            print(format_failure_domain(report["failure_domain"]))
     return 0 if report["verdict"] == "PASS" else 1
 
 

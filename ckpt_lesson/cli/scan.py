@@ -10,8 +10,10 @@ import json
 from dataclasses import asdict
 
 from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.storage import is_store_url
 from ckpt_lesson.runs.lightning_files import LIGHTNING_SUFFIX, is_lightning_temp_file, newness
 from ckpt_lesson.runs.scan import ScanResult, scan_checkpoints
+from ckpt_lesson.runs.store_scan import scan_store
 
 # ---------------------------------------------------------------- CLI: python -m ckpt_lesson scan
 
@@ -22,7 +24,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "run_dir",
         metavar="DIR",
         help="run directory holding step-XXXXXXXX save folders, Hugging Face checkpoint-N folders "
-        "or Lightning .ckpt files",
+        "or Lightning .ckpt files; or a bucket URL (s3://BUCKET/PREFIX)",
     )
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     parser.epilog = "Exit status: 0 all saves ok, 1 something corrupt or incomplete, 2 bad DIR or no saves."
@@ -30,7 +32,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the scan; exit 0 when every save is ok, 1 otherwise."""
-    results = scan_checkpoints(args.run_dir)
+    if is_store_url(args.run_dir):
+        results = scan_store(args.run_dir)  # credentials and endpoint from the AWS_* environment
+    else:
+        results = scan_checkpoints(args.run_dir)
     if not results:
         # "0 saves, exit 0" would read as "all good" for a typo'd path or the parent of run folders.
         raise CheckpointError(

@@ -13,6 +13,7 @@ from typing import Any
 
 from ckpt_lesson.course.managed import DEFAULT_EVERY_STEPS, RESUME_MODES, run_managed_training
 from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.storage import is_store_url
 from ckpt_lesson.runs.contract import ENV_POLICIES
 from ckpt_lesson.runs.preemption import PreemptionHandler
 
@@ -21,7 +22,12 @@ from ckpt_lesson.runs.preemption import PreemptionHandler
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``python -m ckpt_lesson train``."""
-    parser.add_argument("--ckpt-dir", required=True, help="run folder for step-XXXXXXXX saves")
+    parser.add_argument(
+        "--ckpt-dir",
+        required=True,
+        help="run folder for step-XXXXXXXX saves, or a bucket URL (s3://BUCKET/PREFIX; credentials and "
+        "endpoint from the AWS_* environment)",
+    )
     parser.add_argument("--total-steps", type=int, required=True, help="steps of the whole run")
     parser.add_argument(
         "--ckpt-every-steps",
@@ -88,6 +94,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise CheckpointError(f"--seed must be between 0 and 2**32 - 1, got {args.seed}.")
     if args.stop_after_step is not None:
         _at_least(args.stop_after_step, 1, "--stop-after-step")
+    if is_store_url(args.ckpt_dir):
+        return  # a bucket: CheckpointManager checks it (client installed, bucket reachable)
     ckpt_dir = Path(args.ckpt_dir)
     for p in (ckpt_dir, *ckpt_dir.parents):
         if p.exists() and not p.is_dir():

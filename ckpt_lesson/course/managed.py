@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from ckpt_lesson.course.training import (
 )
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
+from ckpt_lesson.files.storage import is_store_url, open_storage
 from ckpt_lesson.runs.async_save import AsyncCheckpointer
 from ckpt_lesson.runs.contract import config_fingerprint as _contract_config_fingerprint
 from ckpt_lesson.runs.contract import model_fingerprint
@@ -44,6 +46,8 @@ from ckpt_lesson.runs.manager_config import EventHook
 from ckpt_lesson.runs.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
 from ckpt_lesson.runs.report import RecoveryRecorder
 from ckpt_lesson.runs.scan import step_of
+from ckpt_lesson.runs.store_commit import committed_steps
+from ckpt_lesson.runs.store_report import StoreRecoveryRecorder
 
 __all__ = ["DEFAULT_EVERY_STEPS", "RESUME_MODES", "run_managed_training"]
 
@@ -51,8 +55,21 @@ RESUME_MODES = ("auto", "never", "must")
 DEFAULT_EVERY_STEPS = 10
 
 
-def _has_saves(run_dir: Path) -> bool:
+def _has_saves(run_dir: Path | str) -> bool:
+    if isinstance(run_dir, str):  # an object store: a committed save has a COMMIT marker
+        return bool(committed_steps(open_storage(run_dir)))
     return run_dir.is_dir() and any(step_of(p.name) is not None for p in run_dir.iterdir())
+
+
+def _run_location(run_dir: str | os.PathLike[str]) -> tuple[Path | str, Path]:
+    """``(run_dir, folder for the recovery log)``: a store URL stays a string, its log goes to a temp folder.
+
+    The recovery log and heartbeat are local files; for a run in a bucket they live on this
+    machine only (and go with it), the checkpoints do not.
+    """
+    if is_store_url(run_dir):
+        return str(run_dir), Path(tempfile.mkdtemp(prefix="ckpt-lesson-recovery-"))
+    return Path(run_dir), Path(run_dir)
 
 
 def config_fingerprint(config: dict[str, Any]) -> str:
@@ -145,7 +162,7 @@ def run_managed_training(
         raise CheckpointError(f"resume must be one of {RESUME_MODES}, got {resume!r}.")
     if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
         raise CheckpointError(f"total_steps must be an int >= 1, got {total_steps!r}.")
-    run_dir = Path(run_dir)
+    run_dir, recorder_dir = _run_location(run_dir)
     if resume == "never" and _has_saves(run_dir):
         raise CheckpointError(
             f"{run_dir}: already holds saves and resume='never'; use resume='auto' to continue that run, "
@@ -162,7 +179,11 @@ def run_managed_training(
         "config_fingerprint": config_fingerprint(settings),
         "model_fingerprint": model_fingerprint(model),
     }
-    recorder = RecoveryRecorder(run_dir)  # reads the crashed process's last heartbeat first
+    recorder = (
+        StoreRecoveryRecorder(run_dir, recorder_dir)
+        if isinstance(run_dir, str)
+        else RecoveryRecorder(run_dir)
+    )  # reads the crashed process's last heartbeat first
 
     def record_saves(name: str, info: dict[str, Any]) -> None:
         if name == "published":

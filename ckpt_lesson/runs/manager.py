@@ -44,6 +44,7 @@ from typing import Any
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.files.state_payload import Restored, build_state_payload
+from ckpt_lesson.files.storage import is_store_url
 from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale, open_staging, publish
 from ckpt_lesson.runs.contract import ENV_POLICIES
@@ -103,6 +104,15 @@ class CheckpointManager:
         ...         if mgr.should_save(step):
         ...             mgr.save(step, {"model": model, "optimizer": opt})
     """
+
+    def __new__(cls, run_dir: Any = None, *args: Any, **kwargs: Any) -> CheckpointManager:
+        # A URL (s3://bucket/prefix) is a run whose durable copy lives in an object store:
+        # same API, plus the store's commit protocol (see runs/store_manager.py).
+        if cls is CheckpointManager and is_store_url(run_dir):
+            from ckpt_lesson.runs.store_manager import StoreCheckpointManager
+
+            return super().__new__(StoreCheckpointManager)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -279,7 +289,7 @@ class CheckpointManager:
                 raise CheckpointError(
                     "extras= belongs to the positional form; put values in the state mapping."
                 )
-            return self.save_payload(build_state_payload(step, state, rng=rng, data=self.config.data))
+            return self._save_payload(build_state_payload(step, state, rng=rng, data=self.config.data))
         model, optimizer, scheduler, state = positional_save_args(args)
         step = state.step
         return self._commit(step, lambda staging: stage_save(
@@ -288,6 +298,9 @@ class CheckpointManager:
 
     def save_payload(self, payload: dict[str, Any]) -> Path:
         """Commit a payload from ``build_state_payload`` (or an asynchronous snapshot of one)."""
+        return self._save_payload(payload)
+
+    def _save_payload(self, payload: dict[str, Any]) -> Path:
         self.check_open()
         return self._commit(payload["step"], lambda staging: stage_payload_save(
             staging, self.config, payload, emit=self._emit

@@ -1,0 +1,132 @@
+"""What the object-store protocol costs over a plain s3fs upload and download of the same bytes.
+
+Run from the repository root::
+
+    python benchmarks/bench_store.py              # a 32 MiB checkpoint, 5 rounds
+    python benchmarks/bench_store.py --mib 256 --rounds 7
+
+A local moto S3 server (``python -m moto.server`` on 127.0.0.1, its own process) serves both sides,
+so the network is the loopback and the ratio isolates our overhead: lease,
+hashing while streaming, digest check, manifest and the conditional ``COMMIT``
+on the way up; marker and manifest checks, hashing and the write to the local
+cache on the way down. The baseline is ``fs.put_file`` / ``fs.cat_file`` of the
+same ``checkpoint.pt``. Each round runs both, in alternating order, on fresh
+keys. Prints a markdown table with the machine and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import s3fs
+import torch
+
+from ckpt_lesson.files.storage_fsspec import FsspecStorage
+from ckpt_lesson.runs.manager import CheckpointManager
+from ckpt_lesson.runs.store_commit import upload_save
+from ckpt_lesson.runs.store_restore import fetch_verified
+
+
+def _stage(folder: Path, mib: int) -> Path:
+    """One real local save (CheckpointManager protocol) of a model of about ``mib`` MiB."""
+    model = torch.nn.Linear(1024, mib * 256, bias=False)  # 1024 * 256 float32 = 1 MiB per unit
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    from ckpt_lesson.files.checkpoint import TrainState
+
+    with CheckpointManager(folder, every_steps=1, keep_last=1000) as mgr:
+        return Path(mgr.save(model, opt, None, TrainState(step=1)))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for(host: str, port: int, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise SystemExit(f"moto server did not start on {host}:{port} within {seconds:.0f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    host, port = "127.0.0.1", _free_port()
+    # Its own process, as a real store is another machine: in-process, the server's threads would
+    # compete with the client for the GIL and tax whichever side does more Python work.
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", host, "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    _wait_for(host, port)
+    options = {"key": "bench", "secret": "bench", "client_kwargs": {"endpoint_url": f"http://{host}:{port}"}}
+    fs = s3fs.S3FileSystem(**options)
+    fs.call_s3("create_bucket", Bucket="bench")
+    work = Path(tempfile.mkdtemp(prefix="bench-store-"))
+    try:
+        local = _stage(work / "run", args.mib)
+        part = local / "checkpoint.pt"
+        size = part.stat().st_size
+        names = ("put_file", "upload+commit", "cat_file", "fetch+verify")
+        times: dict[str, list[float]] = {k: [] for k in names}
+        for round_ in range(args.rounds):
+            prefix = f"bench/r{round_}-{uuid.uuid4().hex[:8]}"
+            store = FsspecStorage(f"s3://{prefix}", options)
+
+            def ours_up(store: FsspecStorage = store) -> None:
+                upload_save(store, local, 1, algo="xxh3_128", lease_seconds=600)
+
+            def plain_up(prefix: str = prefix) -> None:
+                fs.put_file(str(part), f"{prefix}/plain/checkpoint.pt")
+
+            def ours_down(store: FsspecStorage = store, round_: int = round_) -> None:
+                fetch_verified(store, 1, work / f"cache-{round_}")
+
+            def plain_down(prefix: str = prefix) -> None:
+                fs.cat_file(f"{prefix}/plain/checkpoint.pt")
+
+            pairs = [(("upload+commit", ours_up), ("put_file", plain_up)),
+                     (("fetch+verify", ours_down), ("cat_file", plain_down))]  # fmt: skip
+            for pair in pairs:
+                for name, fn in pair if round_ % 2 == 0 else reversed(pair):  # interleaved, alternating
+                    start = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - start)
+            shutil.rmtree(work / f"cache-{round_}", ignore_errors=True)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"machine: {platform.node()} ({platform.machine()}, {os.cpu_count()} cores), "
+              f"load average {os.getloadavg()[0]:.2f}; moto server process on the loopback")  # fmt: skip
+        print(f"checkpoint.pt: {size / 2**20:.1f} MiB; {args.rounds} interleaved rounds; medians\n")
+        print("| direction | plain s3fs | ours | ratio |")
+        print("|---|---|---|---|")
+        for label, plain, ours in (("up", "put_file", "upload+commit"), ("down", "cat_file", "fetch+verify")):
+            ratio = med[ours] / med[plain]
+            print(f"| {label} | {med[plain]:.3f} s ({plain}) | {med[ours]:.3f} s ({ours}) | {ratio:.2f}x |")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        server.terminate()
+        server.wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""The object-store backend of :mod:`ckpt_lesson.files.storage`, through fsspec.
+
+What this code assumes of the store, and checks where it can:
+
+* **strong read-after-write consistency**: a listing made after a put shows
+  it, and a get after a put returns the new bytes (S3 since December 2020,
+  GCS and Azure Blob always);
+* **conditional create** (``If-None-Match: *``): of two writers creating the
+  same key, exactly one wins (S3 since August 2024). fsspec spells it
+  ``pipe_file(..., mode="create")``. :meth:`FsspecStorage.check_conditional_writes`
+  proves it once per manager by creating a probe object twice: a store that
+  lets the second write through is refused, because a commit marker that two
+  writers can both write fences nothing.
+
+Renames are *not* assumed: on S3 a rename is a copy and a delete, never atomic.
+
+Every failure that is about reaching the store (wrong credentials, a missing
+bucket, a dropped connection) becomes a :class:`LoadEnvironmentError` naming
+the bucket: an older save would fail the same way, so it is never "damaged".
+A missing *object* stays a ``FileNotFoundError`` for the caller to judge.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ckpt_lesson.errors import CheckpointError, LoadEnvironmentError
+from ckpt_lesson.files.hashing import DEFAULT_ALGO, new_hasher
+from ckpt_lesson.files.storage import CHUNK_BYTES, Storage, check_key
+
+__all__ = ["FsspecStorage", "INSTALL_HINT"]
+
+INSTALL_HINT = "pip install ckpt_lesson[s3]"
+#: Parts below this size go up in one PUT, as s3fs's own put_file does (below 2 x 50 MiB);
+#: larger ones as a multipart upload.
+SINGLE_PUT_BYTES = 100 << 20
+#: Multipart block, and download range, for large parts (s3fs's default put chunk is 50 MiB).
+UPLOAD_BLOCK_BYTES = 64 << 20
+
+
+def _filesystem(url: str, options: Mapping[str, Any]) -> tuple[Any, str]:
+    """``(filesystem, root path)`` for ``url``, or a one-line error naming the extra to install."""
+    protocol = url.split("://", 1)[0].lower()
+    try:
+        import fsspec
+
+        fs = fsspec.filesystem(protocol, **dict(options))
+    except ImportError as exc:
+        raise CheckpointError(
+            f"{url}: the {protocol}:// client is not installed ({exc}); `{INSTALL_HINT}` "
+            "(s3fs; gcsfs or adlfs for gs:// and az://)."
+        ) from None
+    except ValueError as exc:  # fsspec: "Protocol not known"
+        raise CheckpointError(
+            f"{url}: fsspec does not know {protocol}:// ({exc}); use s3://, gs:// or az://."
+        ) from None
+    root = fs._strip_protocol(url).rstrip("/")
+    if not root:
+        raise CheckpointError(f"{url}: no bucket in the URL; write it as {protocol}://BUCKET/PREFIX.")
+    return fs, root
+
+
+class FsspecStorage(Storage):
+    """A prefix in an object store, reached through fsspec.
+
+    Args:
+        url: ``s3://bucket/prefix`` (or any fsspec URL).
+        storage_options: fsspec options (``key``, ``secret``, ``client_kwargs``);
+            ``None`` takes credentials and endpoint from the environment
+            (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), as boto3 does.
+
+    Raises:
+        CheckpointError: The client package is missing or the URL has no bucket.
+
+    Example:
+        >>> store = FsspecStorage("s3://my-bucket/runs/exp1")  # doctest: +SKIP
+        >>> store.list_keys("step-00000010")  # doctest: +SKIP
+        ['step-00000010/COMMIT', ...]
+    """
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.fs, self.root = _filesystem(url, storage_options or {})
+        self.bucket = self.root.split("/", 1)[0]
+
+    def __repr__(self) -> str:
+        return f"FsspecStorage({self.url!r})"
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{check_key(key)}"
+
+    def _no_bucket(self) -> LoadEnvironmentError:
+        return LoadEnvironmentError(
+            f"{self.url}: bucket '{self.bucket}' does not exist (or is not visible with these "
+            "credentials); create it or fix the URL."
+        )
+
+    @contextmanager
+    def _reaching(self, what: str, *, writing: bool = False) -> Iterator[None]:
+        """Turn "cannot reach the store" into one LoadEnvironmentError naming the bucket."""
+        try:
+            yield
+        except FileNotFoundError:
+            if writing:  # a write cannot miss its object: what is missing is the bucket
+                raise self._no_bucket() from None
+            raise
+        except (FileExistsError, CheckpointError):
+            raise
+        except PermissionError as exc:
+            raise LoadEnvironmentError(
+                f"{self.url}: access to bucket '{self.bucket}' denied while {what} ({exc}); check the "
+                "credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or storage_options)."
+            ) from None
+        except Exception as exc:  # botocore / aiohttp / OSError: the network or the service, not the save
+            raise LoadEnvironmentError(
+                f"{self.url}: could not reach bucket '{self.bucket}' while {what} "
+                f"({type(exc).__name__}: {exc}); check AWS_ENDPOINT_URL, the network and the bucket name."
+            ) from None
+
+    def put_file(self, key: str, local: Path, *, algo: str = DEFAULT_ALGO) -> tuple[int, str]:
+        hasher, total = new_hasher(algo), 0
+        with self._reaching(f"uploading {key}", writing=True), open(local, "rb") as src:
+            if os.fstat(src.fileno()).st_size < SINGLE_PUT_BYTES:
+                # One PUT, as plain s3fs does: the bytes hashed are exactly the bytes sent.
+                data = src.read()
+                hasher.update(data)
+                self.fs.pipe_file(self._path(key), data)
+                return len(data), hasher.hexdigest()
+            # Larger: a multipart upload, hashed chunk by chunk; the object appears only when
+            # close() completes the upload, never half an object.
+            with self.fs.open(self._path(key), "wb", block_size=UPLOAD_BLOCK_BYTES) as dst:
+                while chunk := src.read(UPLOAD_BLOCK_BYTES):
+                    hasher.update(chunk)
+                    dst.write(chunk)
+                    total += len(chunk)
+        return total, hasher.hexdigest()
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        with self._reaching(f"writing {key}", writing=True):
+            self.fs.pipe_file(self._path(key), data)
+
+    def create_if_absent(self, key: str, data: bytes) -> bool:
+        if "mode" not in inspect.signature(self.fs.pipe_file).parameters:
+            raise CheckpointError(
+                f"{self.url}: this fsspec backend ({type(self.fs).__name__}) has no conditional create "
+                "(pipe_file mode='create'); a commit marker cannot fence writers there. Upgrade it "
+                "(s3fs >= 2024.10) or use a store that supports If-None-Match."
+            )
+        try:
+            with self._reaching(f"creating {key}", writing=True):
+                self.fs.pipe_file(self._path(key), data, mode="create")
+        except FileExistsError:
+            return False
+        return True
+
+    def check_conditional_writes(self) -> None:
+        probe = f".ckpt-lesson-probe-{uuid.uuid4().hex}"
+        first = self.create_if_absent(probe, b"probe")
+        try:
+            second = self.create_if_absent(probe, b"probe")
+        finally:
+            self.delete([probe])
+        if not first or second:
+            raise CheckpointError(
+                f"{self.url}: the store let a conditional create (If-None-Match: *) overwrite an existing "
+                "object; its commit marker would not stop two writers. Use S3 (since August 2024) or a "
+                "store with conditional writes."
+            )
+
+    def _size(self, key: str) -> int:
+        with self._reaching(f"reading {key}"):
+            self.fs.invalidate_cache(self._path(key))
+            return int(self.fs.info(self._path(key))["size"])
+
+    def read_bytes(self, key: str, *, limit: int) -> bytes:
+        with self._reaching(f"reading {key}"):
+            # One ranged GET for at most limit + 1 bytes: a larger object shows itself without a HEAD.
+            data = self.fs.cat_file(self._path(key), start=0, end=limit + 1)
+        if len(data) > limit:
+            raise CheckpointError(f"{self.where(key)}: over the {limit}-byte cap for a record.")
+        return data
+
+    def iter_chunks(self, key: str, *, chunk: int = CHUNK_BYTES, size: int | None = None) -> Iterator[bytes]:
+        size = self._size(key) if size is None else size + 1  # + 1: a longer object shows itself
+        for start in range(0, max(size, 1), chunk):
+            # Ranged GETs: memory stays at one chunk, and a deletion mid-way is a FileNotFoundError.
+            with self._reaching(f"reading {key}"):
+                block = self.fs.cat_file(self._path(key), start=start, end=min(start + chunk, size))
+            if not block:
+                return
+            yield block
+            if len(block) < min(chunk, size - start):
+                return  # the object ended early (shorter than expected)
+
+    def list_keys(self, prefix: str = "") -> list[str]:
+        base = f"{self.root}/{prefix}".rstrip("/")
+        try:
+            with self._reaching("listing the run"):
+                # Other writers (other processes) change the store: never answer from a cached listing.
+                self.fs.invalidate_cache()
+                found = self.fs.find(base)
+        except FileNotFoundError:
+            if prefix:
+                return []
+            raise self._no_bucket() from None
+        if not prefix and not found:
+            self._check_bucket()
+        cut = len(self.root) + 1
+        return sorted(p[cut:] for p in found if p.startswith(self.root + "/"))
+
+    def _check_bucket(self) -> None:
+        """An empty listing from a missing bucket must not read as "no saves yet"."""
+        with self._reaching("checking the bucket"):
+            exists = self.fs.exists(self.bucket)
+        if not exists:
+            raise self._no_bucket()
+
+    def delete(self, keys: list[str]) -> None:
+        if not keys:
+            return
+        paths = [self._path(k) for k in keys]
+        with self._reaching("deleting"):
+            try:
+                self.fs.rm(paths)
+            except FileNotFoundError:
+                pass
+
+    def abort_uploads(self, prefix: str) -> int:
+        call = getattr(self.fs, "call_s3", None)
+        if call is None:  # not S3: the backend cleans its own unfinished uploads
+            return 0
+        key_prefix = f"{self.root}/{prefix}".split("/", 1)[1]
+        with self._reaching("listing unfinished uploads"):
+            listed = call("list_multipart_uploads", Bucket=self.bucket, Prefix=key_prefix)
+            uploads = listed.get("Uploads", [])
+            for up in uploads:
+                call("abort_multipart_upload", Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+        return len(uploads)

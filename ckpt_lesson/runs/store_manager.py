@@ -1,0 +1,191 @@
+"""A CheckpointManager whose durable copy lives in an object store.
+
+``CheckpointManager("s3://bucket/runs/exp1")`` builds one of these (see
+``CheckpointManager.__new__``). It keeps the whole local protocol and adds a
+second, remote one around it:
+
+* **save**: the ordinary local save (parts hashed while written, manifest,
+  verify, atomic publish) into a local *cache* folder, then
+  :func:`~ckpt_lesson.runs.store_commit.upload_save` streams it to the store
+  and commits it with a conditional marker; then the local copy is dropped
+  and retention runs on the store. The local folder is scratch space: the
+  machine and its disk may vanish at any moment, the bucket is what counts.
+* **restore**: the committed saves newest first; each one is downloaded and
+  verified by :func:`~ckpt_lesson.runs.store_restore.fetch_verified` into the
+  cache, and the ordinary local restore loads it. Damage falls back to the
+  previous committed save.
+
+Because ``save`` and ``restore_latest`` pass their arguments straight through
+to the local manager, every call form it accepts works here unchanged.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from ckpt_lesson.files.storage import open_storage
+from ckpt_lesson.runs.commit import delete_save
+from ckpt_lesson.runs.manager import CheckpointManager, log
+from ckpt_lesson.runs.scan import published_steps, step_dir_name
+from ckpt_lesson.runs.store_commit import (
+    apply_store_retention,
+    clean_uncommitted,
+    committed_steps,
+    read_commit,
+    upload_save,
+)
+from ckpt_lesson.runs.store_restore import fetch_verified
+
+__all__ = ["StoreCheckpointManager"]
+
+#: How long a writer that stopped renewing its lease still counts as alive.
+DEFAULT_LEASE_SECONDS = 900.0
+
+
+class StoreCheckpointManager(CheckpointManager):
+    """:class:`CheckpointManager` over an object store (``s3://``, ``gs://``, ``az://``).
+
+    Args:
+        url: The run's prefix, e.g. ``s3://bucket/runs/exp1``.
+        storage_options: fsspec options; ``None`` reads credentials and
+            endpoint from the environment (``AWS_ENDPOINT_URL``, ...).
+        cache_dir: Local scratch folder for staging and verified downloads
+            (a fresh temporary folder by default, removed by :meth:`close`).
+        lease_seconds: How long this writer's uploads count as alive after its
+            last sign of life; a dead writer's leftovers go after that.
+        **kwargs: Everything :class:`CheckpointManager` accepts.
+
+    Raises:
+        CheckpointError: The store client is missing (``pip install
+            ckpt_lesson[s3]``), or the store lacks conditional writes.
+        LoadEnvironmentError: The bucket cannot be reached.
+
+    Example:
+        >>> mgr = CheckpointManager("s3://my-bucket/runs/exp1", keep_last=2)  # doctest: +SKIP
+        >>> state = mgr.restore_latest(model, opt, sched) or TrainState()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | Path | None = None,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        **kwargs: Any,
+    ) -> None:
+        if not lease_seconds > 0:
+            raise CheckpointError(f"lease_seconds must be > 0, got {lease_seconds!r}.")
+        self.url = str(url).rstrip("/")
+        self.storage = open_storage(self.url, storage_options)
+        self.storage.check_conditional_writes()
+        self.lease_seconds = float(lease_seconds)
+        self._own_cache = cache_dir is None
+        cache = Path(tempfile.mkdtemp(prefix="ckpt-lesson-cache-")) if cache_dir is None else Path(cache_dir)
+        super().__init__(cache, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"StoreCheckpointManager({self.url!r}, keep_last={self.config.keep_last})"
+
+    def close(self) -> None:
+        """Stop accepting saves and remove the temporary cache folder (if this manager made it)."""
+        super().close()
+        if self._own_cache:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ discovery
+
+    def all_steps(self) -> list[int]:
+        """Committed steps in the store (a ``COMMIT`` marker each), ascending."""
+        return committed_steps(self.storage)
+
+    def latest_step(self) -> int | None:
+        """The newest step whose marker and manifest check out (parts are not downloaded)."""
+        for step in reversed(self.all_steps()):
+            try:
+                read_commit(self.storage, step)
+                return step
+            except (CorruptCheckpointError, IncompleteCheckpointError):
+                continue
+        return None
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+        """Save locally with the usual protocol, then upload and commit it; returns the step's URL.
+
+        Raises:
+            CommitConflictError: Another writer committed this step first.
+            CheckpointError: As :meth:`CheckpointManager.save`.
+        """
+        return self._upload(Path(super().save(*args, **kwargs)))
+
+    def save_payload(self, payload: dict[str, Any]) -> str:  # type: ignore[override]
+        """:meth:`save` for a state-API payload (what :class:`AsyncCheckpointer` hands over)."""
+        return self._upload(Path(super().save_payload(payload)))
+
+    def _upload(self, local: Path) -> str:
+        step = int(self.last_save["step"]) if self.last_save else -1
+        try:
+            upload_save(
+                self.storage, local, step, algo=self.config.hash_algo, lease_seconds=self.lease_seconds
+            )
+            self._emit("uploaded", step=step, url=f"{self.url}/{step_dir_name(step)}")
+        finally:
+            delete_save(local)  # scratch either way: the store holds the durable copy
+        deleted = apply_store_retention(self.storage, self.config.policy)
+        if deleted:
+            self._emit("store_retention", deleted=deleted)
+        url = f"{self.url}/{step_dir_name(step)}"
+        if self.last_save is not None:
+            self.last_save["path"] = url
+        return url
+
+    def clean_stale(self) -> list[str]:
+        """Local leftovers, then uploads in the store whose writer's lease has expired."""
+        return super().clean_stale() + clean_uncommitted(self.storage)
+
+    # ------------------------------------------------------------------ restore
+
+    def restore_latest(self, *args: Any, **kwargs: Any) -> Any:
+        """Download and verify the newest committed save, then restore it; fall back on damage.
+
+        Returns:
+            What :meth:`CheckpointManager.restore_latest` returns, or ``None``
+            when the store holds no committed save.
+
+        Raises:
+            CheckpointError: Committed saves exist but none is usable (each reason listed).
+            LoadEnvironmentError: The store cannot be reached (bucket named).
+        """
+        skipped: list[dict[str, Any]] = []
+        for step in reversed(self.all_steps()):
+            for old in published_steps(self.run_dir):
+                delete_save(self.run_dir / step_dir_name(old))
+            try:
+                fetch_verified(self.storage, step, self.run_dir)
+            except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
+                status = "incomplete" if isinstance(exc, IncompleteCheckpointError) else "corrupt"
+                skipped.append({"step": step, "status": status, "reason": str(exc)})
+                log.warning("restore: skipping %s/%s (%s): %s", self.url, step_dir_name(step), status, exc)
+                continue
+            try:
+                found = super().restore_latest(*args, **kwargs)
+            finally:
+                delete_save(self.run_dir / step_dir_name(step))
+            record = self.last_restore or {}
+            record["skipped"] = skipped + list(record.get("skipped", []))
+            record["path"] = f"{self.url}/{step_dir_name(step)}"
+            return found
+        if skipped:
+            lines = "\n".join(f"  step {s['step']}: {s['status']}: {s['reason']}" for s in skipped)
+            raise CheckpointError(
+                f"{self.url}: {len(skipped)} committed save(s) found but none is usable:\n{lines}\n"
+                "Nothing was restored; 'python -m ckpt_lesson scan URL' shows the same list."
+            )
+        return super().restore_latest(*args, **kwargs)

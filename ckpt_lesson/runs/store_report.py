@@ -1,0 +1,63 @@
+"""The recovery log of a run whose checkpoints live in a bucket: kept in the bucket too.
+
+``recovery.jsonl`` (one record per restore: steps redone, time to recover) is
+appended locally by :class:`~ckpt_lesson.runs.report.RecoveryRecorder`. For a
+run in a bucket the local folder is scratch that dies with the machine, so the
+log is fetched from the bucket when a process starts and put back whole each
+time a record is added. ``report s3://...`` reads it from there.
+
+The per-step heartbeat stays local: on a new machine it is gone, and the
+record says "steps redone: unknown" rather than guessing.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ckpt_lesson.files.safe_read import MAX_RECORD_BYTES
+from ckpt_lesson.files.storage import Storage, open_storage
+from ckpt_lesson.runs.report import RECOVERY_LOG, RecoveryRecorder, read_recovery_log
+
+__all__ = ["StoreRecoveryRecorder", "read_store_recovery_log"]
+
+
+def _fetch_log(storage: Storage, folder: Path) -> None:
+    try:
+        data = storage.read_bytes(RECOVERY_LOG, limit=MAX_RECORD_BYTES)
+    except FileNotFoundError:
+        return
+    (folder / RECOVERY_LOG).write_bytes(data)
+
+
+class StoreRecoveryRecorder(RecoveryRecorder):
+    """A :class:`RecoveryRecorder` whose log is mirrored to ``url/recovery.jsonl``.
+
+    Example:
+        >>> rec = StoreRecoveryRecorder("s3://my-bucket/runs/exp1", Path("/tmp/r"))  # doctest: +SKIP
+    """
+
+    def __init__(self, url: str, folder: Path, **kwargs: Any) -> None:
+        self.storage = open_storage(url)
+        _fetch_log(self.storage, folder)
+        super().__init__(folder, **kwargs)
+
+    def step_done(self, step: int) -> dict[str, Any] | None:
+        record = super().step_done(step)
+        if record is not None:
+            self.storage.put_bytes(RECOVERY_LOG, (self.run_dir / RECOVERY_LOG).read_bytes())
+        return record
+
+
+def read_store_recovery_log(url: str) -> list[dict[str, Any]]:
+    """:func:`~ckpt_lesson.runs.report.read_recovery_log` of ``url/recovery.jsonl``.
+
+    Example:
+        >>> len(read_store_recovery_log("s3://my-bucket/runs/exp1"))  # doctest: +SKIP
+        2
+    """
+    storage = open_storage(url)
+    with tempfile.TemporaryDirectory(prefix="ckpt-lesson-report-") as folder:
+        _fetch_log(storage, Path(folder))
+        return read_recovery_log(folder)
