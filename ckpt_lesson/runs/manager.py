@@ -72,7 +72,9 @@ class CheckpointManager:
     Args:
         run_dir: The run's folder (created if missing).
         keep_last: How many verified saves retention keeps.
-        every_steps, every_seconds: Cadence for :meth:`should_save` (at least one).
+        every_steps: Cadence for :meth:`should_save`: every this many steps.
+        every_seconds: Cadence for :meth:`should_save`: this many seconds after the last save
+            (at least one of the two is set).
         num_shards: ``None`` for one ``checkpoint.pt`` per save, else the
             sharded layout with that many model shards.
         clock: Time source for ``every_seconds`` (tests pass a fake one).
