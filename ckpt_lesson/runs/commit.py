@@ -38,6 +38,7 @@ from pathlib import Path
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.atomic import fsync_dir
+from ckpt_lesson.files.side_files import open_beside, open_existing_lock
 from ckpt_lesson.runs.scan import STAGING_PREFIX, inspect_save, step_of
 
 __all__ = [
@@ -85,7 +86,7 @@ def _make_staging(run_dir: Path, step: int) -> tuple[Path, int]:
     # Create and lock .lock right after mkdir: a staging folder without a lock is
     # treated as abandoned once it is STALE_UNLOCKED_SECONDS old.
     try:
-        fd = os.open(staging / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = open_beside(staging / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -249,13 +250,13 @@ def writer_is_dead(staging: Path) -> bool:
         True
     """
     try:
-        fd = os.open(staging / LOCK_NAME, os.O_RDWR)
+        fd = open_existing_lock(staging / LOCK_NAME)
     except FileNotFoundError:
         try:
             return time.time() - staging.stat().st_mtime > STALE_UNLOCKED_SECONDS
         except FileNotFoundError:
             return False
-    except OSError:
+    except (OSError, CheckpointError):  # a FIFO or symlink at .lock: not ours to judge, leave it
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

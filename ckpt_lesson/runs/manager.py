@@ -81,6 +81,9 @@ class CheckpointManager:
         verify_on_save: Re-hash the parts before publishing (see module doc).
         hash_algo: Integrity hash of every part (default ``xxh3_128``, fast;
             ``sha256`` or ``blake3`` when digests are pinned somewhere trusted).
+        zip_crc32: Keep the zip CRC32s ``torch.save`` writes (off by default:
+            ``torch.load`` never checks them; our digests cover the bytes). Turn
+            it on when other tools (``unzip -t``, ``zipfile``) must accept the files.
         data: Dataset description recorded in payload and manifest, e.g.
             ``{"fingerprint": ds.fingerprint(), "order_seed": 11}``.
         metadata: Caller's dict copied into every manifest (run id, config hash).
@@ -123,6 +126,7 @@ class CheckpointManager:
         expect: Mapping[str, Any] | None = None,
         env_policy: str = "refuse",
         hash_algo: str = DEFAULT_ALGO,
+        zip_crc32: bool = False,
     ) -> None:
         if env_policy not in ENV_POLICIES:
             raise CheckpointError(f"env_policy must be one of {ENV_POLICIES}, got {env_policy!r}.")
@@ -139,6 +143,7 @@ class CheckpointManager:
             metadata=metadata or {},
             retention=retention,
             hash_algo=hash_algo,
+            zip_crc32=zip_crc32,
         )
         self.run_dir = Path(run_dir)
         if self.run_dir.exists() and not self.run_dir.is_dir():
@@ -314,7 +319,9 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ restore
 
-    def restore_latest(self, *args: Any, strict: bool = True, map_location: Any = "cpu") -> Any:
+    def restore_latest(
+        self, *args: Any, strict: bool = True, map_location: Any = "cpu", mmap: bool = True
+    ) -> Any:
         """Restore the newest save that verifies; skip (and log) damaged newer ones.
 
         Two forms:
@@ -325,6 +332,11 @@ class CheckpointManager:
           ``values``, ``rng``, ``path``). ``strict=False`` ignores parts present
           on one side only. Positional single-file saves restore this way too.
         * ``restore_latest(model, optimizer, scheduler)``: returns the :class:`TrainState`.
+
+        ``mmap=False`` reads each file into memory instead of copying the
+        weights from a mapping of it: slower, but immune to another process
+        truncating the file during the restore (which kills a mapped restore
+        with SIGBUS; see the README's safety section).
 
         Returns:
             The result above, or ``None`` when the run directory holds no save at all (a fresh start).
@@ -342,7 +354,9 @@ class CheckpointManager:
         self.check_open()
         self._contract = None
         self.last_restore = {}
-        load = loader_for(args, strict=strict, map_location=map_location, check_contract=self._check_contract)
+        load = loader_for(
+            args, strict=strict, map_location=map_location, mmap=mmap, check_contract=self._check_contract
+        )
         found = restore_newest(self.run_dir, self._published(), load, record=self.last_restore)
         self._verified.difference_update(s["step"] for s in self.last_restore["skipped"])
         if found is None:

@@ -68,9 +68,12 @@ class ManagerConfig:
     metadata: dict[str, Any] = field(default_factory=dict)
     retention: RetentionPolicy | None = None
     hash_algo: str = DEFAULT_ALGO
+    zip_crc32: bool = False
 
     def __post_init__(self) -> None:
         check_algo(self.hash_algo)
+        if not isinstance(self.zip_crc32, bool):
+            raise CheckpointError(f"zip_crc32 must be True or False, got {self.zip_crc32!r}.")
         keep = self.keep_last
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise CheckpointError(

@@ -35,6 +35,7 @@ def load_state_save(
     strict: bool,
     map_location: Any,
     check_contract: ContractCheck,
+    mmap: bool = False,
 ) -> tuple[dict[str, Any], Restored]:
     """Verify one published save folder and restore it into the live ``state`` mapping.
 
@@ -45,6 +46,8 @@ def load_state_save(
         strict: Refuse parts present on one side only.
         map_location: As for ``torch.load``.
         check_contract: Called with ``(target, manifest)`` before any part is read.
+        mmap: Map the verified single file and copy every tensor out of the mapping
+            (a state-API payload keeps no tensor mapped); ``False`` reads it into memory.
 
     Returns:
         ``(manifest, restored)``.
@@ -70,8 +73,14 @@ def load_state_save(
         algo, want = part_digest({p["file"]: p for p in manifest["parts"]}["checkpoint.pt"])
         path = target / "checkpoint.pt"
         # One pass: the loader checks footer and the manifest's digest while hashing.
-        read = read_state_payload if parts_save else read_checkpoint
-        payload = read(path, map_location=map_location, expected_digest=want, algo=algo)
+        if parts_save:
+            payload = read_state_payload(
+                path, map_location=map_location, expected_digest=want, algo=algo, mmap=mmap
+            )
+        else:
+            payload = read_checkpoint(
+                path, map_location=map_location, expected_digest=want, algo=algo, mmap_model=mmap
+            )
     elif parts_save:
         verify_other_parts(target, manifest, skip=set())  # pins index.json; the loader checks the rest
         payload = read_state_payload(target, map_location=map_location)
@@ -90,7 +99,7 @@ def load_state_save(
 
 
 def loader_for(
-    args: tuple[Any, ...], *, strict: bool, map_location: Any, check_contract: ContractCheck
+    args: tuple[Any, ...], *, strict: bool, map_location: Any, mmap: bool, check_contract: ContractCheck
 ) -> Callable[[Path, int], tuple[dict[str, Any], Any]]:
     """``load(folder, step)`` for ``restore_latest(*args)``: the state API for one mapping, else positional.
 
@@ -100,11 +109,24 @@ def loader_for(
     if len(args) == 1 and isinstance(args[0], Mapping):
         state = args[0]
         return lambda target, step: load_state_save(
-            target, step, state, strict=strict, map_location=map_location, check_contract=check_contract
+            target,
+            step,
+            state,
+            strict=strict,
+            map_location=map_location,
+            check_contract=check_contract,
+            mmap=mmap,
         )
     if len(args) == 1:
         check_state_mapping(args[0])
     model, optimizer, scheduler = positional_restore_args(args)
     return lambda target, step: load_save(
-        target, step, model, optimizer, scheduler, map_location=map_location, check_contract=check_contract
+        target,
+        step,
+        model,
+        optimizer,
+        scheduler,
+        map_location=map_location,
+        check_contract=check_contract,
+        mmap=mmap,
     )

@@ -79,6 +79,7 @@ def write_parts(
             data=data,
             rng=rng,
             algo=config.hash_algo,
+            zip_crc32=config.zip_crc32,
         )
         part = {"file": "checkpoint.pt", **digest.record()}
         emit("part_written", step=step, **part)
@@ -96,6 +97,7 @@ def write_parts(
         data=data,
         rng=rng,
         algo=config.hash_algo,
+        zip_crc32=config.zip_crc32,
     )
     fields = ("bytes", "algo", "digest")
     parts = [{"file": f["name"], **{k: f[k] for k in fields}} for f in [*result.files, result.meta]]
