@@ -161,6 +161,7 @@ class DistributedCheckpointManager:
         if not self._closed:
             try:
                 self.wait()
+                self._retention.wait()  # rank 0's purge behind the last save
             finally:
                 self._closed = True
                 self._ctl, io_group, self._io_group = Comm.solo(), self._io_group, None
@@ -361,7 +362,7 @@ class DistributedCheckpointManager:
             reseed_base=reseed_base,
         )
         if restored is not None:
-            self._retention.verified.add(restored.step)
+            self._retention.mark_good(restored.step)
             self._cadence.mark_saved(restored.step)
             self.last_restore = restored
         if state is None or restored is None:
