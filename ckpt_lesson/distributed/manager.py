@@ -56,8 +56,9 @@ class DistributedCheckpointManager:
     Args:
         run_dir: The run's folder on a file system every rank shares.
         keep_last: How many verified saves retention keeps (ignored when ``retention`` is given).
-        every_steps, every_seconds: Cadence for :meth:`should_save` (at least one);
-            the time rule is decided on rank 0 and broadcast, so ranks never disagree.
+        every_steps: Save every this many steps (with ``every_seconds``, at least one is set).
+        every_seconds: Save when this many seconds passed since the last save; the time rule
+            is decided on rank 0 and broadcast, so ranks never disagree.
         clock: Time source for ``every_seconds``.
         retention: A policy with ``to_delete(steps, verified)``, e.g. ``KeepBest``.
         metadata: JSON dict copied into every manifest (run id, config hash).

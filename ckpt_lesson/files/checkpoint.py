@@ -127,7 +127,9 @@ def save_checkpoint(
     """Save a complete, resumable checkpoint to one file, atomically.
 
     Args:
-        model, optimizer, scheduler: The live training objects.
+        model: The live model.
+        optimizer: The live optimizer.
+        scheduler: The live scheduler, or ``None`` for a run without one.
         state: Counters and loss history.
         out_path: Target file (the lesson's parameter name); missing parent
             directories are created.
@@ -180,8 +182,9 @@ def read_checkpoint(
         map_location: Passed to ``torch.load``.
         expected_sha256: The whole file's sha256 from an older index or
             manifest; checked in the same pass as the footer.
-        expected_digest, algo: A recorded whole-file digest and its algorithm
-            (newer records); also checked in that pass.
+        expected_digest: A recorded whole-file digest (newer records); also checked in
+            that pass.
+        algo: The algorithm ``expected_digest`` was made with.
         mmap_model: Map the verified file rather than read it (see
             :func:`~ckpt_lesson.files.loading.load_verified_file`) and copy every
             bucket except ``model`` into private memory. The ``model`` tensors
@@ -270,11 +273,13 @@ def load_checkpoint(
 
     Args:
         path: The checkpoint file.
-        model, optimizer, scheduler: Built exactly as in the saved run; their
-            state is replaced.
+        model: Built exactly as in the saved run; its state is replaced.
+        optimizer: Built exactly as in the saved run; its state is replaced.
+        scheduler: Built exactly as in the saved run; its state is replaced.
         map_location: Passed to ``torch.load``.
         expected_sha256: Optional whole-file sha256 to check against.
-        expected_digest, algo: Optional whole-file digest in ``algo`` to check against.
+        expected_digest: Optional whole-file digest to check against.
+        algo: The algorithm ``expected_digest`` was made with.
         allow_dtype_cast: Accept weights saved in another dtype (see :func:`apply_payload`).
         mmap: Copy the weights into the model straight from the verified file's
             mapping instead of reading them into memory first (see

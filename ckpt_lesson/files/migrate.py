@@ -101,8 +101,9 @@ def write_legacy_v1_checkpoint(
     for real saves.
 
     Args:
-        model, optimizer, scheduler: The live training objects (``scheduler``
-            may be ``None``).
+        model: The live model.
+        optimizer: The live optimizer.
+        scheduler: The live scheduler, or ``None``.
         state: Counters and loss history.
         path: Target file; its directory must exist.
 

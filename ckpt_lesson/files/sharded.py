@@ -179,8 +179,13 @@ def save_sharded_checkpoint(
     the shards carry almost all the data and are written in parallel.
 
     Args:
-        model, optimizer, scheduler, state, extras, data, rng: As for
-            :func:`~ckpt_lesson.files.checkpoint.save_checkpoint`.
+        model: As for :func:`~ckpt_lesson.files.checkpoint.save_checkpoint`.
+        optimizer: As for :func:`~ckpt_lesson.files.checkpoint.save_checkpoint`.
+        scheduler: As for :func:`~ckpt_lesson.files.checkpoint.save_checkpoint`.
+        state: As for :func:`~ckpt_lesson.files.checkpoint.save_checkpoint`.
+        extras: As for :func:`~ckpt_lesson.files.checkpoint.save_checkpoint`.
+        data: As for :func:`~ckpt_lesson.files.checkpoint.save_checkpoint`.
+        rng: As for :func:`~ckpt_lesson.files.checkpoint.save_checkpoint`.
         out_dir: A new directory (created with its parents). One that already
             holds an ``index.json`` is refused: a checkpoint is never rewritten
             in place. Leftover shards of an unfinished save (no index) are removed.

@@ -74,12 +74,16 @@ class CheckpointManager:
     Args:
         run_dir: The run's folder (created if missing).
         keep_last: How many verified saves retention keeps.
-        every_steps, every_seconds: Cadence for :meth:`should_save` (at least one).
+        every_steps: Cadence for :meth:`should_save`: every this many steps.
+        every_seconds: Cadence for :meth:`should_save`: this many seconds after the last save
+            (at least one of the two is set).
         num_shards: ``None`` for one ``checkpoint.pt`` per save, else that many shards.
         clock: Time source for ``every_seconds`` (tests pass a fake one).
-        verify_on_save, scrub_bytes_per_s, background_retention, hash_algo, zip_crc32:
-            How saves are checked, re-checked, deleted and hashed: see
-            :class:`~ckpt_lesson.runs.manager_config.ManagerConfig`.
+        verify_on_save: How saves are checked; see :class:`~ckpt_lesson.ManagerConfig`.
+        scrub_bytes_per_s: How saves are re-checked; see :class:`~ckpt_lesson.ManagerConfig`.
+        background_retention: How saves are deleted; see :class:`~ckpt_lesson.ManagerConfig`.
+        hash_algo: How saves are hashed; see :class:`~ckpt_lesson.ManagerConfig`.
+        zip_crc32: How saves are written (zip CRC32s); see :class:`~ckpt_lesson.ManagerConfig`.
         data: Dataset description recorded in payload and manifest, e.g.
             ``{"fingerprint": ds.fingerprint(), "order_seed": 11}``.
         metadata: Caller's dict copied into every manifest (run id, config hash).

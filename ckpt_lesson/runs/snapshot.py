@@ -126,8 +126,9 @@ class TrainingSnapshot:
         """Copy the training state now, on the calling thread.
 
         Args:
-            model, optimizer, scheduler: The live training objects
-                (``scheduler`` may be ``None``).
+            model: The live model.
+            optimizer: The live optimizer.
+            scheduler: The live scheduler, or ``None``.
             state: The live counters and losses.
             rng: Generator state captured earlier (before a prefetch); ``None`` captures it now.
             reuse: A previous snapshot that nothing reads any more (its save
