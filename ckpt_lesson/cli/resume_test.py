@@ -42,6 +42,7 @@ from ckpt_lesson.cli.resume_plan import KINDS, plan_trials
 from ckpt_lesson.cli.resume_report import build_report, format_text, write_json, write_plot
 from ckpt_lesson.cli.resume_runner import Attempt, RunSpec, run_attempt, run_trial
 from ckpt_lesson.cli.resume_steps import StepPattern
+from ckpt_lesson.cli.resume_verdict import check_baseline_steps, decide
 from ckpt_lesson.cli.resume_watch import NONE
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.runs.steplog import CKPT_DIR_ENV, STEP_LOG_ENV
@@ -243,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
             spec, workdir / "baseline" / "attempt-1", workdir / "baseline" / "ckpt", index=1
         )
         _check_baseline(baseline, args)
+        check_baseline_steps(baseline)
         base = trajectory(baseline.records)
         layout = baseline.layout
         steps = [r.step for r in baseline.records]
@@ -265,6 +267,8 @@ def run(args: argparse.Namespace) -> int:
         command=command, workdir=workdir, settings=_settings(args, kinds), baseline=baseline,
         layout=layout, trials=trials, verdicts=verdicts, notes=_notes(plans, trials, layout),
     )  # fmt: skip
+    outcome = decide(baseline, trials, verdicts, layout)
+    report["verdict"], report["inconclusive"] = outcome.verdict, outcome.reasons
     report["plot"] = write_plot(workdir / "report.png", baseline, trials, verdicts)
     write_json(report, workdir / "report.json")
     if args.json:
@@ -273,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2, allow_nan=True))
     else:
         print(format_text(report))
-    return 0 if report["verdict"] == "PASS" else 1
+    return outcome.exit_code
 
 
 def _typical_step_seconds(baseline: Attempt) -> float:
@@ -293,11 +297,6 @@ def _settings(args: argparse.Namespace, kinds: tuple[str, ...]) -> dict[str, Any
 
 def _notes(plans: list[Any], trials: list[Any], layout: str) -> list[str]:
     notes = []
-    if layout == NONE:
-        notes.append(
-            "the baseline wrote nothing into its checkpoint folder: save under "
-            f"${CKPT_DIR_ENV} or the {{ckpt_dir}} argument, or no resume is tested"
-        )
     fallback = [p.index for p in plans if p.kind != p.requested]
     if fallback and layout != NONE:
         notes.append(f"trial(s) {fallback}: no save before the last step to aim at; killed at random instead")
