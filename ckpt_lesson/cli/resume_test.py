@@ -19,8 +19,13 @@ must equal the baseline's: exactly by default, within ``--atol``/``--rtol`` if
 given. The verdict names the first differing step, the kill that caused it,
 and, where the shape of the failure tells, the likely mistake.
 
+A PASS needs more than equal trajectories: a kill after a published save and
+a restart that really resumed (see :mod:`resume_verdict`); matching runs
+without them are INCONCLUSIVE.
+
 Exit status: 0 PASS, 1 FAIL, 2 usage error (bad options, a command that
-cannot start, fails or reports no steps on its own, an unwritable --workdir).
+cannot start, fails or reports no steps on its own, steps that go back, an
+unwritable --workdir), 3 INCONCLUSIVE, 128 + the signal when stopped.
 """
 
 from __future__ import annotations
@@ -73,9 +78,23 @@ examples:
   python -m ckpt_lesson resume-test --step-pattern 'step (\\d+) loss ([0-9.e+-]+)' -- ./train.sh
   python -m ckpt_lesson resume-test --signal TERM --grace 30 -- python train.py
 
-exit status: 0 PASS, 1 FAIL, 2 usage error (a command that cannot start, fails or logs no steps
-on its own; bad options; an unwritable --workdir). The report is also written to WORKDIR/report.json,
-and when the runs differ, a plot of baseline vs resumed loss to WORKDIR/report.png.
+verdicts (what a PASS means):
+  PASS          the runs match AND resume was exercised: a kill landed after a save was published,
+                a restart began past the first step (it really resumed), and steps increase within
+                every process
+  INCONCLUSIVE  the runs match but nothing was resumed (no save at all, a save only at the end, no
+                kill after a save, every restart began at the first step): the report says which
+                and what to change (save more often, a longer run, --kill-at after-save)
+  FAIL          a trial differs from the baseline, crashed or hung; every failing trial gets a
+                diagnosis, blamed on the kill before its first difference
+  Steps must be a global counter: a baseline whose steps go back (a per-epoch batch index) is a
+  usage error.
+
+exit status: 0 PASS, 1 FAIL, 2 usage error, 3 INCONCLUSIVE; 129/130/143 when stopped by
+SIGHUP/SIGINT/SIGTERM (every process of the command is ended first, and the partial report
+printed). Usage errors: a command that cannot start, fails or logs no steps on its own, steps
+that do not increase, bad options, an unwritable --workdir. The report is also written to
+WORKDIR/report.json, and when the runs differ, a plot of baseline vs resumed loss to WORKDIR/report.png.
 """
 
 
