@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.cli.resume_plan import KillTarget, KillTrigger, TrialPlan
+from ckpt_lesson.cli.resume_procs import ATTEMPT_ENV, Stopped, end_tagged, new_token
 from ckpt_lesson.cli.resume_steps import StepPattern, StepReader, StepRecord
 from ckpt_lesson.cli.resume_watch import MANAGER, NONE, FolderWatcher, SaveBurst, Waker
 from ckpt_lesson.errors import CheckpointError
@@ -85,6 +86,8 @@ class Attempt:
     save_steps: list[int] = field(default_factory=list)
     layout: str = NONE
     bad_lines: int = 0
+    #: Processes of this run still running after it ended (left its group, or outlived it): killed.
+    left_running: list[int] = field(default_factory=list)
 
     @property
     def stdout(self) -> Path:
@@ -168,7 +171,9 @@ def run_attempt(
     folder.mkdir(parents=True, exist_ok=True)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     steps_file = folder / "steps.jsonl"
-    env = {**spec.env, CKPT_DIR_ENV: str(ckpt_dir), STEP_LOG_ENV: str(steps_file), "PYTHONUNBUFFERED": "1"}
+    token = new_token()  # marks every descendant, also those that leave the group (see resume_procs)
+    env = {**spec.env, CKPT_DIR_ENV: str(ckpt_dir), STEP_LOG_ENV: str(steps_file), "PYTHONUNBUFFERED": "1",
+           ATTEMPT_ENV: token}  # fmt: skip
     argv = [arg.replace("{ckpt_dir}", str(ckpt_dir)) for arg in spec.command]
     waker = Waker()
     waker.watch(folder)
@@ -228,11 +233,19 @@ def run_attempt(
                 _signal_group(proc, signal.SIGKILL)
             wait = TICK_SECONDS if trigger is None else min(TICK_SECONDS, trigger.seconds_until_due() or 1.0)
             waker.wait(wait)
+    except Stopped as stop:  # the partial report shows this run too (the cleanup below still runs)
+        stop.attempt = attempt
+        raise
     finally:
-        if proc.poll() is None:  # the tool itself is being stopped (Ctrl-C): leave nothing running
+        killed = attempt.kill is not None or attempt.timed_out
+        if proc.poll() is None:  # the tool itself is being stopped (a signal): leave nothing running
             _signal_group(proc, signal.SIGKILL)
             proc.wait()
-        _signal_group(proc, signal.SIGKILL)  # stray children of a finished command
+            killed = True
+        # Whatever is still running now was left behind by the command (a group we killed is only
+        # dying, and not counted): found by its token, killed and reported.
+        attempt.left_running = end_tagged(token, spare_group=proc.pid if killed else None)
+        _signal_group(proc, signal.SIGKILL)  # without /proc: at least the group
         waker.wait(0.0)  # the last renames the dead process made
         burst.renamed |= _relative(waker.take_moved_in(), ckpt_dir)
         waker.close()

@@ -44,9 +44,11 @@ from tqdm import tqdm
 from ckpt_lesson.cli.resume_compare import trajectory
 from ckpt_lesson.cli.resume_diagnose import exact_resumes, judge_trial
 from ckpt_lesson.cli.resume_plan import KINDS, plan_trials
+from ckpt_lesson.cli.resume_procs import ATTEMPT_ENV, Stopped, become_subreaper
 from ckpt_lesson.cli.resume_report import build_report, format_text, write_json, write_plot
 from ckpt_lesson.cli.resume_runner import Attempt, RunSpec, run_attempt, run_trial
 from ckpt_lesson.cli.resume_steps import StepPattern
+from ckpt_lesson.cli.resume_stop import StopSignals, left_running_notes, report_stop
 from ckpt_lesson.cli.resume_verdict import check_baseline_steps, decide
 from ckpt_lesson.cli.resume_watch import NONE
 from ckpt_lesson.errors import CheckpointError
@@ -254,14 +256,30 @@ def run(args: argparse.Namespace) -> int:
     command, kinds = _check_options(args)
     pattern = StepPattern(args.step_pattern) if args.step_pattern else None
     workdir = prepare_workdir(args.workdir)
-    env = {k: v for k, v in os.environ.items() if k not in (STEP_LOG_ENV, CKPT_DIR_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (STEP_LOG_ENV, CKPT_DIR_ENV, ATTEMPT_ENV)}
     spec = RunSpec(tuple(command), Path.cwd(), env, pattern, args.signal, args.grace, args.timeout)
+    # Orphans of the command (a helper whose parent exited) are handed to this process, not to init:
+    # they stay findable and are reaped here (see resume_procs).
+    become_subreaper()
+    progress: dict[str, Any] = {"during": "the baseline run", "baseline": None, "trials": []}
+    with StopSignals():
+        try:
+            return _run(args, spec, command, kinds, workdir, progress)
+        except Stopped as stop:
+            return report_stop(stop, args, workdir, progress)
+
+
+def _run(
+    args: argparse.Namespace, spec: RunSpec, command: list[str], kinds: tuple[str, ...], workdir: Path,
+    progress: dict[str, Any],
+) -> int:  # fmt: skip
     bar = tqdm(total=args.trials, unit="trial", file=sys.stderr, leave=False,
                disable=not sys.stderr.isatty(), desc="baseline")  # fmt: skip
     try:
         baseline = run_attempt(
             spec, workdir / "baseline" / "attempt-1", workdir / "baseline" / "ckpt", index=1
         )
+        progress["baseline"] = baseline
         _check_baseline(baseline, args)
         check_baseline_steps(baseline)
         base = trajectory(baseline.records)
@@ -270,8 +288,9 @@ def run(args: argparse.Namespace) -> int:
         seconds = _typical_step_seconds(baseline)
         plans = plan_trials(steps=steps, save_steps=baseline.save_steps, trials=args.trials, kinds=kinds,
                             kills=args.kills, seed=args.seed, step_seconds=seconds)  # fmt: skip
-        trials = []
+        trials = progress["trials"]
         for plan in plans:
+            progress["during"] = f"trial {plan.index} of {len(plans)}"
             bar.set_description(f"trial {plan.index}/{len(plans)} ({plan.kind})")
             trials.append(run_trial(spec, workdir / f"trial-{plan.index:02d}", plan, layout=layout))
             bar.update(1)
@@ -284,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     report = build_report(
         command=command, workdir=workdir, settings=_settings(args, kinds), baseline=baseline,
-        layout=layout, trials=trials, verdicts=verdicts, notes=_notes(plans, trials, layout),
+        layout=layout, trials=trials, verdicts=verdicts, notes=_notes(plans, baseline, trials, layout),
     )  # fmt: skip
     outcome = decide(baseline, trials, verdicts, layout)
     report["verdict"], report["inconclusive"] = outcome.verdict, outcome.reasons
@@ -314,11 +333,14 @@ def _settings(args: argparse.Namespace, kinds: tuple[str, ...]) -> dict[str, Any
     }  # fmt: skip
 
 
-def _notes(plans: list[Any], trials: list[Any], layout: str) -> list[str]:
+def _notes(plans: list[Any], baseline: Attempt, trials: list[Any], layout: str) -> list[str]:
     notes = []
     fallback = [p.index for p in plans if p.kind != p.requested]
     if fallback and layout != NONE:
         notes.append(f"trial(s) {fallback}: no save before the last step to aim at; killed at random instead")
+    left = [("baseline", baseline.left_running)]
+    left += [(f"trial {t.plan.index} run {a.index}", a.left_running) for t in trials for a in t.attempts]
+    notes += left_running_notes(left)
     unkilled = [t.plan.index for t in trials if not any(a.kill for a in t.attempts)]
     if unkilled:
         notes.append(f"trial(s) {unkilled}: the planned kill point never came, so nothing was tested there")
