@@ -45,6 +45,8 @@ parser.add_argument("--fail", type=int, default=0, help="exit with this code at 
 parser.add_argument("--child-pid-file", help="start a sleeping child and write its pid here")
 parser.add_argument("--pid-file", help="append this process's pid here")
 parser.add_argument("--setsid-helper", help="start a helper in its own session; append its pid here")
+parser.add_argument("--ckpt-name", default="state.json", help="the checkpoint file's name (files layout)")
+parser.add_argument("--log-file", help="also append a line to this file in the folder every step (a log)")
 parser.add_argument("--epoch-steps", type=int, default=0, help="report the step within the epoch")
 args = parser.parse_args()
 
@@ -76,7 +78,7 @@ ckpt.mkdir(parents=True, exist_ok=True)
 
 def latest() -> Path | None:
     if args.layout == "files":
-        path = ckpt / "state.json"
+        path = ckpt / args.ckpt_name
         return path if path.exists() else None
     steps = sorted(p for p in ckpt.iterdir() if p.name.startswith("step-"))
     return steps[-1] / "state.json" if steps else None
@@ -87,16 +89,16 @@ def save(state: dict) -> None:
         return
     data = json.dumps(state).encode()
     if args.mistake == "in-place":
-        with open(ckpt / "state.json", "wb") as f:
+        with open(ckpt / args.ckpt_name, "wb") as f:
             f.write(data[:10])
             f.flush()
             time.sleep(0.1)  # a big checkpoint takes a while: a kill can land here
             f.write(data[10:])
         return
     if args.layout == "files":
-        tmp = ckpt / "state.json.tmp"
+        tmp = ckpt / (args.ckpt_name + ".tmp")
         tmp.write_bytes(data)
-        os.replace(tmp, ckpt / "state.json")
+        os.replace(tmp, ckpt / args.ckpt_name)
         return
     staging = ckpt / f".staging-step-{state['step']:08d}-{os.getpid()}-abcd1234"
     staging.mkdir()
@@ -136,6 +138,9 @@ while state["step"] < args.steps:
         print(f"step {shown} loss {loss!r}", flush=True)
     else:
         log_step(shown, loss, sample_ids=[step % 5, step % 7] if args.ids else None)
+    if args.log_file:
+        with open(ckpt / args.log_file, "a") as f:
+            f.write(f"{step},{loss}\n")
     state["rng"] = random.getstate()
     if step % args.save_every == 0 or stop["term"]:
         save(state)

@@ -66,15 +66,18 @@ def test_a_manager_folder_ignores_other_files_beside_the_saves(tmp_path):
 def test_a_plain_folder_reports_new_growing_changed_and_removed_files(tmp_path):
     watcher = FolderWatcher(tmp_path)
     (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "notes.txt").write_text("1")  # no checkpoint-like name yet: every file counts
+    assert {e.name for e in watcher.poll()} == {"sub/", "sub/notes.txt"}
     (tmp_path / "sub" / "ckpt.pt").write_bytes(b"1")
-    assert {e.name for e in watcher.poll()} == {"sub/", "sub/ckpt.pt"}
+    (tmp_path / "sub" / "notes.txt").write_text("12")  # from now on, a log beside a checkpoint
+    assert {e.name for e in watcher.poll()} == {"sub/ckpt.pt"}
     assert watcher.poll() == []
     with open(tmp_path / "sub" / "ckpt.pt", "ab") as f:
         f.write(b"23")
     assert watcher.poll() == [FolderEvent("activity", "sub/ckpt.pt")]
     (tmp_path / "sub" / "ckpt.pt").unlink()
     assert watcher.poll() == [FolderEvent("activity", "sub/ckpt.pt")]
-    assert watcher.files() == {"sub/": (0, 0, 0)}
+    assert set(watcher.files()) == {"sub/", "sub/notes.txt"}
 
 
 def test_a_file_replaced_by_a_rename_shows_a_new_inode(tmp_path):

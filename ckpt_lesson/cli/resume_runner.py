@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpt_lesson.cli.resume_names import NameFilter
 from ckpt_lesson.cli.resume_plan import KillTarget, KillTrigger, TrialPlan
 from ckpt_lesson.cli.resume_procs import ATTEMPT_ENV, Stopped, end_tagged, new_token
 from ckpt_lesson.cli.resume_steps import StepPattern, StepReader, StepRecord
@@ -50,6 +51,7 @@ class RunSpec:
     signal: str = "KILL"
     grace: float = 10.0
     timeout: float = 300.0
+    ckpt_globs: tuple[str, ...] = ()
 
 
 @dataclass
@@ -88,6 +90,8 @@ class Attempt:
     bad_lines: int = 0
     #: Processes of this run still running after it ended (left its group, or outlived it): killed.
     left_running: list[int] = field(default_factory=list)
+    #: The watcher could see only part of the checkpoint folder (too big): why, for the report.
+    watch_warning: str | None = None
 
     @property
     def stdout(self) -> Path:
@@ -177,7 +181,8 @@ def run_attempt(
     argv = [arg.replace("{ckpt_dir}", str(ckpt_dir)) for arg in spec.command]
     waker = Waker()
     waker.watch(folder)
-    watcher = FolderWatcher(ckpt_dir, layout=layout, waker=waker)
+    names = NameFilter(spec.ckpt_globs)
+    watcher = FolderWatcher(ckpt_dir, layout=layout, waker=waker, names=names)
     reader = StepReader(folder / "stdout.log" if spec.pattern else steps_file, spec.pattern)
     trigger = KillTrigger(target, layout) if target is not None else None
     attempt = Attempt(index, folder, time.time())
@@ -187,6 +192,7 @@ def run_attempt(
     saving = False  # a staging folder exists, or (generic folder) files changed since the last step
     burst = SaveBurst()  # generic folder: the files changed since the last step report
     last_step: int | None = None
+    bursts: list[tuple[int, set[str]]] = []  # generic folder: (step, files changed) of each save
     try:
         while True:
             events = watcher.poll()
@@ -206,6 +212,8 @@ def run_attempt(
             if activity:
                 if not burst.names:
                     attempt.save_steps.append(0 if step_now is None else step_now)
+                    bursts.append((attempt.save_steps[-1], set()))
+                bursts[-1][1].update(activity)
                 burst.add(activity, watcher)
             burst.renamed |= moved_in
             events = [e for e in events if e.kind != "activity" or e.name in activity]
@@ -255,6 +263,12 @@ def run_attempt(
     attempt.bad_lines = reader.bad_lines
     watcher.poll()
     attempt.layout = watcher.layout
+    attempt.watch_warning = watcher.warning
+    if attempt.layout != MANAGER and names.active:
+        # Log files written before the first checkpoint file appeared looked like saves: not any more.
+        attempt.save_steps = [
+            step for step, touched in bursts if any(names.is_checkpoint(n) for n in touched)
+        ]
     if attempt.kill is not None:
         attempt.kill.exit_code = proc.returncode
         attempt.kill.damaged = _damage(ckpt_dir, watcher, burst)
@@ -273,7 +287,7 @@ def _last(records: list[StepRecord], default: int | None) -> int | None:
 def _holds_save(watcher: FolderWatcher) -> bool:
     if watcher.layout == MANAGER:
         return bool(watcher.published_steps())
-    return any(not name.endswith("/") for name in watcher.files())
+    return bool(watcher.checkpoint_files())
 
 
 def _damage(ckpt_dir: Path, watcher: FolderWatcher, burst: SaveBurst) -> list[dict[str, Any]]:

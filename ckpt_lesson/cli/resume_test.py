@@ -72,7 +72,9 @@ kill points (--kill-at, cycled over the trials):
   mid-save     while a save is being written: a save that is not atomic is left damaged
   random       at a random moment between two steps (possibly inside a save)
   A CheckpointManager run directory is understood exactly (.staging-step-* = a save in progress,
-  step-* = published); any other folder is watched for new or growing files.
+  step-* = published); any other folder is watched for new or growing files: those named by
+  --ckpt-glob, else those that look like checkpoints (*.pt, *.pth, *.ckpt, *.safetensors, *.bin)
+  once one appears, so that logs beside them (metrics.csv) are not taken for saves.
 
 examples:
   python -m ckpt_lesson resume-test -- python examples/resume_train.py
@@ -139,6 +141,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--step-pattern", metavar="REGEX",
         help="read steps from the command's stdout instead of log_step: named groups (?P<step>...) "
         "and (?P<loss>...), or two plain groups in that order")  # fmt: skip
+    add("--ckpt-glob", action="append", default=[], metavar="PATTERN",
+        help="a plain folder's checkpoint files (repeatable; matched against the path in the folder or the "
+        "bare name, e.g. '*.ckpt'): mid-save kills aim at them, other files (logs) are not saves. Default: "
+        "names ending in .pt, .pth, .ckpt, .safetensors or .bin are preferred once one appears")  # fmt: skip
     add("--json", action="store_true", help="print the report as JSON instead of text")
 
 
@@ -159,6 +165,8 @@ def _check_options(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...]
         value = getattr(args, name)
         if not (math.isfinite(value) and value >= 0):
             raise CheckpointError(f"--{name} must be a number >= 0, got {value}.")
+    if any(not g.strip() for g in args.ckpt_glob):
+        raise CheckpointError("--ckpt-glob needs a pattern, e.g. --ckpt-glob '*.ckpt'.")
     kinds = tuple(k.strip() for k in args.kill_at.split(",") if k.strip())
     unknown = [k for k in kinds if k not in KINDS]
     if not kinds or unknown:
@@ -257,7 +265,8 @@ def run(args: argparse.Namespace) -> int:
     pattern = StepPattern(args.step_pattern) if args.step_pattern else None
     workdir = prepare_workdir(args.workdir)
     env = {k: v for k, v in os.environ.items() if k not in (STEP_LOG_ENV, CKPT_DIR_ENV, ATTEMPT_ENV)}
-    spec = RunSpec(tuple(command), Path.cwd(), env, pattern, args.signal, args.grace, args.timeout)
+    spec = RunSpec(tuple(command), Path.cwd(), env, pattern, args.signal, args.grace, args.timeout,
+                   tuple(args.ckpt_glob))  # fmt: skip
     # Orphans of the command (a helper whose parent exited) are handed to this process, not to init:
     # they stay findable and are reaped here (see resume_procs).
     become_subreaper()
@@ -329,7 +338,7 @@ def _settings(args: argparse.Namespace, kinds: tuple[str, ...]) -> dict[str, Any
     return {
         "trials": args.trials, "kills": args.kills, "kill_at": list(kinds), "signal": args.signal,
         "grace": args.grace, "seed": args.seed, "timeout": args.timeout, "atol": args.atol,
-        "rtol": args.rtol, "step_pattern": args.step_pattern,
+        "rtol": args.rtol, "step_pattern": args.step_pattern, "ckpt_glob": list(args.ckpt_glob),
     }  # fmt: skip
 
 
@@ -338,6 +347,10 @@ def _notes(plans: list[Any], baseline: Attempt, trials: list[Any], layout: str) 
     fallback = [p.index for p in plans if p.kind != p.requested]
     if fallback and layout != NONE:
         notes.append(f"trial(s) {fallback}: no save before the last step to aim at; killed at random instead")
+    warnings = {
+        a.watch_warning for a in [baseline, *(a for t in trials for a in t.attempts)] if a.watch_warning
+    }
+    notes += sorted(warnings)
     left = [("baseline", baseline.left_running)]
     left += [(f"trial {t.plan.index} run {a.index}", a.left_running) for t in trials for a in t.attempts]
     notes += left_running_notes(left)
