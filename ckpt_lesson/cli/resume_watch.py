@@ -170,21 +170,30 @@ class FolderWatcher:
                 "kills may miss saves; name the checkpoint with --ckpt-glob and keep other files elsewhere"
             )
 
-    def _update(self, changed: set[str]) -> tuple[set[str], Snapshot]:
-        """The snapshot after the changes inotify named: each named path is looked at again, nothing else."""
+    def _update(self, changed: set[str]) -> tuple[set[str], Snapshot, set[str]]:
+        """The snapshot after the changes inotify named, and the entries that may differ.
+
+        Each named path is looked at again, nothing else: the cost follows the changes, not the
+        folder's size (a dict copy aside, which is memcpy-fast).
+        """
         names, files = set(self._names), dict(self._files)
+        touched: set[str] = set()
         root = str(self.root)
         for path in sorted(changed):
             rel = os.path.relpath(path, root).replace(os.sep, "/")
             if rel == ".":
                 continue
+            touched |= {rel, rel + "/"}
             try:
                 st = os.lstat(path)
             except OSError:  # gone (deleted, or renamed away): it and everything under it
                 names.discard(rel)
                 files.pop(rel, None)
-                for key in [k for k in files if k.startswith(rel + "/")]:
-                    del files[key]
+                if rel + "/" in files:
+                    under = [k for k in files if k.startswith(rel + "/")]
+                    touched.update(under)
+                    for key in under:
+                        del files[key]
                 continue
             if "/" not in rel:
                 names.add(rel)
@@ -195,20 +204,23 @@ class FolderWatcher:
                     files[rel + "/"] = (0, 0, 0)
                     if self.waker is not None:
                         self.waker.watch(path)
-                    self._walk(Path(path), rel + "/", files)
+                    inside: Snapshot = {}
+                    self._walk(Path(path), rel + "/", inside)
+                    files.update(inside)
+                    touched.update(inside)
             elif rel in files or len(files) < MAX_ENTRIES:
                 files[rel] = (st.st_size, st.st_mtime_ns, st.st_ino)
             else:
                 self._warn(f"more than {MAX_ENTRIES} entries")
-        return names, files
+        return names, files, touched
 
-    def _snapshot(self) -> tuple[set[str], Snapshot] | None:
-        """The folder now, or ``None`` when nothing can have changed since the last poll."""
+    def _snapshot(self) -> tuple[set[str], Snapshot, set[str] | None] | None:
+        """The folder now and the entries that may differ (``None``: any), or ``None`` if nothing can have."""
         waker = self.waker
         if waker is not None and self._incremental():
             changed = waker.take_changed(str(self.root))
             if changed is None:  # the kernel dropped events: look at everything once
-                return self._take()
+                return (*self._take(), None)
             if not changed:
                 return None
             return self._update(changed)
@@ -222,7 +234,7 @@ class FolderWatcher:
         taken = self._take()
         spent = time.monotonic() - now
         self._next_walk = now + max(POLL_SECONDS, spent / POLL_SHARE)
-        return taken
+        return (*taken, None)
 
     def poll(self) -> list[FolderEvent]:
         """Changes since the last call (or since the watcher was made)."""
@@ -230,7 +242,7 @@ class FolderWatcher:
         if taken is None:
             self.previous = self._files
             return []
-        names, files = taken
+        names, files, touched = taken
         events: list[FolderEvent] = []
         for name in sorted(names - self._names):
             staged, published = _STAGING_DIR.match(name), _STEP_DIR.match(name)
@@ -241,7 +253,8 @@ class FolderWatcher:
         if events:
             self.layout = MANAGER
         elif self.layout != MANAGER:
-            changed = {k for k in files.keys() | self._files.keys() if files.get(k) != self._files.get(k)}
+            keys = files.keys() | self._files.keys() if touched is None else touched
+            changed = {k for k in keys if files.get(k) != self._files.get(k)}
             events = [FolderEvent("activity", name) for name in sorted(self.names.select(changed))]
             if files and self.layout == NONE:
                 self.layout = FILES
