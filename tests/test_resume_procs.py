@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 
 from ckpt_lesson.cli import main
-from ckpt_lesson.cli.resume_procs import ATTEMPT_ENV, end_tagged, new_token, tagged_processes
+from ckpt_lesson.cli.resume_procs import (
+    ATTEMPT_ENV,
+    Stopped,
+    end_tagged,
+    new_token,
+    stop_later,
+    stop_now_or_later,
+    tagged_processes,
+)
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
 FAKE = str(Path(__file__).resolve().parent / "fake_train.py")
@@ -95,3 +103,14 @@ def test_a_sigterm_to_the_tool_ends_every_process_of_the_command_and_prints_a_pa
     assert "your command left 1 process(es) running" in out  # the setsid helper; the group was ours to kill
     wait_for(lambda: not any(alive(p) for p in everyone), 10)
     assert json.loads((tmp_path / "w" / "report.json").read_text())["verdict"] == "STOPPED"
+
+
+def test_a_stop_signal_during_cleanup_waits_for_the_cleanup_to_finish():
+    finished = []
+    with pytest.raises(Stopped) as info:
+        with stop_later():
+            stop_now_or_later(signal.SIGTERM)  # what the signal handler does
+            finished.append(True)  # not cut short
+    assert finished == [True] and info.value.signum == signal.SIGTERM
+    with pytest.raises(Stopped):
+        stop_now_or_later(signal.SIGHUP)  # outside such a block: at once

@@ -26,8 +26,13 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
-__all__ = ["ATTEMPT_ENV", "Stopped", "become_subreaper", "end_tagged", "new_token", "tagged_processes"]
+__all__ = [
+    "ATTEMPT_ENV", "Stopped", "become_subreaper", "end_tagged", "new_token", "stop_later", "tagged_processes",
+]  # fmt: skip
 
 #: The environment variable that marks every process of one run of the command.
 ATTEMPT_ENV = "CKPT_LESSON_ATTEMPT"
@@ -160,3 +165,34 @@ class Stopped(BaseException):
         super().__init__(signum)
         self.signum = signum
         self.attempt: object | None = None
+
+
+#: Signals that arrived while cleanup must not be cut short (see :func:`stop_later`).
+_deferred: dict[str, Any] = {"depth": 0, "signum": None}
+
+
+def stop_now_or_later(signum: int) -> None:
+    """Raise :class:`Stopped` now, or when the :func:`stop_later` block around us ends (signal handlers)."""
+    if _deferred["depth"]:
+        _deferred["signum"] = signum
+        return
+    raise Stopped(signum)
+
+
+@contextmanager
+def stop_later() -> Iterator[None]:
+    """A block a stop signal does not interrupt: a run's cleanup (killing what it left) finishes first.
+
+    Example:
+        >>> with stop_later():
+        ...     pass
+    """
+    _deferred["depth"] += 1
+    try:
+        yield
+    finally:
+        _deferred["depth"] -= 1
+        signum = _deferred["signum"]
+        if not _deferred["depth"] and signum is not None:
+            _deferred["signum"] = None
+            raise Stopped(signum)

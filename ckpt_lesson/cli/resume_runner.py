@@ -26,7 +26,7 @@ from typing import Any
 
 from ckpt_lesson.cli.resume_names import NameFilter
 from ckpt_lesson.cli.resume_plan import KillTarget, KillTrigger, TrialPlan
-from ckpt_lesson.cli.resume_procs import ATTEMPT_ENV, Stopped, end_tagged, new_token
+from ckpt_lesson.cli.resume_procs import ATTEMPT_ENV, Stopped, end_tagged, new_token, stop_later
 from ckpt_lesson.cli.resume_steps import StepPattern, StepReader, StepRecord
 from ckpt_lesson.cli.resume_watch import MANAGER, NONE, FolderWatcher, SaveBurst, Waker
 from ckpt_lesson.errors import CheckpointError
@@ -245,18 +245,19 @@ def run_attempt(
         stop.attempt = attempt
         raise
     finally:
-        killed = attempt.kill is not None or attempt.timed_out
-        if proc.poll() is None:  # the tool itself is being stopped (a signal): leave nothing running
-            _signal_group(proc, signal.SIGKILL)
-            proc.wait()
-            killed = True
-        # Whatever is still running now was left behind by the command (a group we killed is only
-        # dying, and not counted): found by its token, killed and reported.
-        attempt.left_running = end_tagged(token, spare_group=proc.pid if killed else None)
-        _signal_group(proc, signal.SIGKILL)  # without /proc: at least the group
-        waker.wait(0.0)  # the last renames the dead process made
-        burst.renamed |= _relative(waker.take_moved_in(), ckpt_dir)
-        waker.close()
+        with stop_later():  # a stop signal now would leave the command running: it waits
+            killed = attempt.kill is not None or attempt.timed_out
+            if proc.poll() is None:  # the tool itself is being stopped (a signal): leave nothing running
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+                killed = True
+            # Whatever is still running now was left behind by the command (a group we killed is only
+            # dying, and not counted): found by its token, killed and reported.
+            attempt.left_running = end_tagged(token, spare_group=proc.pid if killed else None)
+            _signal_group(proc, signal.SIGKILL)  # without /proc: at least the group
+            waker.wait(0.0)  # the last renames the dead process made
+            burst.renamed |= _relative(waker.take_moved_in(), ckpt_dir)
+            waker.close()
     attempt.ended = time.time()
     attempt.exit_code = proc.returncode
     attempt.records.extend(reader.poll(final=True))

@@ -22,7 +22,7 @@ from typing import Any
 
 from ckpt_lesson.cli.resume_compare import trajectory
 from ckpt_lesson.cli.resume_diagnose import judge_trial
-from ckpt_lesson.cli.resume_procs import Stopped
+from ckpt_lesson.cli.resume_procs import Stopped, stop_now_or_later
 from ckpt_lesson.cli.resume_runner import Attempt
 
 __all__ = ["StopSignals", "left_running_notes", "report_stop", "stopped_report"]
@@ -44,7 +44,7 @@ class StopSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         for sig in SIGNALS:  # the cleanup that follows must not be cut short by a second signal
             signal.signal(sig, signal.SIG_IGN)
-        raise Stopped(signum)
+        stop_now_or_later(signum)
 
     def __enter__(self) -> StopSignals:
         # signal.signal works only in the main thread: called from a worker thread (tests run
