@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpt_lesson.cli.resume_damage import damage_after_kill
 from ckpt_lesson.cli.resume_names import NameFilter
 from ckpt_lesson.cli.resume_plan import KillTarget, KillTrigger, TrialPlan
 from ckpt_lesson.cli.resume_procs import ATTEMPT_ENV, Stopped, end_tagged, new_token, stop_later
 from ckpt_lesson.cli.resume_steps import StepPattern, StepReader, StepRecord
 from ckpt_lesson.cli.resume_watch import MANAGER, NONE, FolderWatcher, SaveBurst, Waker
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.runs.scan import scan_checkpoints
 from ckpt_lesson.runs.steplog import CKPT_DIR_ENV, STEP_LOG_ENV
 
 __all__ = ["Attempt", "Kill", "RunSpec", "TrialRun", "run_attempt", "run_trial"]
@@ -272,7 +272,7 @@ def run_attempt(
         ]
     if attempt.kill is not None:
         attempt.kill.exit_code = proc.returncode
-        attempt.kill.damaged = _damage(ckpt_dir, watcher, burst)
+        attempt.kill.damaged = damage_after_kill(ckpt_dir, watcher, burst)
     return attempt
 
 
@@ -289,48 +289,6 @@ def _holds_save(watcher: FolderWatcher) -> bool:
     if watcher.layout == MANAGER:
         return bool(watcher.published_steps())
     return bool(watcher.checkpoint_files())
-
-
-def _damage(ckpt_dir: Path, watcher: FolderWatcher, burst: SaveBurst) -> list[dict[str, Any]]:
-    """What the killed process left that is not a good save."""
-    if watcher.layout == MANAGER:
-        try:
-            results = scan_checkpoints(ckpt_dir)
-        except CheckpointError:
-            return []
-        return [
-            {"name": r.path.name, "step": r.step, "status": r.status, "reason": r.reason}
-            for r in results
-            if not r.ok
-        ]
-    exact = _recorded_damage(ckpt_dir)
-    if exact is not None:
-        return exact
-    # A generic folder has no commit record: the best evidence is "it was being written at the kill".
-    return [
-        {"name": name, "step": None, "status": "possibly incomplete",
-         "reason": f"was being written when the process was killed ({size} bytes)"}
-        for name, size in burst.cut_short(watcher.files())
-    ]  # fmt: skip
-
-
-def _recorded_damage(ckpt_dir: Path) -> list[dict[str, Any]] | None:
-    """The integrations' saves carry their own records (a folder manifest, a file footer): judged exactly.
-
-    ``None`` when nothing in the folder verifies (a stock writer, or no save yet): then only the
-    generic evidence of files cut short is left.
-    """
-    try:
-        results = scan_checkpoints(ckpt_dir)
-    except CheckpointError:
-        return None
-    if not any(r.ok for r in results):
-        return None
-    return [
-        {"name": r.path.name, "step": r.step, "status": r.status, "reason": r.reason}
-        for r in results
-        if not r.ok
-    ]
 
 
 def run_trial(spec: RunSpec, folder: Path, plan: TrialPlan, *, layout: str) -> TrialRun:

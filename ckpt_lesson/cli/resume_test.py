@@ -49,7 +49,7 @@ from ckpt_lesson.cli.resume_report import build_report, format_text, write_json,
 from ckpt_lesson.cli.resume_runner import Attempt, RunSpec, run_attempt, run_trial
 from ckpt_lesson.cli.resume_steps import StepPattern
 from ckpt_lesson.cli.resume_stop import StopSignals, left_running_notes, report_stop
-from ckpt_lesson.cli.resume_verdict import check_baseline_steps, decide
+from ckpt_lesson.cli.resume_verdict import check_baseline, decide
 from ckpt_lesson.cli.resume_watch import NONE
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.runs.steplog import CKPT_DIR_ENV, STEP_LOG_ENV
@@ -220,29 +220,6 @@ def prepare_workdir(path: str | None) -> Path:
     return workdir
 
 
-def _check_baseline(baseline: Attempt, args: argparse.Namespace) -> None:
-    if baseline.timed_out:
-        raise CheckpointError(
-            f"the baseline run (no kills) did not finish within --timeout {args.timeout:g} s; "
-            f"raise --timeout or shorten the run (logs: {baseline.folder})."
-        )
-    if baseline.exit_code != 0:
-        last = baseline.last_stderr_line()
-        raise CheckpointError(
-            f"the baseline run (no kills) exited with code {baseline.exit_code}"
-            + (f" ({last})" if last else "")
-            + f"; the command must finish on its own first (stderr: {baseline.stderr})."
-        )
-    if not baseline.records:
-        if args.step_pattern:
-            how = f"no line of its stdout matched --step-pattern (stdout: {baseline.stdout})"
-        elif baseline.bad_lines:
-            how = f"its {baseline.bad_lines} log_step line(s) did not parse"
-        else:
-            how = "call ckpt_lesson.log_step(step, loss) after each step, or pass --step-pattern"
-        raise CheckpointError(f"the baseline run logged no steps: {how}.")
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the baseline and the trials, write the report, print the verdict.
 
@@ -289,8 +266,7 @@ def _run(
             spec, workdir / "baseline" / "attempt-1", workdir / "baseline" / "ckpt", index=1
         )
         progress["baseline"] = baseline
-        _check_baseline(baseline, args)
-        check_baseline_steps(baseline)
+        check_baseline(baseline, timeout=args.timeout, step_pattern=args.step_pattern)
         base = trajectory(baseline.records)
         layout = baseline.layout
         steps = [r.step for r in baseline.records]

@@ -27,7 +27,9 @@ from ckpt_lesson.cli.resume_watch import NONE
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.runs.steplog import CKPT_DIR_ENV
 
-__all__ = ["EXIT_CODES", "Outcome", "check_baseline_steps", "decide", "first_non_increasing"]
+__all__ = [
+    "EXIT_CODES", "Outcome", "check_baseline", "check_baseline_steps", "decide", "first_non_increasing",
+]  # fmt: skip
 
 #: The exit status of each verdict (2 is a usage error, raised as CheckpointError).
 EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
@@ -52,6 +54,43 @@ def first_non_increasing(attempt: Attempt) -> tuple[int, int] | None:
         if after <= before:
             return before, after
     return None
+
+
+def check_baseline(baseline: Attempt, *, timeout: float, step_pattern: str | None) -> None:
+    """The baseline must finish on its own, in time, and report strictly increasing steps.
+
+    Args:
+        baseline: The uninterrupted run.
+        timeout: ``--timeout`` (for the message).
+        step_pattern: ``--step-pattern``, if given (for the message).
+
+    Raises:
+        CheckpointError: A usage error saying what to fix.
+
+    Example:
+        >>> check_baseline(baseline, timeout=600, step_pattern=None)  # doctest: +SKIP
+    """
+    if baseline.timed_out:
+        raise CheckpointError(
+            f"the baseline run (no kills) did not finish within --timeout {timeout:g} s; "
+            f"raise --timeout or shorten the run (logs: {baseline.folder})."
+        )
+    if baseline.exit_code != 0:
+        last = baseline.last_stderr_line()
+        raise CheckpointError(
+            f"the baseline run (no kills) exited with code {baseline.exit_code}"
+            + (f" ({last})" if last else "")
+            + f"; the command must finish on its own first (stderr: {baseline.stderr})."
+        )
+    if not baseline.records:
+        if step_pattern:
+            how = f"no line of its stdout matched --step-pattern (stdout: {baseline.stdout})"
+        elif baseline.bad_lines:
+            how = f"its {baseline.bad_lines} log_step line(s) did not parse"
+        else:
+            how = "call ckpt_lesson.log_step(step, loss) after each step, or pass --step-pattern"
+        raise CheckpointError(f"the baseline run logged no steps: {how}.")
+    check_baseline_steps(baseline)
 
 
 def check_baseline_steps(baseline: Attempt) -> None:
