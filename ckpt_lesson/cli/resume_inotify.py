@@ -97,8 +97,10 @@ class Waker:
         if self._inotify is None:
             time.sleep(min(timeout, POLL_SECONDS))
             return
+        # Milliseconds, rounded up: a wait of 0.4 ms must still wait, not spin.
+        ms = 0 if timeout <= 0 else max(1, round(timeout * 1000))
         try:
-            events = self._inotify.read(timeout=int(timeout * 1000))
+            events = self._inotify.read(timeout=ms)
         except BlockingIOError:  # nothing queued (non-blocking read raced with the poll)
             return
         for event in events:

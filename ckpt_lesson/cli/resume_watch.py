@@ -218,6 +218,9 @@ class FolderWatcher:
         """The folder now and the entries that may differ (``None``: any), or ``None`` if nothing can have."""
         waker = self.waker
         if waker is not None and self._incremental():
+            # Read what the kernel has queued up to now: a snapshot that lagged behind would let a
+            # step report read just after it overtake the end of a save (a save dated one step late).
+            waker.wait(0.0)
             changed = waker.take_changed(str(self.root))
             if changed is None:  # the kernel dropped events: look at everything once
                 return (*self._take(), None)
