@@ -207,7 +207,10 @@ def run_attempt(
             # a save was already under way are its tail (the last bytes, the rename), even when a
             # step report arrived in the same poll; otherwise a script reports a step, then saves.
             if records:  # a step report ends a generic save: the script is training again
-                activity = set() if burst.names else activity
+                # ... unless what was open was only a log, written before any checkpoint file had
+                # shown which names are saves: then these changes are a save of their own.
+                only_logs = names.active and not any(names.is_checkpoint(n) for n in burst.names)
+                activity = set() if burst.names and not only_logs else activity
                 burst = SaveBurst()
             if activity:
                 if not burst.names:
