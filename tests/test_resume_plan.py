@@ -75,7 +75,7 @@ def test_mid_save_in_a_plain_folder_fires_on_file_activity_after_the_target_step
     trigger = KillTrigger(KillTarget("mid-save", 10), FILES)
     assert trigger.check([FolderEvent("activity", "ckpt.pt")], [rec(5)], 5, saving=True) is None
     hit = trigger.check([FolderEvent("activity", "ckpt.pt")], [rec(10)], 10, saving=True)
-    assert hit.mid_save and hit.point == "while files were being written after step 10"
+    assert hit.mid_save and hit.point == "while files were being written after step 10 (ckpt.pt)"
 
 
 def test_after_save_in_a_plain_folder_waits_for_the_next_step_report():

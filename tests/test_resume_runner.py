@@ -130,7 +130,7 @@ def test_a_kill_inside_a_save_written_in_place_is_reported_as_possibly_incomplet
 
 
 def test_damage_in_a_folder_of_recorded_checkpoint_folders_is_judged_by_their_manifests(tmp_path):
-    from ckpt_lesson.cli.resume_runner import _recorded_damage
+    from ckpt_lesson.cli.resume_damage import _recorded_damage
     from ckpt_lesson.runs.folder_manifest import write_folder_manifest
 
     for step in (4, 8):
@@ -140,3 +140,21 @@ def test_damage_in_a_folder_of_recorded_checkpoint_folders_is_judged_by_their_ma
     write_folder_manifest(tmp_path / "checkpoint-4")
     (damage,) = _recorded_damage(tmp_path)
     assert (damage["name"], damage["step"], damage["status"]) == ("checkpoint-8", 8, "incomplete")
+
+
+def test_a_log_beside_the_checkpoint_is_not_a_save_once_a_checkpoint_like_file_appears(tmp_path, spec):
+    s = spec("--ckpt-name", "ckpt.pt", "--log-file", "metrics.csv", "--sleep", "0.02")
+    a = run_attempt(s, tmp_path / "a", tmp_path / "ckpt", index=1)
+    assert a.save_steps == [4, 8, 12]
+
+
+def test_ckpt_glob_aims_a_mid_save_kill_at_the_named_file_not_the_log(tmp_path, spec):
+    args = ("--log-file", "metrics.csv", "--mistake", "in-place", "--sleep", "0.02")
+    s = spec(*args, ckpt_globs=("state.json",))
+    base = run_attempt(s, tmp_path / "base", tmp_path / "base-ckpt", index=1)
+    assert base.save_steps == [4, 8, 12]  # without the glob, every step's log line would be a "save"
+    plan = TrialPlan(1, "mid-save", "mid-save", [KillTarget("mid-save", 4)])
+    trial = run_trial(s, tmp_path / "t", plan, layout=FILES)
+    kill = trial.attempts[0].kill
+    assert kill.point == "while files were being written after step 4 (state.json)" and kill.mid_save
+    assert [d["name"] for d in kill.damaged] == ["state.json"]

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from ckpt_lesson.cli import resume_inotify, resume_watch
 from ckpt_lesson.cli.resume_watch import FILES, MANAGER, NONE, FolderEvent, FolderWatcher, SaveBurst, Waker
 
 
@@ -66,15 +67,18 @@ def test_a_manager_folder_ignores_other_files_beside_the_saves(tmp_path):
 def test_a_plain_folder_reports_new_growing_changed_and_removed_files(tmp_path):
     watcher = FolderWatcher(tmp_path)
     (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "notes.txt").write_text("1")  # no checkpoint-like name yet: every file counts
+    assert {e.name for e in watcher.poll()} == {"sub/", "sub/notes.txt"}
     (tmp_path / "sub" / "ckpt.pt").write_bytes(b"1")
-    assert {e.name for e in watcher.poll()} == {"sub/", "sub/ckpt.pt"}
+    (tmp_path / "sub" / "notes.txt").write_text("12")  # from now on, a log beside a checkpoint
+    assert {e.name for e in watcher.poll()} == {"sub/ckpt.pt"}
     assert watcher.poll() == []
     with open(tmp_path / "sub" / "ckpt.pt", "ab") as f:
         f.write(b"23")
     assert watcher.poll() == [FolderEvent("activity", "sub/ckpt.pt")]
     (tmp_path / "sub" / "ckpt.pt").unlink()
     assert watcher.poll() == [FolderEvent("activity", "sub/ckpt.pt")]
-    assert watcher.files() == {"sub/": (0, 0, 0)}
+    assert set(watcher.files()) == {"sub/", "sub/notes.txt"}
 
 
 def test_a_file_replaced_by_a_rename_shows_a_new_inode(tmp_path):
@@ -147,3 +151,56 @@ def test_a_save_burst_trusts_a_new_file_first_seen_under_its_temporary_name(tmp_
 
 def test_a_save_burst_flags_a_temporary_file_left_behind(tmp_path):
     assert burst_after(tmp_path, [lambda: (tmp_path / "ckpt.tmp").write_bytes(b"ha")]) == [("ckpt.tmp", 2)]
+
+
+def inotify_waker():
+    waker = Waker()
+    if not waker.uses_inotify:
+        waker.close()
+        pytest.skip("no inotify here: the watcher polls")
+    return waker
+
+
+def test_with_inotify_a_new_folder_is_watched_and_changes_deep_inside_it_are_seen(tmp_path):
+    waker = inotify_waker()
+    watcher = FolderWatcher(tmp_path, waker=waker)
+    assert watcher.poll() == []  # nothing changed: nothing walked
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "c.pt").write_bytes(b"1")
+    waker.wait(1.0)
+    assert FolderEvent("activity", "a/b/c.pt") in watcher.poll()
+    with open(tmp_path / "a" / "b" / "c.pt", "ab") as f:
+        f.write(b"2")
+    waker.wait(1.0)
+    assert watcher.poll() == [FolderEvent("activity", "a/b/c.pt")]
+    assert watcher.files()["a/b/c.pt"][0] == 2 and watcher.warning is None
+    waker.close()
+
+
+def test_a_folder_beyond_the_entry_cap_gets_a_warning(tmp_path, monkeypatch):
+    monkeypatch.setattr(resume_watch, "MAX_ENTRIES", 5)
+    for i in range(8):
+        (tmp_path / f"f{i}.pt").write_bytes(b"x")
+    watcher = FolderWatcher(tmp_path)
+    assert len(watcher.files()) == 5
+    assert "holds more than 5 entries: the watcher saw only part of it" in watcher.warning
+    assert "--ckpt-glob" in watcher.warning
+
+
+def test_beyond_the_watch_cap_the_watcher_warns_and_falls_back_to_polling(tmp_path, monkeypatch):
+    monkeypatch.setattr(resume_inotify, "MAX_WATCHES", 2)
+    waker = inotify_waker()
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+    watcher = FolderWatcher(tmp_path, waker=waker)
+    assert waker.capped
+    (tmp_path / "c" / "late.pt").write_bytes(b"x")  # in a folder no watch covers
+    events = []
+    for _ in range(200):  # polling walks at most a share of the time: give it a few ticks
+        waker.wait(0.01)
+        events += watcher.poll()
+        if events:
+            break
+    assert events == [FolderEvent("activity", "c/late.pt")]
+    assert "more folders than can be watched" in watcher.warning
+    waker.close()

@@ -6,7 +6,7 @@ The rules, in the order they are tried (the first that applies wins):
    left damaged and the script loaded it (it is not atomic); otherwise the
    last line of its stderr says why;
 2. a restart did not finish in time;
-3. a restart began at step 0 although a save existed: no checkpoint was found;
+3. a restart began at the first step although a save existed: no checkpoint was found;
 4. the first difference (see :mod:`resume_compare` for how its position
    points to RNG, data position, optimizer or accumulated state).
 
@@ -29,7 +29,8 @@ from ckpt_lesson.cli.resume_compare import (
     restart_stats,
     stitch,
 )
-from ckpt_lesson.cli.resume_runner import TrialRun
+from ckpt_lesson.cli.resume_evidence import ids_one_batch_ahead, rng_evidence
+from ckpt_lesson.cli.resume_runner import Attempt, TrialRun
 from ckpt_lesson.cli.resume_steps import StepRecord
 from ckpt_lesson.cli.resume_watch import NONE
 
@@ -163,16 +164,14 @@ def _restart_from_scratch(
         kill = trial.attempts[stat.attempt - 2].kill
         if not stat.from_scratch or kill is None:
             continue
-        if layout == NONE:
-            return kill.point, (
-                "the run restarted from step 0: no checkpoint was found (the command wrote nothing into its "
-                "checkpoint folder; save under $CKPT_LESSON_CKPT_DIR or the {ckpt_dir} argument)"
-            )
+        if layout == NONE:  # nothing was saved: nothing to resume from, so not a failure (INCONCLUSIVE)
+            continue
         if kill.held_save:
             return kill.point, (
-                "the run restarted from step 0: no checkpoint was found, although the checkpoint folder "
-                "held a save when it was killed (does the script look for saves where it writes them, and "
-                "hand the one it found to the trainer: Lightning's fit(ckpt_path=...), the Hugging Face "
+                f"the run restarted from the start (step {stat.first_step}): no checkpoint was found, "
+                "although the checkpoint folder held a save when it was killed (does the script look "
+                "for saves where it writes them, and hand the one it found to the trainer: "
+                "Lightning's fit(ckpt_path=...), the Hugging Face "
                 "Trainer's train(resume_from_checkpoint=...)?)"
             )
     return None
@@ -213,23 +212,14 @@ def _explain(
     point = kill.point if kill else None
     stat = next(s for s in restarts if s.attempt == attempt.index)
     if stat.from_scratch:
-        return point, NOT_REPRODUCIBLE.format(where="a restart that began at step 0", step=diff.step)
+        return point, NOT_REPRODUCIBLE.format(where="a restart that began at the first step", step=diff.step)
     offset = len({r.step for r in attempt.records if r.step < diff.step})
     resumed = stat.resumed_from
+    got = {r.step: r for r in attempt.records}[diff.step]
+    if offset == 0:
+        return point, _first_step(diff, got, trial.attempts[0], baseline)
     if diff.what == "sample_ids":
         return point, _data(diff, offset, baseline)
-    got = {r.step: r for r in attempt.records}[diff.step]
-    same_samples = got.sample_ids is not None and baseline[diff.step].sample_ids is not None
-    if offset == 0:
-        if same_samples:
-            return point, (
-                "diverges at the first step after resume, on the same samples: RNG state not restored "
-                "(dropout or augmentation draw differently than in the uninterrupted run)"
-            )
-        return point, (
-            "diverges at the first step after resume: RNG state (or the data position) not restored; "
-            "report sample_ids to log_step to tell the two apart"
-        )
     if offset == 1 and not [s for s in exact if s != resumed]:
         return point, (
             "the first step after resume matches, the second does not: the weights and RNG came back but "
@@ -243,6 +233,63 @@ def _explain(
         f"differs{also}: state carried across steps was lost at the save, e.g. a save inside a "
         "gradient-accumulation window (accumulated gradients are not saved; save only after an "
         "optimizer step)"
+    )
+
+
+def _first_step(
+    diff: Difference, got: StepRecord, first_run: Attempt, baseline: dict[int, StepRecord]
+) -> str:
+    """The first step after resume differs: tell RNG not restored, RNG drawn in another order,
+    data position lost and other state missing apart (see :mod:`resume_evidence`)."""
+    rng = rng_evidence(diff.step, got, first_run, baseline)
+    if rng.status == "one step ahead" or ids_one_batch_ahead(diff.step, got, baseline):
+        what = (
+            f"the {'/'.join(rng.generators)} RNG stream after it equals the baseline's one step later"
+            if rng.status == "one step ahead"
+            else "its sample ids are the baseline's next batch"
+        )
+        return (
+            f"diverges at the first step after resume: {what}: the RNG was restored but consumed in "
+            "another order, e.g. a batch prefetched (and its random draws taken) before the save is "
+            "drawn again after the restore; save the RNG state before prefetching, or save the "
+            "prefetched batch with it"
+        )
+    if diff.what == "sample_ids":
+        return _data(diff, 0, baseline)
+    same_samples = got.sample_ids is not None and baseline[diff.step].sample_ids is not None
+    if rng.status == "differs":
+        if same_samples:
+            return (
+                "diverges at the first step after resume, on the same samples: RNG state not restored "
+                "(dropout or augmentation draw differently than in the uninterrupted run)"
+            )
+        return (
+            "diverges at the first step after resume: RNG state not restored (the "
+            f"{'/'.join(rng.generators)} RNG stream differs from that step on); report sample_ids "
+            "to log_step to check the data position too"
+        )
+    if rng.status == "same":
+        if same_samples:
+            return (
+                "diverges at the first step after resume, on the same samples and the same RNG stream: "
+                "state other than model/optimizer/RNG is missing from the save, e.g. a recurrent "
+                "hidden state, a running statistic or a buffer kept outside the state_dict"
+            )
+        return (
+            "diverges at the first step after resume with the same RNG stream: the data position or "
+            "state other than model/optimizer/RNG (e.g. a recurrent hidden state) was not restored; "
+            "report sample_ids to log_step to tell the two apart"
+        )
+    if same_samples:
+        return (
+            "diverges at the first step after resume, on the same samples: cannot tell whether the RNG "
+            "state was not restored or other carried state (e.g. a recurrent hidden state) is missing: "
+            "no seeded global RNG was seen (log_step records torch's, NumPy's and random's)"
+        )
+    return (
+        "diverges at the first step after resume: cannot tell whether the RNG state, the data "
+        "position or other carried state was not restored; report sample_ids to log_step (and "
+        "seed the global RNGs) to tell them apart"
     )
 
 

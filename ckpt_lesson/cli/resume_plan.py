@@ -185,7 +185,8 @@ class KillTrigger:
         active = any(e.kind == "activity" for e in events)
         if t.kind == "mid-save":
             if active and before >= t.step:
-                return KillPoint(f"while files were being written after step {before}", True)
+                written = next(e.name for e in events if e.kind == "activity")
+                return KillPoint(f"while files were being written after step {before} ({written})", True)
             return None
         # after-save in a generic folder: the save is over once the script reports its next step.
         if self._armed_after is None and active and before >= t.step:

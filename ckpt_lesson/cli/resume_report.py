@@ -113,6 +113,12 @@ def format_text(report: dict[str, Any]) -> str:
         kills = "; ".join(_kill_words(k) for k in t["kills"]) or "no kill happened (its point never came)"
         mark = "ok  " if t["ok"] else "FAIL"
         lines.append(f"trial {t['index']:<6} {mark} killed {kills}; {t['status']}")
+        if not t["ok"] and t["diagnosis"] and t["index"] != report["failed_trial"]:
+            # The first failing trial's diagnosis closes the report; every other one is shown here.
+            after = f" (after the kill {t['kill_point']})" if t["kill_point"] else ""
+            step = t["first_difference"]["step"] if t["first_difference"] else None
+            at = f" step {step}" if step is not None else ""
+            lines.append(f"             diagnosis{at}{after}: {t['diagnosis']}")
     first = report["first_difference"]
     if first is not None and first["what"] == "missing":
         lines.append(
@@ -142,6 +148,8 @@ def format_text(report: dict[str, Any]) -> str:
         lines.append("damaged or incomplete saves after kills: none found")
     for note in report["notes"]:
         lines.append(f"note         {note}")
+    for reason in report.get("inconclusive", []):
+        lines.append(f"inconclusive {reason}")
     if report["diagnosis"]:
         lines.append(f"diagnosis    {report['diagnosis']}")
     where = f"report       {report['workdir']}/report.json"

@@ -24,13 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpt_lesson.cli.resume_damage import damage_after_kill
 from ckpt_lesson.cli.resume_machine import lose_machine, machine_for
+from ckpt_lesson.cli.resume_names import NameFilter
 from ckpt_lesson.cli.resume_plan import KillTarget, KillTrigger, TrialPlan
+from ckpt_lesson.cli.resume_procs import ATTEMPT_ENV, Stopped, end_tagged, new_token, stop_later
 from ckpt_lesson.cli.resume_steps import StepPattern, StepReader, StepRecord
 from ckpt_lesson.cli.resume_watch import MANAGER, NONE, FolderWatcher, SaveBurst, Waker
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.side_files import open_beside
-from ckpt_lesson.runs.scan import scan_checkpoints
 from ckpt_lesson.runs.steplog import CKPT_DIR_ENV, STEP_LOG_ENV
 
 __all__ = ["Attempt", "Kill", "RunSpec", "TrialRun", "run_attempt", "run_trial"]
@@ -51,6 +53,7 @@ class RunSpec:
     signal: str = "KILL"
     grace: float = 10.0
     timeout: float = 300.0
+    ckpt_globs: tuple[str, ...] = ()
     #: ``--lose-machine``: each restart on a fresh "machine" (see resume_machine.py).
     lose_machine: bool = False
 
@@ -89,6 +92,10 @@ class Attempt:
     save_steps: list[int] = field(default_factory=list)
     layout: str = NONE
     bad_lines: int = 0
+    #: Processes of this run still running after it ended (left its group, or outlived it): killed.
+    left_running: list[int] = field(default_factory=list)
+    #: The watcher could see only part of the checkpoint folder (too big): why, for the report.
+    watch_warning: str | None = None
 
     @property
     def stdout(self) -> Path:
@@ -178,11 +185,14 @@ def run_attempt(
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     spec = machine_for(spec, folder, ckpt_dir, index)  # {run_id}; --lose-machine: a fresh machine
     steps_file = folder / "steps.jsonl"
-    env = {**spec.env, CKPT_DIR_ENV: str(ckpt_dir), STEP_LOG_ENV: str(steps_file), "PYTHONUNBUFFERED": "1"}
+    token = new_token()  # marks every descendant, also those that leave the group (see resume_procs)
+    env = {**spec.env, CKPT_DIR_ENV: str(ckpt_dir), STEP_LOG_ENV: str(steps_file), "PYTHONUNBUFFERED": "1",
+           ATTEMPT_ENV: token}  # fmt: skip
     argv = [arg.replace("{ckpt_dir}", str(ckpt_dir)) for arg in spec.command]
     waker = Waker()
     waker.watch(folder)
-    watcher = FolderWatcher(ckpt_dir, layout=layout, waker=waker)
+    names = NameFilter(spec.ckpt_globs)
+    watcher = FolderWatcher(ckpt_dir, layout=layout, waker=waker, names=names)
     reader = StepReader(folder / "stdout.log" if spec.pattern else steps_file, spec.pattern)
     trigger = KillTrigger(target, layout) if target is not None else None
     attempt = Attempt(index, folder, time.time())
@@ -192,6 +202,7 @@ def run_attempt(
     saving = False  # a staging folder exists, or (generic folder) files changed since the last step
     burst = SaveBurst()  # generic folder: the files changed since the last step report
     last_step: int | None = None
+    bursts: list[tuple[int, set[str]]] = []  # generic folder: (step, files changed) of each save
     try:
         while True:
             events = watcher.poll()
@@ -206,11 +217,16 @@ def run_attempt(
             # a save was already under way are its tail (the last bytes, the rename), even when a
             # step report arrived in the same poll; otherwise a script reports a step, then saves.
             if records:  # a step report ends a generic save: the script is training again
-                activity = set() if burst.names else activity
+                # ... unless what was open was only a log, written before any checkpoint file had
+                # shown which names are saves: then these changes are a save of their own.
+                only_logs = names.active and not any(names.is_checkpoint(n) for n in burst.names)
+                activity = set() if burst.names and not only_logs else activity
                 burst = SaveBurst()
             if activity:
                 if not burst.names:
                     attempt.save_steps.append(0 if step_now is None else step_now)
+                    bursts.append((attempt.save_steps[-1], set()))
+                bursts[-1][1].update(activity)
                 burst.add(activity, watcher)
             burst.renamed |= moved_in
             events = [e for e in events if e.kind != "activity" or e.name in activity]
@@ -238,23 +254,38 @@ def run_attempt(
                 _signal_group(proc, signal.SIGKILL)
             wait = TICK_SECONDS if trigger is None else min(TICK_SECONDS, trigger.seconds_until_due() or 1.0)
             waker.wait(wait)
+    except Stopped as stop:  # the partial report shows this run too (the cleanup below still runs)
+        stop.attempt = attempt
+        raise
     finally:
-        if proc.poll() is None:  # the tool itself is being stopped (Ctrl-C): leave nothing running
-            _signal_group(proc, signal.SIGKILL)
-            proc.wait()
-        _signal_group(proc, signal.SIGKILL)  # stray children of a finished command
-        waker.wait(0.0)  # the last renames the dead process made
-        burst.renamed |= _relative(waker.take_moved_in(), ckpt_dir)
-        waker.close()
+        with stop_later():  # a stop signal now would leave the command running: it waits
+            killed = attempt.kill is not None or attempt.timed_out
+            if proc.poll() is None:  # the tool itself is being stopped (a signal): leave nothing running
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+                killed = True
+            # Whatever is still running now was left behind by the command (a group we killed is only
+            # dying, and not counted): found by its token, killed and reported.
+            attempt.left_running = end_tagged(token, spare_group=proc.pid if killed else None)
+            _signal_group(proc, signal.SIGKILL)  # without /proc: at least the group
+            waker.wait(0.0)  # the last renames the dead process made
+            burst.renamed |= _relative(waker.take_moved_in(), ckpt_dir)
+            waker.close()
     attempt.ended = time.time()
     attempt.exit_code = proc.returncode
     attempt.records.extend(reader.poll(final=True))
     attempt.bad_lines = reader.bad_lines
     watcher.poll()
     attempt.layout = watcher.layout
+    attempt.watch_warning = watcher.warning
+    if attempt.layout != MANAGER and names.active:
+        # Log files written before the first checkpoint file appeared looked like saves: not any more.
+        attempt.save_steps = [
+            step for step, touched in bursts if any(names.is_checkpoint(n) for n in touched)
+        ]
     if attempt.kill is not None:
         attempt.kill.exit_code = proc.returncode
-        attempt.kill.damaged = _damage(ckpt_dir, watcher, burst)
+        attempt.kill.damaged = damage_after_kill(ckpt_dir, watcher, burst)
     return attempt
 
 
@@ -270,49 +301,7 @@ def _last(records: list[StepRecord], default: int | None) -> int | None:
 def _holds_save(watcher: FolderWatcher) -> bool:
     if watcher.layout == MANAGER:
         return bool(watcher.published_steps())
-    return any(not name.endswith("/") for name in watcher.files())
-
-
-def _damage(ckpt_dir: Path, watcher: FolderWatcher, burst: SaveBurst) -> list[dict[str, Any]]:
-    """What the killed process left that is not a good save."""
-    if watcher.layout == MANAGER:
-        try:
-            results = scan_checkpoints(ckpt_dir)
-        except CheckpointError:
-            return []
-        return [
-            {"name": r.path.name, "step": r.step, "status": r.status, "reason": r.reason}
-            for r in results
-            if not r.ok
-        ]
-    exact = _recorded_damage(ckpt_dir)
-    if exact is not None:
-        return exact
-    # A generic folder has no commit record: the best evidence is "it was being written at the kill".
-    return [
-        {"name": name, "step": None, "status": "possibly incomplete",
-         "reason": f"was being written when the process was killed ({size} bytes)"}
-        for name, size in burst.cut_short(watcher.files())
-    ]  # fmt: skip
-
-
-def _recorded_damage(ckpt_dir: Path) -> list[dict[str, Any]] | None:
-    """The integrations' saves carry their own records (a folder manifest, a file footer): judged exactly.
-
-    ``None`` when nothing in the folder verifies (a stock writer, or no save yet): then only the
-    generic evidence of files cut short is left.
-    """
-    try:
-        results = scan_checkpoints(ckpt_dir)
-    except CheckpointError:
-        return None
-    if not any(r.ok for r in results):
-        return None
-    return [
-        {"name": r.path.name, "step": r.step, "status": r.status, "reason": r.reason}
-        for r in results
-        if not r.ok
-    ]
+    return bool(watcher.checkpoint_files())
 
 
 def run_trial(spec: RunSpec, folder: Path, plan: TrialPlan, *, layout: str) -> TrialRun:

@@ -40,6 +40,9 @@ class StepRecord:
         sample_ids: The ids of the samples it trained on, when reported.
         metrics: Other numbers reported with it.
         t: Wall-clock time (``time.time()``) when it was reported.
+        rng: Digests of the global generators after the step (``log_step`` only; see
+            :func:`~ckpt_lesson.runs.steplog.rng_fingerprint`): evidence for the diagnosis, never
+            compared for the verdict.
     """
 
     step: int
@@ -47,6 +50,7 @@ class StepRecord:
     sample_ids: tuple[Any, ...] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     t: float = 0.0
+    rng: dict[str, str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"step": self.step, "loss": self.loss}
@@ -134,7 +138,10 @@ def parse_hook_line(line: str) -> StepRecord | None:
             return None
     t = data.get("t")
     when = float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else time.time()
-    return StepRecord(step, loss, None if ids is None else tuple(ids), metrics, when)
+    rng = data.get("rng")
+    if not (isinstance(rng, dict) and all(isinstance(v, str) for v in rng.values())):
+        rng = None
+    return StepRecord(step, loss, None if ids is None else tuple(ids), metrics, when, rng)
 
 
 class StepPattern:

@@ -19,8 +19,13 @@ must equal the baseline's: exactly by default, within ``--atol``/``--rtol`` if
 given. The verdict names the first differing step, the kill that caused it,
 and, where the shape of the failure tells, the likely mistake.
 
+A PASS needs more than equal trajectories: a kill after a published save and
+a restart that really resumed (see :mod:`resume_verdict`); matching runs
+without them are INCONCLUSIVE.
+
 Exit status: 0 PASS, 1 FAIL, 2 usage error (bad options, a command that
-cannot start, fails or reports no steps on its own, an unwritable --workdir).
+cannot start, fails or reports no steps on its own, steps that go back, an
+unwritable --workdir), 3 INCONCLUSIVE, 128 + the signal when stopped.
 """
 
 from __future__ import annotations
@@ -40,9 +45,12 @@ from ckpt_lesson.cli.resume_compare import trajectory
 from ckpt_lesson.cli.resume_diagnose import exact_resumes, judge_trial
 from ckpt_lesson.cli.resume_machine import format_failure_domain, judge_lost_machine
 from ckpt_lesson.cli.resume_plan import KINDS, plan_trials
+from ckpt_lesson.cli.resume_procs import ATTEMPT_ENV, Stopped, become_subreaper
 from ckpt_lesson.cli.resume_report import build_report, format_text, write_json, write_plot
 from ckpt_lesson.cli.resume_runner import Attempt, RunSpec, run_attempt, run_trial
 from ckpt_lesson.cli.resume_steps import StepPattern
+from ckpt_lesson.cli.resume_stop import StopSignals, left_running_notes, report_stop
+from ckpt_lesson.cli.resume_verdict import check_baseline, decide
 from ckpt_lesson.cli.resume_watch import NONE
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.runs.steplog import CKPT_DIR_ENV, STEP_LOG_ENV
@@ -65,7 +73,9 @@ kill points (--kill-at, cycled over the trials):
   mid-save     while a save is being written: a save that is not atomic is left damaged
   random       at a random moment between two steps (possibly inside a save)
   A CheckpointManager run directory is understood exactly (.staging-step-* = a save in progress,
-  step-* = published); any other folder is watched for new or growing files.
+  step-* = published); any other folder is watched for new or growing files: those named by
+  --ckpt-glob, else those that look like checkpoints (*.pt, *.pth, *.ckpt, *.safetensors, *.bin)
+  once one appears, so that logs beside them (metrics.csv) are not taken for saves.
 
 examples:
   python -m ckpt_lesson resume-test -- python examples/resume_train.py
@@ -73,9 +83,23 @@ examples:
   python -m ckpt_lesson resume-test --step-pattern 'step (\\d+) loss ([0-9.e+-]+)' -- ./train.sh
   python -m ckpt_lesson resume-test --signal TERM --grace 30 -- python train.py
 
-exit status: 0 PASS, 1 FAIL, 2 usage error (a command that cannot start, fails or logs no steps
-on its own; bad options; an unwritable --workdir). The report is also written to WORKDIR/report.json,
-and when the runs differ, a plot of baseline vs resumed loss to WORKDIR/report.png.
+verdicts (what a PASS means):
+  PASS          the runs match AND resume was exercised: a kill landed after a save was published,
+                a restart began past the first step (it really resumed), and steps increase within
+                every process
+  INCONCLUSIVE  the runs match but nothing was resumed (no save at all, a save only at the end, no
+                kill after a save, every restart began at the first step): the report says which
+                and what to change (save more often, a longer run, --kill-at after-save)
+  FAIL          a trial differs from the baseline, crashed or hung; every failing trial gets a
+                diagnosis, blamed on the kill before its first difference
+  Steps must be a global counter: a baseline whose steps go back (a per-epoch batch index) is a
+  usage error.
+
+exit status: 0 PASS, 1 FAIL, 2 usage error, 3 INCONCLUSIVE; 129/130/143 when stopped by
+SIGHUP/SIGINT/SIGTERM (every process of the command is ended first, and the partial report
+printed). Usage errors: a command that cannot start, fails or logs no steps on its own, steps
+that do not increase, bad options, an unwritable --workdir. The report is also written to
+WORKDIR/report.json, and when the runs differ, a plot of baseline vs resumed loss to WORKDIR/report.png.
 """
 
 
@@ -118,6 +142,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--step-pattern", metavar="REGEX",
         help="read steps from the command's stdout instead of log_step: named groups (?P<step>...) "
         "and (?P<loss>...), or two plain groups in that order")  # fmt: skip
+    add("--ckpt-glob", action="append", default=[], metavar="PATTERN",
+        help="a plain folder's checkpoint files (repeatable; matched against the path in the folder or the "
+        "bare name, e.g. '*.ckpt'): mid-save kills aim at them, other files (logs) are not saves. Default: "
+        "names ending in .pt, .pth, .ckpt, .safetensors or .bin are preferred once one appears")  # fmt: skip
     add("--json", action="store_true", help="print the report as JSON instead of text")
     add("--lose-machine", action="store_true",
         help="restart each kill on a fresh 'machine' (new cwd, HOME, TMPDIR, caches; no local "
@@ -142,6 +170,8 @@ def _check_options(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...]
         value = getattr(args, name)
         if not (math.isfinite(value) and value >= 0):
             raise CheckpointError(f"--{name} must be a number >= 0, got {value}.")
+    if any(not g.strip() for g in args.ckpt_glob):
+        raise CheckpointError("--ckpt-glob needs a pattern, e.g. --ckpt-glob '*.ckpt'.")
     kinds = tuple(k.strip() for k in args.kill_at.split(",") if k.strip())
     unknown = [k for k in kinds if k not in KINDS]
     if not kinds or unknown:
@@ -195,29 +225,6 @@ def prepare_workdir(path: str | None) -> Path:
     return workdir
 
 
-def _check_baseline(baseline: Attempt, args: argparse.Namespace) -> None:
-    if baseline.timed_out:
-        raise CheckpointError(
-            f"the baseline run (no kills) did not finish within --timeout {args.timeout:g} s; "
-            f"raise --timeout or shorten the run (logs: {baseline.folder})."
-        )
-    if baseline.exit_code != 0:
-        last = baseline.last_stderr_line()
-        raise CheckpointError(
-            f"the baseline run (no kills) exited with code {baseline.exit_code}"
-            + (f" ({last})" if last else "")
-            + f"; the command must finish on its own first (stderr: {baseline.stderr})."
-        )
-    if not baseline.records:
-        if args.step_pattern:
-            how = f"no line of its stdout matched --step-pattern (stdout: {baseline.stdout})"
-        elif baseline.bad_lines:
-            how = f"its {baseline.bad_lines} log_step line(s) did not parse"
-        else:
-            how = "call ckpt_lesson.log_step(step, loss) after each step, or pass --step-pattern"
-        raise CheckpointError(f"the baseline run logged no steps: {how}.")
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the baseline and the trials, write the report, print the verdict.
 
@@ -239,24 +246,41 @@ def run(args: argparse.Namespace) -> int:
     command, kinds = _check_options(args)
     pattern = StepPattern(args.step_pattern) if args.step_pattern else None
     workdir = prepare_workdir(args.workdir)
-    env = {k: v for k, v in os.environ.items() if k not in (STEP_LOG_ENV, CKPT_DIR_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (STEP_LOG_ENV, CKPT_DIR_ENV, ATTEMPT_ENV)}
     spec = RunSpec(tuple(command), Path.cwd(), env, pattern, args.signal, args.grace, args.timeout,
-                   lose_machine=getattr(args, "lose_machine", False))  # fmt: skip
+                   tuple(args.ckpt_glob), lose_machine=getattr(args, "lose_machine", False))  # fmt: skip
+    # Orphans of the command (a helper whose parent exited) are handed to this process, not to init:
+    # they stay findable and are reaped here (see resume_procs).
+    become_subreaper()
+    progress: dict[str, Any] = {"during": "the baseline run", "baseline": None, "trials": []}
+    with StopSignals():
+        try:
+            return _run(args, spec, command, kinds, workdir, progress)
+        except Stopped as stop:
+            return report_stop(stop, args, workdir, progress)
+
+
+def _run(
+    args: argparse.Namespace, spec: RunSpec, command: list[str], kinds: tuple[str, ...], workdir: Path,
+    progress: dict[str, Any],
+) -> int:  # fmt: skip
     bar = tqdm(total=args.trials, unit="trial", file=sys.stderr, leave=False,
                disable=not sys.stderr.isatty(), desc="baseline")  # fmt: skip
     try:
         baseline = run_attempt(
             spec, workdir / "baseline" / "attempt-1", workdir / "baseline" / "ckpt", index=1
         )
-        _check_baseline(baseline, args)
+        progress["baseline"] = baseline
+        check_baseline(baseline, timeout=args.timeout, step_pattern=args.step_pattern)
         base = trajectory(baseline.records)
         layout = baseline.layout
         steps = [r.step for r in baseline.records]
         seconds = _typical_step_seconds(baseline)
         plans = plan_trials(steps=steps, save_steps=baseline.save_steps, trials=args.trials, kinds=kinds,
                             kills=args.kills, seed=args.seed, step_seconds=seconds)  # fmt: skip
-        trials = []
+        trials = progress["trials"]
         for plan in plans:
+            progress["during"] = f"trial {plan.index} of {len(plans)}"
             bar.set_description(f"trial {plan.index}/{len(plans)} ({plan.kind})")
             trials.append(run_trial(spec, workdir / f"trial-{plan.index:02d}", plan, layout=layout))
             bar.update(1)
@@ -269,12 +293,17 @@ def run(args: argparse.Namespace) -> int:
     ]
     report = build_report(
         command=command, workdir=workdir, settings=_settings(args, kinds), baseline=baseline,
-        layout=layout, trials=trials, verdicts=verdicts, notes=_notes(plans, trials, layout),
+        layout=layout, trials=trials, verdicts=verdicts, notes=_notes(plans, baseline, trials, layout),
     )  # fmt: skip
-    if spec.lose_machine:  # the failure domain's verdict joins the trajectory's
-        report["failure_domain"] = judge_lost_machine(trials, baseline.records[0].step)
-        if report["failure_domain"]["verdict"] == "FAIL":
-            report["verdict"] = "FAIL"
+    domain = judge_lost_machine(trials, baseline.records[0].step) if spec.lose_machine else None
+    store_resumed = domain is not None and domain["verdict"] == "PASS" and domain["store"] is not None
+    outcome = decide(baseline, trials, verdicts, layout, store_resumed=store_resumed)
+    report["verdict"], report["inconclusive"] = outcome.verdict, outcome.reasons
+    exit_code = outcome.exit_code
+    if domain is not None:  # the failure domain's verdict joins the trajectory's
+        report["failure_domain"] = domain
+        if domain["verdict"] == "FAIL":
+            report["verdict"], exit_code = "FAIL", 1
     report["plot"] = write_plot(workdir / "report.png", baseline, trials, verdicts)
     write_json(report, workdir / "report.json")
     if args.json:
@@ -285,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_text(report))
         if "failure_domain" in report:
             print(format_failure_domain(report["failure_domain"]))
-    return 0 if report["verdict"] == "PASS" else 1
+    return exit_code
 
 
 def _typical_step_seconds(baseline: Attempt) -> float:
@@ -299,20 +328,22 @@ def _settings(args: argparse.Namespace, kinds: tuple[str, ...]) -> dict[str, Any
     return {
         "trials": args.trials, "kills": args.kills, "kill_at": list(kinds), "signal": args.signal,
         "grace": args.grace, "seed": args.seed, "timeout": args.timeout, "atol": args.atol,
-        "rtol": args.rtol, "step_pattern": args.step_pattern,
+        "rtol": args.rtol, "step_pattern": args.step_pattern, "ckpt_glob": list(args.ckpt_glob),
     }  # fmt: skip
 
 
-def _notes(plans: list[Any], trials: list[Any], layout: str) -> list[str]:
+def _notes(plans: list[Any], baseline: Attempt, trials: list[Any], layout: str) -> list[str]:
     notes = []
-    if layout == NONE:
-        notes.append(
-            "the baseline wrote nothing into its checkpoint folder: save under "
-            f"${CKPT_DIR_ENV} or the {{ckpt_dir}} argument, or no resume is tested"
-        )
     fallback = [p.index for p in plans if p.kind != p.requested]
     if fallback and layout != NONE:
         notes.append(f"trial(s) {fallback}: no save before the last step to aim at; killed at random instead")
+    warnings = {
+        a.watch_warning for a in [baseline, *(a for t in trials for a in t.attempts)] if a.watch_warning
+    }
+    notes += sorted(warnings)
+    left = [("baseline", baseline.left_running)]
+    left += [(f"trial {t.plan.index} run {a.index}", a.left_running) for t in trials for a in t.attempts]
+    notes += left_running_notes(left)
     unkilled = [t.plan.index for t in trials if not any(a.kill for a in t.attempts)]
     if unkilled:
         notes.append(f"trial(s) {unkilled}: the planned kill point never came, so nothing was tested there")

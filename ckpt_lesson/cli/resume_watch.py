@@ -13,21 +13,29 @@ moments from the checkpoint folder alone, without any help from the script:
 
 Reaction time matters: a small checkpoint is written in a few milliseconds,
 and a kill meant for "the middle of a save" that lands after it is just a
-kill. On Linux the watcher sleeps on ``inotify`` and wakes the moment a file
-in the folder changes; elsewhere it polls every two milliseconds.
+kill. Cost matters too: the tool must not take a core from the run it is
+testing. On Linux the watcher sleeps on ``inotify`` (see :mod:`resume_inotify`),
+wakes the moment an entry changes, and updates only the entries the kernel
+named, so a quiet folder of 10,000 files costs nothing between saves.
+Elsewhere it walks the folder, but never for more than a fixed share of the
+time. A folder beyond :data:`MAX_ENTRIES` entries or the watch limit is
+watched in part, and the report says so (:attr:`FolderWatcher.warning`).
+
+In a plain folder, only files that are the checkpoint count as a save (see
+:mod:`resume_names`: ``--ckpt-glob``, or names that look like checkpoints).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
-import select
-import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ckpt_lesson.cli.resume_inotify import POLL_SECONDS, Waker
+from ckpt_lesson.cli.resume_names import NameFilter
 
 __all__ = ["FILES", "MANAGER", "NONE", "FolderEvent", "FolderWatcher", "SaveBurst", "Snapshot", "Waker"]
 
@@ -37,15 +45,10 @@ MANAGER, FILES, NONE = "manager", "files", "none"
 # The manager's on-disk names (see ckpt_lesson.runs.commit): published saves and saves in progress.
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _STAGING_DIR = re.compile(r"^\.staging-step-(\d{8,})-")
-#: A generic folder is walked at most this deep and this wide per snapshot (it is taken every few ms).
-MAX_ENTRIES = 5000
-POLL_SECONDS = 0.002
-
-# inotify(7) event bits: anything that creates, writes, renames or removes an entry.
-_IN_MODIFY, _IN_ATTRIB, _IN_CLOSE_WRITE = 0x2, 0x4, 0x8
-_IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x40, 0x80, 0x100, 0x200
-_EVENT = struct.Struct("iIII")
-_MASK = _IN_MODIFY | _IN_ATTRIB | _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO | _IN_CREATE | _IN_DELETE
+#: A generic folder's entries kept at most (files and folders); beyond, a warning.
+MAX_ENTRIES = 50_000
+#: Without inotify, a walk of the folder may take at most this share of the time.
+POLL_SHARE = 0.2
 
 
 #: A generic folder's state: relative path -> (size, mtime_ns, inode). The inode tells a file
@@ -70,81 +73,6 @@ class FolderEvent:
     step: int | None = None
 
 
-class Waker:
-    """Sleep until a watched folder changes or a timeout passes (inotify on Linux, else polling).
-
-    Example:
-        >>> waker = Waker()
-        >>> waker.watch(".")
-        >>> waker.wait(0.001)
-        >>> waker.close()
-    """
-
-    def __init__(self) -> None:
-        self._fd: int | None = None
-        self._watched: dict[int, str] = {}  # watch descriptor -> folder
-        self._moved_in: set[str] = set()
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-            self._add = libc.inotify_add_watch
-            self._add.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32)
-        except (OSError, AttributeError):  # not Linux, or no inotify: fall back to polling
-            return
-        if fd >= 0:
-            self._fd = fd
-
-    @property
-    def uses_inotify(self) -> bool:
-        return self._fd is not None
-
-    def watch(self, folder: str | os.PathLike[str]) -> None:
-        """Also wake when an entry of ``folder`` (not its subfolders) changes."""
-        key = os.fspath(folder)
-        if self._fd is None or key in self._watched.values() or len(self._watched) >= 256:
-            return
-        wd = self._add(self._fd, os.fsencode(key), _MASK)
-        if wd >= 0:
-            self._watched[wd] = key
-
-    def wait(self, timeout: float) -> None:
-        """Return after ``timeout`` seconds, or as soon as a watched folder changes."""
-        timeout = max(0.0, timeout)
-        if self._fd is None:
-            time.sleep(min(timeout, POLL_SECONDS))
-            return
-        ready, _, _ = select.select([self._fd], [], [], timeout)
-        if ready:
-            try:
-                while data := os.read(self._fd, 65536):
-                    self._read_events(data)
-            except BlockingIOError:  # drained
-                pass
-
-    def _read_events(self, data: bytes) -> None:
-        # struct inotify_event: int wd; uint32 mask, cookie, len; char name[len] (NUL-padded).
-        offset = 0
-        while offset + _EVENT.size <= len(data):
-            wd, mask, _, length = _EVENT.unpack_from(data, offset)
-            name = data[offset + _EVENT.size : offset + _EVENT.size + length].rstrip(b"\0")
-            offset += _EVENT.size + length
-            if mask & _IN_MOVED_TO and wd in self._watched and name:
-                self._moved_in.add(os.path.join(self._watched[wd], os.fsdecode(name)))
-
-    def take_moved_in(self) -> set[str]:
-        """Paths that were renamed into place since the last call (inotify only; else empty).
-
-        A file that arrives by rename arrives whole: it is how an atomic save publishes.
-        """
-        moved, self._moved_in = self._moved_in, set()
-        return moved
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
 class FolderWatcher:
     """Report saves starting, being published, and files changing in one checkpoint folder.
 
@@ -154,7 +82,9 @@ class FolderWatcher:
             :data:`FILES` or :data:`NONE`); with ``MANAGER`` only the
             manager's folders count, so a log file the script keeps beside
             them is not mistaken for a save.
-        waker: Told to watch the folders seen, so that a wait ends on a change.
+        waker: Told to watch the folders seen; with inotify, it also says what changed, and
+            only that is looked at again.
+        names: Which files of a plain folder are the checkpoint (``--ckpt-glob``, or by name).
 
     Example:
         >>> watcher = FolderWatcher(Path("ckpt"))  # doctest: +SKIP
@@ -162,31 +92,45 @@ class FolderWatcher:
         [FolderEvent(kind='staging', name='.staging-step-00000010-4242-0f3a9c1e', step=10)]
     """
 
-    def __init__(self, root: Path, *, layout: str = NONE, waker: Waker | None = None) -> None:
+    def __init__(
+        self, root: Path, *, layout: str = NONE, waker: Waker | None = None, names: NameFilter | None = None
+    ) -> None:
         self.root = Path(root)
         self.waker = waker
         self.layout = layout
+        self.names = names if names is not None else NameFilter()
+        #: Why part of the folder may go unwatched (too many entries or folders), else ``None``.
+        self.warning: str | None = None
         self._names: set[str] = set()
         self._files: Snapshot = {}
         #: The snapshot before the last poll's (what a save that just began changed from).
         self.previous: Snapshot = {}
+        self._next_walk = 0.0
+        self._root_watched = False
         # What is there already (a restart finds the saves of the processes before it) is the
         # starting point, not news.
         self._names, self._files = self._take()
+        self.names.see(list(self._files))
         if any(_is_manager_name(n) for n in self._names):
             self.layout = MANAGER
         elif self._files and self.layout == NONE:
             self.layout = FILES
 
+    def _incremental(self) -> bool:
+        # Only inotify that watches every folder, the root included, can say "nothing else changed".
+        w = self.waker
+        return w is not None and w.uses_inotify and not w.capped and self._root_watched
+
     def _take(self) -> tuple[set[str], Snapshot]:
         names: set[str] = set()
         files: Snapshot = {}
+        if self.waker is not None and self.root.is_dir():
+            # Before the listing: a change after it is not missed.
+            self._root_watched = self.waker.watch(self.root)
         try:
             top = list(os.scandir(self.root))
         except (FileNotFoundError, NotADirectoryError):
             return names, files
-        if self.waker is not None:
-            self.waker.watch(self.root)
         for entry in top:
             names.add(entry.name)
         if self.layout != MANAGER and not any(_is_manager_name(n) for n in names):
@@ -204,6 +148,7 @@ class FolderWatcher:
                 return
         for entry in entries:
             if len(files) >= MAX_ENTRIES:
+                self._warn(f"more than {MAX_ENTRIES} entries")
                 return
             rel = prefix + entry.name
             try:
@@ -218,9 +163,89 @@ class FolderWatcher:
             except OSError:
                 continue
 
+    def _warn(self, what: str) -> None:
+        if self.warning is None:
+            self.warning = (
+                f"the checkpoint folder {self.root} holds {what}: the watcher saw only part of it, so "
+                "kills may miss saves; name the checkpoint with --ckpt-glob and keep other files elsewhere"
+            )
+
+    def _update(self, changed: set[str]) -> tuple[set[str], Snapshot, set[str]]:
+        """The snapshot after the changes inotify named, and the entries that may differ.
+
+        Each named path is looked at again, nothing else: the cost follows the changes, not the
+        folder's size (a dict copy aside, which is memcpy-fast).
+        """
+        names, files = set(self._names), dict(self._files)
+        touched: set[str] = set()
+        root = str(self.root)
+        for path in sorted(changed):
+            rel = os.path.relpath(path, root).replace(os.sep, "/")
+            if rel == ".":
+                continue
+            touched |= {rel, rel + "/"}
+            try:
+                st = os.lstat(path)
+            except OSError:  # gone (deleted, or renamed away): it and everything under it
+                names.discard(rel)
+                files.pop(rel, None)
+                if rel + "/" in files:
+                    under = [k for k in files if k.startswith(rel + "/")]
+                    touched.update(under)
+                    for key in under:
+                        del files[key]
+                continue
+            if "/" not in rel:
+                names.add(rel)
+            if self.layout == MANAGER or any(_is_manager_name(n) for n in names):
+                continue
+            if os.path.isdir(path) and not os.path.islink(path):
+                if rel + "/" not in files:  # a new folder: watch it, and take what is already in it
+                    files[rel + "/"] = (0, 0, 0)
+                    if self.waker is not None:
+                        self.waker.watch(path)
+                    inside: Snapshot = {}
+                    self._walk(Path(path), rel + "/", inside)
+                    files.update(inside)
+                    touched.update(inside)
+            elif rel in files or len(files) < MAX_ENTRIES:
+                files[rel] = (st.st_size, st.st_mtime_ns, st.st_ino)
+            else:
+                self._warn(f"more than {MAX_ENTRIES} entries")
+        return names, files, touched
+
+    def _snapshot(self) -> tuple[set[str], Snapshot, set[str] | None] | None:
+        """The folder now and the entries that may differ (``None``: any), or ``None`` if nothing can have."""
+        waker = self.waker
+        if waker is not None and self._incremental():
+            # Read what the kernel has queued up to now: a snapshot that lagged behind would let a
+            # step report read just after it overtake the end of a save (a save dated one step late).
+            waker.wait(0.0)
+            changed = waker.take_changed(str(self.root))
+            if changed is None:  # the kernel dropped events: look at everything once
+                return (*self._take(), None)
+            if not changed:
+                return None
+            return self._update(changed)
+        if waker is not None and waker.capped:
+            self._warn("more folders than can be watched")
+        # Polling: walk, but keep the walks to a share of the time (a big folder is walked less often).
+        # Without a waker the caller sets the pace: every poll walks.
+        now = time.monotonic()
+        if waker is not None and now < self._next_walk:
+            return None
+        taken = self._take()
+        spent = time.monotonic() - now
+        self._next_walk = now + max(POLL_SECONDS, spent / POLL_SHARE)
+        return (*taken, None)
+
     def poll(self) -> list[FolderEvent]:
         """Changes since the last call (or since the watcher was made)."""
-        names, files = self._take()
+        taken = self._snapshot()
+        if taken is None:
+            self.previous = self._files
+            return []
+        names, files, touched = taken
         events: list[FolderEvent] = []
         for name in sorted(names - self._names):
             staged, published = _STAGING_DIR.match(name), _STEP_DIR.match(name)
@@ -231,8 +256,9 @@ class FolderWatcher:
         if events:
             self.layout = MANAGER
         elif self.layout != MANAGER:
-            changed = {k for k in files.keys() | self._files.keys() if files.get(k) != self._files.get(k)}
-            events = [FolderEvent("activity", name) for name in sorted(changed)]
+            keys = files.keys() | self._files.keys() if touched is None else touched
+            changed = {k for k in keys if files.get(k) != self._files.get(k)}
+            events = [FolderEvent("activity", name) for name in sorted(self.names.select(changed))]
             if files and self.layout == NONE:
                 self.layout = FILES
         self.previous = self._files
@@ -242,6 +268,14 @@ class FolderWatcher:
     def files(self) -> Snapshot:
         """The last snapshot of a generic folder: path -> (size, mtime_ns, inode); folders end in ``/``."""
         return dict(self._files)
+
+    def checkpoint_files(self) -> list[str]:
+        """Files of the last snapshot that count as the checkpoint (all files while no name filter is on)."""
+        return [
+            n
+            for n in self._files
+            if not n.endswith("/") and (not self.names.active or self.names.is_checkpoint(n))
+        ]
 
     def published_steps(self) -> list[int]:
         """Steps of the ``step-`` folders in the last snapshot (manager layout)."""

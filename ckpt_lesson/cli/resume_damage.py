@@ -1,0 +1,73 @@
+"""After a kill: what the dead process left in its checkpoint folder that is not a good save.
+
+A :class:`~ckpt_lesson.CheckpointManager` folder, and the integrations' saves (a folder manifest,
+a file footer), carry their own records and are judged exactly by ``scan_checkpoints``. A stock
+writer's plain folder has no record: the best evidence left is "this file was being written in
+place when the process was killed" (see :class:`~resume_watch.SaveBurst`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ckpt_lesson.cli.resume_watch import MANAGER, FolderWatcher, SaveBurst
+from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.runs.scan import scan_checkpoints
+
+__all__ = ["damage_after_kill"]
+
+
+def damage_after_kill(ckpt_dir: Path, watcher: FolderWatcher, burst: SaveBurst) -> list[dict[str, Any]]:
+    """What the killed process left that is not a good save: one dict per damaged or doubtful entry.
+
+    Args:
+        ckpt_dir: The checkpoint folder.
+        watcher: Its watcher (the layout and the last snapshot).
+        burst: The save that was at work when the kill came (plain folders).
+
+    Returns:
+        ``{"name", "step", "status", "reason"}`` for each; empty when every save is good.
+
+    Example:
+        >>> damage_after_kill(Path("w/trial-01/ckpt"), watcher, burst)  # doctest: +SKIP
+        [{'name': 'checkpoint.pt', 'step': None, 'status': 'possibly incomplete', 'reason': '...'}]
+    """
+    if watcher.layout == MANAGER:
+        try:
+            results = scan_checkpoints(ckpt_dir)
+        except CheckpointError:
+            return []
+        return [
+            {"name": r.path.name, "step": r.step, "status": r.status, "reason": r.reason}
+            for r in results
+            if not r.ok
+        ]
+    exact = _recorded_damage(ckpt_dir)
+    if exact is not None:
+        return exact
+    # A generic folder has no commit record: the best evidence is "it was being written at the kill".
+    return [
+        {"name": name, "step": None, "status": "possibly incomplete",
+         "reason": f"was being written when the process was killed ({size} bytes)"}
+        for name, size in burst.cut_short(watcher.files())
+    ]  # fmt: skip
+
+
+def _recorded_damage(ckpt_dir: Path) -> list[dict[str, Any]] | None:
+    """The integrations' saves carry their own records (a folder manifest, a file footer): judged exactly.
+
+    ``None`` when nothing in the folder verifies (a stock writer, or no save yet): then only the
+    generic evidence of files cut short is left.
+    """
+    try:
+        results = scan_checkpoints(ckpt_dir)
+    except CheckpointError:
+        return None
+    if not any(r.ok for r in results):
+        return None
+    return [
+        {"name": r.path.name, "step": r.step, "status": r.status, "reason": r.reason}
+        for r in results
+        if not r.ok
+    ]
