@@ -53,3 +53,17 @@ def test_wrapped_saves_restore_into_plain_models_and_the_reverse_in_every_saver(
     assert len(results) == 6
     failed = {case: [saver for saver, ok in savers.items() if not ok] for case, savers in results.items()}
     assert failed == {case: [] for case in results}
+
+
+def test_a_model_without_an_optimizer_saves_and_restores_through_dcp(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    mgr = DistributedCheckpointManager(tmp_path, keep_last=2, every_steps=1)
+    mgr.save(4, {"model": model, "ema_decay": 0.99})
+    mgr.close()
+    fresh = torch.nn.Linear(3, 2)
+    mgr = DistributedCheckpointManager(tmp_path, keep_last=2, every_steps=1)
+    restored = mgr.restore_latest({"model": fresh, "ema_decay": None})
+    mgr.close()
+    assert restored.step == 4 and restored.values == {"ema_decay": 0.99}
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)

@@ -29,7 +29,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from ckpt_lesson.errors import CheckpointError, StateMismatchError, UnsafeCheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
@@ -138,6 +143,14 @@ def decode_rank_state(blob: Any, *, where: str) -> dict[str, Any]:
     return {"train": train, "rng": payload["rng"], "data": payload["data"]}
 
 
+def _model_and_optim(model: Any, optimizer: Any) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` from torch's helpers; no ``optim`` entry without an optimizer."""
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
 def build_save_state(model: Any, optimizer: Any, scheduler: Any, *, rank: int, blob: bytes) -> dict[str, Any]:
     """The state dict this rank hands to ``dcp.save``.
 
@@ -146,8 +159,7 @@ def build_save_state(model: Any, optimizer: Any, scheduler: Any, *, rank: int, b
         >>> sorted(sd)  # doctest: +SKIP
         ['model', 'optim', 'rank0_local']
     """
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    out: dict[str, Any] = {"model": model_sd, "optim": optim_sd, rank_key(rank): blob}
+    out: dict[str, Any] = {**_model_and_optim(model, optimizer), rank_key(rank): blob}
     if scheduler is not None:
         out["scheduler"] = scheduler.state_dict()
     return out
@@ -163,8 +175,7 @@ def build_load_template(
     ``get_state_dict`` on an optimizer that never stepped runs one zero-lr step
     to create its state: harmless, and needed so the moments have somewhere to go.
     """
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    out: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    out: dict[str, Any] = _model_and_optim(model, optimizer)
     out.update({key: b"" for key in blob_keys})
     if scheduler is not None:
         out["scheduler"] = scheduler.state_dict()
@@ -173,7 +184,10 @@ def build_load_template(
 
 def apply_shared_state(model: Any, optimizer: Any, scheduler: Any, loaded: dict[str, Any]) -> None:
     """Put loaded model, optimizer and scheduler state into the live objects."""
-    set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    if optimizer is None:  # a state-API run without an optimizer (evaluation, EMA-only parts)
+        set_model_state_dict(model, loaded["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     if scheduler is not None:
         scheduler.load_state_dict(loaded["scheduler"])
 
