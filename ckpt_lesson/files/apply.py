@@ -15,12 +15,13 @@ import torch
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from ckpt_lesson.files.integrity import FileDigest
+from ckpt_lesson.files.modules import canonical_saved_keys, load_model_state, model_state
 from ckpt_lesson.files.payload import check_model_state, check_optimizer_fit, strip_bindings
 from ckpt_lesson.files.rng import restore_rng_state, validate_rng_state
 from ckpt_lesson.files.schema import SCHEMA_V1
 from ckpt_lesson.files.train_state import BUCKETS, REQUIRES_KEY, TrainState
 
-__all__ = ["apply_payload", "require_footer"]
+__all__ = ["apply_payload", "check_optimizer_payload", "require_footer"]
 
 
 def require_footer(obj: Any, digest: FileDigest, path: str | os.PathLike[str]) -> None:
@@ -91,27 +92,11 @@ def apply_payload(
         raise StateMismatchError(f"{source}: payload lacks {missing}; a resume needs every bucket.")
     _check_requirements(payload.get("extras"), handles, source=source)
     state = TrainState.from_dict(payload["state"], source=source)
-    check_model_state(payload["model"], model, source=source, allow_dtype_cast=allow_dtype_cast)
-    opt_sd = payload["optimizer"]
-    if (
-        not isinstance(opt_sd, dict)
-        or not isinstance(opt_sd.get("state"), dict)
-        or not isinstance(opt_sd.get("param_groups"), (list, tuple))
-        or not all(_is_param_group(g) for g in opt_sd["param_groups"])
-    ):
-        raise StateMismatchError(
-            f"{source}: 'optimizer' is not an optimizer state_dict; a resume needs the saved "
-            "moments. Use warm_start_from() to start a new experiment from the weights instead."
-        )
-    saved_sizes = [len(g["params"]) for g in opt_sd["param_groups"]]
-    live_sizes = [len(g["params"]) for g in optimizer.param_groups]
-    if saved_sizes != live_sizes:
-        raise StateMismatchError(
-            f"{source}: optimizer has parameter groups of sizes {saved_sizes}, the live one "
-            f"{live_sizes}; build the optimizer the same way as the saved run."
-        )
-    check_optimizer_fit(opt_sd, optimizer, model, source=source)
-    opt_sd = strip_bindings(opt_sd)
+    model_sd = payload["model"]
+    if isinstance(model_sd, dict):  # a save made before keys were canonical may carry a wrapper prefix
+        model_sd = canonical_saved_keys(model_sd, model_state(model).keys())
+    check_model_state(model_sd, model, source=source, allow_dtype_cast=allow_dtype_cast)
+    opt_sd = check_optimizer_payload(payload["optimizer"], optimizer, model, source=source)
     if (payload["scheduler"] is None) != (scheduler is None):
         have = "no scheduler" if scheduler is None else "a scheduler"
         saved = "none" if payload["scheduler"] is None else "one"
@@ -142,11 +127,49 @@ def apply_payload(
             f"{source}: the optimizer state does not fit the live optimizer ({type(exc).__name__}: "
             f"{str(exc)[:200]}); build the same optimizer class and groups as the saved run."
         ) from exc
-    model.load_state_dict(payload["model"], strict=True)
+    load_model_state(model, model_sd)
     if scheduler is not None:
         scheduler.load_state_dict(payload["scheduler"])
     restore_rng_state(payload["rng"], allow_device_change=allow_device_change)
     return state
+
+
+def check_optimizer_payload(opt_sd: Any, optimizer: Any, model: Any, *, source: str) -> dict[str, Any]:
+    """Check a saved optimizer state against the live optimizer; returns what ``load_state_dict`` takes.
+
+    Args:
+        opt_sd: The saved optimizer state dict (with our binding records).
+        optimizer: The live optimizer.
+        model: Anything with ``named_parameters()``: names the live parameters.
+        source: Names the checkpoint in messages.
+
+    Returns:
+        ``opt_sd`` without the binding records.
+
+    Raises:
+        StateMismatchError: Not an optimizer state dict, or it does not fit (groups, class,
+            parameter order, state shapes).
+    """
+    if (
+        not isinstance(opt_sd, dict)
+        or not isinstance(opt_sd.get("state"), dict)
+        or not isinstance(opt_sd.get("param_groups"), (list, tuple))
+        or not all(_is_param_group(g) for g in opt_sd["param_groups"])
+    ):
+        raise StateMismatchError(
+            f"{source}: 'optimizer' is not an optimizer state_dict; a resume needs the saved "
+            "moments. Use warm_start_from() to start a new experiment from the weights instead."
+        )
+    saved_sizes = [len(g["params"]) for g in opt_sd["param_groups"]]
+    live_sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if saved_sizes != live_sizes:
+        raise StateMismatchError(
+            f"{source}: optimizer has parameter groups of sizes {saved_sizes}, the live one "
+            f"{live_sizes}; build the optimizer the same way as the saved run."
+        )
+    check_optimizer_fit(opt_sd, optimizer, model, source=source)
+    opt_sd = strip_bindings(opt_sd)
+    return opt_sd
 
 
 def _is_param_group(group: Any) -> bool:

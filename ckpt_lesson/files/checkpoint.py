@@ -35,6 +35,7 @@ from ckpt_lesson.files.atomic import atomic_save
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.files.integrity import FileDigest
 from ckpt_lesson.files.loading import load_verified_file
+from ckpt_lesson.files.modules import model_state
 from ckpt_lesson.files.payload import (
     check_model_state,
     optimizer_state_with_bindings,
@@ -94,7 +95,7 @@ def build_payload(
         validate_rng_state(rng)  # a bad state must fail this save, not the resume months later
     payload = {
         "schema": CURRENT_SCHEMA,
-        "model": model.state_dict(),
+        "model": model_state(model),  # canonical keys, wrapped or not (files/modules.py)
         "optimizer": optimizer_state_with_bindings(model, optimizer),
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         "state": state.to_dict(),

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ckpt_lesson.errors import CheckpointError, StateMismatchError
+from ckpt_lesson.files.modules import WRAPPER_PREFIXES, model_state, param_names
 
 __all__ = [
     "BINDING_KEY",
@@ -124,14 +125,15 @@ def optimizer_state_with_bindings(model: Any, optimizer: Any) -> dict[str, Any]:
     """
     sd = optimizer.state_dict()
     groups = getattr(optimizer, "param_groups", None)
-    named = getattr(model, "named_parameters", None)
-    if groups is None or named is None or not isinstance(sd.get("param_groups"), list):
+    if groups is None or not isinstance(sd.get("param_groups"), list):
         return sd
-    names = {id(p): n for n, p in named()}
+    names = param_names(model)  # canonical: a compiled or DDP-wrapped model records the plain names
     out_groups = []
     for saved, live in zip(sd["param_groups"], groups, strict=False):
-        param_names = [names.get(id(p)) for p in live["params"]]
-        binding = {"optimizer": type(optimizer).__name__, "param_names": param_names}
+        binding = {
+            "optimizer": type(optimizer).__name__,
+            "param_names": [names.get(id(p)) for p in live["params"]],
+        }
         out_groups.append({**saved, BINDING_KEY: binding})
     return {**sd, "param_groups": out_groups}
 
@@ -155,7 +157,7 @@ def check_optimizer_fit(opt_sd: dict[str, Any], optimizer: Any, model: Any, *, s
     Example:
         >>> check_optimizer_fit(payload["optimizer"], opt, model, source="last.pt")  # doctest: +SKIP
     """
-    live_names = {id(p): n for n, p in model.named_parameters()} if hasattr(model, "named_parameters") else {}
+    live_names = param_names(model)
     saved_ids: list[Any] = []
     live_params: list[Any] = []
     for i, (saved, live) in enumerate(zip(opt_sd["param_groups"], optimizer.param_groups, strict=True)):
@@ -170,6 +172,7 @@ def check_optimizer_fit(opt_sd: dict[str, Any], optimizer: Any, model: Any, *, s
             names = binding.get("param_names")
             now = [live_names.get(id(p)) for p in live["params"]]
             if isinstance(names, list) and len(names) == len(now):
+                names = [_unprefixed(n) for n in names]  # saves made before names were canonical
                 for pos, (was, is_) in enumerate(zip(names, now, strict=True)):
                     if was is not None and is_ is not None and was != is_:
                         raise StateMismatchError(
@@ -208,6 +211,13 @@ def check_optimizer_fit(opt_sd: dict[str, Any], optimizer: Any, model: Any, *, s
                 )
 
 
+def _unprefixed(name: Any) -> Any:
+    for prefix in WRAPPER_PREFIXES:
+        if isinstance(name, str) and name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
+
+
 def check_model_state(
     saved: Any, model: torch.nn.Module, *, source: str = "<payload>", allow_dtype_cast: bool = False
 ) -> None:
@@ -226,13 +236,14 @@ def check_model_state(
     """
     if not isinstance(saved, dict):
         raise StateMismatchError(f"{source}: 'model' must be a state_dict, got {type(saved).__name__}.")
-    live = model.state_dict()
+    live = model_state(model)  # canonical keys: compiled and DDP-wrapped models compare as plain ones
     missing = sorted(set(live) - set(saved))
     unexpected = sorted(set(saved) - set(live))
     if missing or unexpected:
         raise StateMismatchError(
             f"{source}: model keys differ: missing {missing[:5]}, unexpected {unexpected[:5]}; "
-            "build the same architecture as the saved run."
+            "build the same architecture as the saved run (a torch.compile, DDP or DataParallel "
+            "wrapper is not a difference: keys are compared without their prefixes)."
         )
     for key, tensor in live.items():
         got = saved[key]

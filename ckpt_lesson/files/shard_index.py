@@ -178,7 +178,7 @@ def read_shard_index(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
             f"{index_path}: schema {index.get('schema')!r} is not one of {SHARDED_SCHEMAS}; "
             "this is not a sharded checkpoint this code can read."
         )
-    if index.get("payload_schema") not in KNOWN_SCHEMAS:
+    if index.get("payload_schema") not in (*KNOWN_SCHEMAS, "ckpt.parts.v1"):  # parts: the state API
         # Refused before reading a single shard: the payload inside is a layout this code cannot restore.
         raise SchemaError(
             f"{index_path}: payload schema {index.get('payload_schema')!r} is not one of {KNOWN_SCHEMAS}; "

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ckpt_lesson.errors import CheckpointError, ContractMismatchError
+from ckpt_lesson.files.modules import model_state
 from ckpt_lesson.files.schema import current_env
 
 __all__ = [
@@ -86,7 +87,7 @@ def model_fingerprint(model: torch.nn.Module | Mapping[str, Any]) -> str:
         >>> model_fingerprint(make_model()) == model_fingerprint(make_model(hidden=16))
         False
     """
-    sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
+    sd = model_state(model) if isinstance(model, torch.nn.Module) else model  # wrapper-free keys
     lines = []
     for name in sorted(sd):
         t = sd[name]

@@ -41,22 +41,29 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
+from ckpt_lesson.files.state_payload import Restored, build_state_payload
 from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale, open_staging, publish
 from ckpt_lesson.runs.contract import ENV_POLICIES
 from ckpt_lesson.runs.manager_config import EventHook, ManagerConfig
-from ckpt_lesson.runs.restore import check_resume_contract, restore_newest
+from ckpt_lesson.runs.restore import check_resume_contract, load_save, restore_newest
+from ckpt_lesson.runs.restore_state import load_state_save
 from ckpt_lesson.runs.retain import apply_retention
 from ckpt_lesson.runs.retention import RetentionPolicy
-from ckpt_lesson.runs.save_parts import refuse_if_already_saved, stage_save
+from ckpt_lesson.runs.save_parts import refuse_if_already_saved, stage_payload_save, stage_save
 from ckpt_lesson.runs.scan import (
     MANIFEST_NAME,
     ScanResult,
     inspect_save,
     published_steps,
     step_dir_name,
+)
+from ckpt_lesson.runs.state_args import (
+    check_state_mapping,
+    is_state_call,
+    positional_restore_args,
+    positional_save_args,
 )
 
 __all__ = ["CheckpointManager"]
@@ -217,63 +224,66 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
 
-    def save(
-        self,
-        model: Any,
-        optimizer: Any,
-        scheduler: Any,
-        state: TrainState,
-        *,
-        extras: dict[str, Any] | None = None,
-        rng: dict[str, Any] | None = None,
-    ) -> Path:
-        """Save ``state.step`` with the commit protocol, then apply retention.
+    def save(self, *args: Any, extras: dict[str, Any] | None = None, rng: Any = None) -> Path:
+        """Save the training state at a step with the commit protocol, then apply retention.
 
-        Args:
-            model, optimizer, scheduler: The live training objects.
-            state: Counters and losses; ``state.step`` names the save.
-            extras: Plain values carried in the payload.
-            rng: Generator state captured earlier with
-                :func:`~ckpt_lesson.files.rng.capture_rng_state` (as
-                :class:`~ckpt_lesson.runs.async_save.TrainingSnapshot` does);
-                ``None`` captures it now.
+        Two forms:
+
+        * ``save(step, state, *, rng=True)``: the state API. ``state`` maps names
+          to objects with ``state_dict()``/``load_state_dict()`` or plain values
+          (see :mod:`~ckpt_lesson.files.state_payload`). ``rng``: ``True``
+          captures the generators now, ``False`` saves none, a dict from
+          :func:`~ckpt_lesson.files.rng.capture_rng_state` taken earlier (before
+          a prefetch drew the next batch) is saved as given.
+        * ``save(model, optimizer, scheduler, state, *, extras=None, rng=None)``:
+          the positional form, with a :class:`TrainState` whose ``step`` names the save.
 
         Returns:
             The published ``step-XXXXXXXX`` folder.
 
         Raises:
-            CheckpointError: The manager is closed, or a save of this step
+            CheckpointError: The manager is closed, a part or value is refused
+                (named, before anything is written), or a save of this step
                 already exists and verifies. ``CorruptCheckpointError`` when
                 ``verify_on_save`` finds the written bytes differ (nothing is
                 published then).
 
         Example:
-            >>> path = mgr.save(model, opt, sched, state)  # doctest: +SKIP
-            >>> path.name  # doctest: +SKIP
+            >>> mgr.save(240, {"model": model, "optimizer": opt, "best": 0.31}).name  # doctest: +SKIP
             'step-00000240'
         """
         self.check_open()
-        if not isinstance(state, TrainState):
-            raise CheckpointError(f"state must be a TrainState, got {type(state).__name__}.")
+        if is_state_call(args):
+            step, state = args
+            if extras is not None:
+                raise CheckpointError(
+                    "extras= belongs to the positional form; put plain values in the state mapping."
+                )
+            payload = build_state_payload(
+                step, state, rng=True if rng is None else rng, data=self.config.data
+            )
+            return self.save_payload(payload)
+        model, optimizer, scheduler, state = positional_save_args(args)
         step = state.step
+        return self._commit(step, lambda staging: stage_save(
+            staging, self.config, model, optimizer, scheduler, state, extras=extras, rng=rng, emit=self._emit
+        ))  # fmt: skip
+
+    def save_payload(self, payload: dict[str, Any]) -> Path:
+        """Commit a payload from ``build_state_payload`` (or an asynchronous snapshot of one)."""
+        self.check_open()
+        return self._commit(payload["step"], lambda staging: stage_payload_save(
+            staging, self.config, payload, emit=self._emit
+        ))  # fmt: skip
+
+    def _commit(self, step: int, stage: Callable[[Path], dict[str, Any]]) -> Path:
         refuse_if_already_saved(self.step_dir(step), step)
         started = time.perf_counter()
         # Ctrl-C or an error anywhere in this block: open_staging removes the staging folder
         # (garbage, never a save) and releases the lock, so the error surfaces with nothing half-made.
         with open_staging(self.run_dir, step) as staging:
             self._emit("save_begin", step=step, staging=staging.name)
-            # Parts, then the sealed manifest (fsynced), then the optional re-read: see save_parts.
-            manifest = stage_save(
-                staging,
-                self.config,
-                model,
-                optimizer,
-                scheduler,
-                state,
-                extras=extras,
-                rng=rng,
-                emit=self._emit,
-            )
+            manifest = stage(staging)  # parts, then the sealed manifest (fsynced), then the optional re-read
             final = publish(
                 staging,
                 self.step_dir(step),
@@ -307,47 +317,61 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ restore
 
-    def restore_latest(
-        self, model: Any, optimizer: Any, scheduler: Any, *, map_location: Any = "cpu"
-    ) -> TrainState | None:
+    def restore_latest(self, *args: Any, strict: bool = True, map_location: Any = "cpu") -> Any:
         """Restore the newest save that verifies; skip (and log) damaged newer ones.
 
+        Two forms:
+
+        * ``restore_latest(state, *, strict=True)``: the state API. Objects in
+          ``state`` are restored in place, the RNG is restored, and a
+          :class:`~ckpt_lesson.files.state_payload.Restored` comes back (``step``,
+          ``values``, ``rng``, ``path``). ``strict=False`` ignores parts present
+          on one side only. Positional single-file saves restore this way too.
+        * ``restore_latest(model, optimizer, scheduler)``: returns the :class:`TrainState`.
+
         Returns:
-            The restored :class:`TrainState`, or ``None`` when the run
-            directory holds no save at all (a fresh start).
+            The result above, or ``None`` when the run directory holds no save at all (a fresh start).
 
         Raises:
             CheckpointError: Saves exist but none is usable; the message lists
-                each one's reason. Errors that are not damage (a model that does
+                each one's reason. Errors that are not damage (a state that does
                 not fit, an unknown schema, an unsafe file) are raised at once,
                 not skipped: an older save would not fix them.
 
         Example:
-            >>> state = mgr.restore_latest(model, opt, sched) or TrainState()  # doctest: +SKIP
+            >>> restored = mgr.restore_latest({"model": model, "best": None})  # doctest: +SKIP
+            >>> start = restored.step + 1 if restored else 1  # doctest: +SKIP
         """
         self.check_open()
         self._contract = None
         self.last_restore = {}
-        found = restore_newest(
-            self.run_dir,
-            self._published(),
-            model,
-            optimizer,
-            scheduler,
-            map_location=map_location,
-            check_contract=self._check_contract,
-            record=self.last_restore,
-        )
+        if len(args) == 1 and isinstance(args[0], Mapping):
+            state = args[0]
+            check_state_mapping(state)
+
+            def load(target: Path, step: int) -> tuple[dict[str, Any], Any]:
+                return load_state_save(target, step, state, strict=strict, map_location=map_location,
+                                       check_contract=self._check_contract)  # fmt: skip
+        else:
+            model, optimizer, scheduler = positional_restore_args(args)
+
+            def load(target: Path, step: int) -> tuple[dict[str, Any], Any]:
+                return load_save(target, step, model, optimizer, scheduler, map_location=map_location,
+                                 check_contract=self._check_contract)  # fmt: skip
+
+        found = restore_newest(self.run_dir, self._published(), load, record=self.last_restore)
         self._verified.difference_update(s["step"] for s in self.last_restore["skipped"])
         if found is None:
             return None
-        step, state = found
+        step, result = found
         self._verified.add(step)
         self._cadence.mark_saved(step)
         contract = self._contract
         self.last_restore["contract"] = contract[0].to_dict() if contract else None
         self.last_restore["contract_warnings"] = contract[1] if contract else []
-        return state
+        if isinstance(result, Restored):
+            result.skipped = list(self.last_restore["skipped"])
+        return result
 
     def _check_contract(self, target: Path, manifest: dict[str, Any]) -> None:
         """Refuse a save this run must not resume (see ``restore.check_resume_contract``)."""

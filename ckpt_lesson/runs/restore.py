@@ -36,14 +36,17 @@ from ckpt_lesson.files.integrity import part_digest
 from ckpt_lesson.files.safe_read import read_json_file
 from ckpt_lesson.files.schema import current_env
 from ckpt_lesson.files.sharded import INDEX_NAME, load_sharded_checkpoint
+from ckpt_lesson.files.state_payload import PARTS_SCHEMA
 from ckpt_lesson.files.verify import verify_record
 from ckpt_lesson.runs.contract import ResumeReport, check_contract, resume_report
 from ckpt_lesson.runs.scan import read_manifest, step_dir_name
 
 __all__ = [
+    "check_parts_present",
     "check_resume_contract",
     "index_parts",
     "load_newest_good",
+    "load_positional",
     "load_save",
     "restore_newest",
     "verify_other_parts",
@@ -92,7 +95,23 @@ def load_save(
     manifest = read_manifest(target)
     if manifest["step"] != step:
         raise CorruptCheckpointError(f"{target.name}: manifest records step {manifest['step']}")
+    if manifest.get("payload_schema") == PARTS_SCHEMA:
+        raise StateMismatchError(
+            f"{target.name}: saved through the state API (mgr.save(step, state)); restore it the same way, "
+            "with mgr.restore_latest({'model': model, 'optimizer': opt, ...})."
+        )
     check_contract(target, manifest)
+    check_parts_present(target, manifest)
+    return load_positional(target, manifest, step, model, optimizer, scheduler, map_location=map_location)
+
+
+def check_parts_present(target: Path, manifest: dict[str, Any]) -> None:
+    """Every manifest part exists with its recorded size: a ``stat`` each, no reading.
+
+    Raises:
+        IncompleteCheckpointError: A part is missing.
+        CorruptCheckpointError: A part has another size.
+    """
     for part in manifest["parts"]:  # presence and size first: free, and names a missing part exactly
         path = target / part["file"]
         if not path.is_file() or path.is_symlink():
@@ -102,6 +121,19 @@ def load_save(
             raise CorruptCheckpointError(
                 f"{target.name}: {part['file']}: size {size} != recorded {part['bytes']}"
             )
+
+
+def load_positional(
+    target: Path,
+    manifest: dict[str, Any],
+    step: int,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    *,
+    map_location: Any,
+) -> tuple[dict[str, Any], TrainState]:
+    """The positional save's payload, verified and applied (the end of :func:`load_save`)."""
     if manifest["layout"] == "single":
         by_name = {p["file"]: p for p in manifest["parts"]}
         verify_other_parts(target, manifest, skip={"checkpoint.pt"})
@@ -157,7 +189,9 @@ def check_resume_contract(
         ...     target, manifest, expect={}, env_policy="refuse", emit=lambda name, **info: None)
     """
     covers = manifest.get("covers") if isinstance(manifest.get("covers"), list) else []
-    missing = [b for b in BUCKETS if b not in covers]
+    # A state-API save covers the parts it was given; the restore compares them by name.
+    required = () if manifest.get("payload_schema") == PARTS_SCHEMA else BUCKETS
+    missing = [b for b in required if b not in covers]
     if missing:
         raise StateMismatchError(
             f"{target.name}: this save does not cover {missing}; a resume needs every bucket. "
@@ -209,25 +243,22 @@ def index_parts(target: Path) -> list[dict[str, Any]]:
 def load_newest_good(
     run_dir: Path,
     steps: list[int],
-    model: Any,
-    optimizer: Any,
-    scheduler: Any,
+    load: Callable[[Path, int], tuple[dict[str, Any], Any]],
     *,
-    map_location: Any,
-    check_contract: Callable[[Path, dict[str, Any]], None],
     skipped: list[dict[str, Any]],
-) -> tuple[int, Path, dict[str, Any], TrainState]:
+) -> tuple[int, Path, dict[str, Any], Any]:
     """Try the saves newest first; load the first that verifies, skipping (and logging) damage.
 
     Args:
         run_dir: The run directory; ``steps`` are its published steps, ascending.
-        model, optimizer, scheduler, map_location, check_contract: As for :func:`load_save`.
+        load: ``load(folder, step) -> (manifest, result)``: :func:`load_save` with the live
+            objects bound, or the state API's ``load_state_save``; raises on damage.
         skipped: A list this function appends ``{"step", "status", "reason"}`` to,
             one per damaged or incomplete save passed over (the caller keeps it
             for its report even when this raises).
 
     Returns:
-        ``(step, folder, manifest, state)`` of the save that was loaded.
+        ``(step, folder, manifest, result)`` of the save that was loaded.
 
     Raises:
         CheckpointError: No save is usable (the message lists each one's
@@ -236,10 +267,7 @@ def load_newest_good(
     for step in reversed(steps):
         target = run_dir / step_dir_name(step)
         try:
-            manifest, state = load_save(
-                target, step, model, optimizer, scheduler,
-                map_location=map_location, check_contract=check_contract,
-            )  # fmt: skip
+            manifest, state = load(target, step)
         except (CorruptCheckpointError, IncompleteCheckpointError, OSError) as exc:
             # An OSError (EIO) reading a part is damage to this copy, like a wrong hash: fall back.
             # LoadEnvironmentError is not caught: once the hashes match, an older save would fail alike.
@@ -263,14 +291,10 @@ def load_newest_good(
 def restore_newest(
     run_dir: Path,
     steps: list[int],
-    model: Any,
-    optimizer: Any,
-    scheduler: Any,
+    load: Callable[[Path, int], tuple[dict[str, Any], Any]],
     *,
-    map_location: Any,
-    check_contract: ContractCheck,
     record: dict[str, Any],
-) -> tuple[int, TrainState] | None:
+) -> tuple[int, Any] | None:
     """:func:`load_newest_good`, filling ``record`` (the manager's ``last_restore``) as it goes.
 
     Args:
@@ -279,14 +303,13 @@ def restore_newest(
             skipped), and ``layout`` and ``seconds`` after a restore.
 
     Returns:
-        ``(step, state)``, or ``None`` when ``steps`` is empty (a fresh start).
+        ``(step, result)``, or ``None`` when ``steps`` is empty (a fresh start).
 
     Raises:
         CheckpointError: As :func:`load_newest_good`.
 
     Example:
-        >>> found = restore_newest(run_dir, [40, 80], model, opt, sched, map_location="cpu",  # doctest: +SKIP
-        ...                        check_contract=lambda t, m: None, record={})
+        >>> found = restore_newest(run_dir, [40, 80], load, record={})  # doctest: +SKIP
     """
     started = time.perf_counter()
     skipped: list[dict[str, Any]] = []
@@ -294,10 +317,7 @@ def restore_newest(
     if not steps:
         log.info("%s: no saves; starting fresh", run_dir)
         return None
-    step, target, manifest, state = load_newest_good(
-        run_dir, steps, model, optimizer, scheduler,
-        map_location=map_location, check_contract=check_contract, skipped=skipped,
-    )  # fmt: skip
+    step, target, manifest, state = load_newest_good(run_dir, steps, load, skipped=skipped)
     record.update(
         step=step,
         save_id=manifest.get("save_id"),

@@ -25,6 +25,8 @@ from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, save_checkpoint
 from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, MANIFEST_SCHEMA, current_env
 from ckpt_lesson.files.sharded import INDEX_NAME, save_sharded_checkpoint
+from ckpt_lesson.files.state_files import write_state_payload
+from ckpt_lesson.files.state_payload import PARTS_SCHEMA
 from ckpt_lesson.files.verify import verify_record
 from ckpt_lesson.runs.manager_config import ManagerConfig
 from ckpt_lesson.runs.scan import MANIFEST_NAME, inspect_save, read_manifest
@@ -32,6 +34,7 @@ from ckpt_lesson.runs.scan import MANIFEST_NAME, inspect_save, read_manifest
 __all__ = [
     "build_manifest",
     "refuse_if_already_saved",
+    "stage_payload_save",
     "stage_save",
     "verify_staged",
     "write_parts",
@@ -102,17 +105,30 @@ def write_parts(
     return parts
 
 
-def build_manifest(config: ManagerConfig, state: TrainState, parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """The commit record of one save: its parts, what it covers, and what a resume must match."""
+def build_manifest(
+    config: ManagerConfig,
+    state: TrainState | dict[str, Any],
+    parts: list[dict[str, Any]],
+    *,
+    payload_schema: str = CURRENT_SCHEMA,
+    covers: list[str] | None = None,
+) -> dict[str, Any]:
+    """The commit record of one save: its parts, what it covers, and what a resume must match.
+
+    ``state`` is the positional save's :class:`TrainState`, or ``{"step": N}`` for a
+    state-API save, whose ``covers`` lists its part names (plus ``rng`` when saved).
+    """
+    if isinstance(state, TrainState):
+        state = {"step": state.step, "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch}
     manifest = {
         "schema": MANIFEST_SCHEMA,
         "save_id": uuid.uuid4().hex,
-        "step": state.step,
-        "payload_schema": CURRENT_SCHEMA,
+        "step": state["step"],
+        "payload_schema": payload_schema,
         "layout": config.layout,
         "parts": parts,
-        "covers": list(BUCKETS),
-        "state": {"step": state.step, "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch},
+        "covers": list(BUCKETS) if covers is None else covers,
+        "state": state,
         "env": current_env(),
         "data": dict(config.data or {}),
         "metadata": dict(config.metadata),
@@ -171,8 +187,19 @@ def stage_save(
     parts = write_parts(
         staging, config, model, optimizer, scheduler, state, extras=extras, rng=rng, emit=emit
     )
+    return _finish_stage(staging, config, parts, step, emit, build_manifest(config, state, parts))
+
+
+def _finish_stage(
+    staging: Path,
+    config: ManagerConfig,
+    parts: list[dict[str, Any]],
+    step: int,
+    emit: Emit,
+    manifest: dict[str, Any],
+) -> dict[str, Any]:
+    """The end of every staged save: the manifest (written, fsynced), then the optional re-read."""
     emit("parts_complete", step=step, files=[p["file"] for p in parts])
-    manifest = build_manifest(config, state, parts)
     atomic_write_json(manifest, staging / MANIFEST_NAME)
     fsync_dir(staging)
     emit("manifest_written", step=step, save_id=manifest["save_id"])
@@ -180,3 +207,31 @@ def stage_save(
         verify_staged(staging, parts)
         emit("verified", step=step, save_id=manifest["save_id"])
     return manifest
+
+
+def stage_payload_save(
+    staging: Path, config: ManagerConfig, payload: dict[str, Any], *, emit: Emit
+) -> dict[str, Any]:
+    """:func:`stage_save` for a state-API payload (from ``build_state_payload`` or an async snapshot).
+
+    Returns:
+        The manifest as written.
+    """
+    step = payload["step"]
+    emit("part_begin", step=step, file="checkpoint.pt" if config.num_shards is None else "*")
+    if config.num_shards is None:
+        written = write_state_payload(payload, staging / "checkpoint.pt", algo=config.hash_algo)
+        parts = [{"file": "checkpoint.pt", **written.record()}]
+    else:
+        result = write_state_payload(
+            payload, staging, num_shards=config.num_shards, layout=config.shard_layout, algo=config.hash_algo
+        )
+        fields = ("bytes", "algo", "digest")
+        parts = [{"file": f["name"], **{k: f[k] for k in fields}} for f in [*result.files, result.meta]]
+        parts.append({"file": INDEX_NAME, **result.index.record()})
+    for part in parts:
+        emit("part_written", step=step, **part)
+    return _finish_stage(staging, config, parts, step, emit, build_manifest(
+        config, {"step": step}, parts, payload_schema=PARTS_SCHEMA,
+        covers=[*payload["kinds"], *(["rng"] if payload["rng"] is not None else [])],
+    ))  # fmt: skip

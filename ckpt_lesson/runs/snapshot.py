@@ -20,6 +20,7 @@ import torch
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
+from ckpt_lesson.files.modules import model_state
 from ckpt_lesson.files.payload import optimizer_state_with_bindings, validate_payload
 from ckpt_lesson.files.rng import capture_rng_state
 
@@ -143,7 +144,7 @@ class TrainingSnapshot:
         """
         if not isinstance(state, TrainState):
             raise CheckpointError(f"state must be a TrainState, got {type(state).__name__}.")
-        model_sd = model.state_dict()
+        model_sd = model_state(model)  # canonical keys, as a synchronous save writes them
         optimizer_sd = optimizer_state_with_bindings(model, optimizer)
         # Checked before copying: a meta tensor cannot even be copied, and a value a weights-only
         # load refuses must fail here, on the training thread, not later in the background.

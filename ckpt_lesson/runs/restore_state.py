@@ -1,0 +1,87 @@
+"""Loading one managed save through the state API: the same checks, any mapping of parts.
+
+The order is :mod:`ckpt_lesson.runs.restore`'s: manifest and step, the resume
+contract, every part present with its size, every byte hashed, and only then a
+weights-only load and the checks of each part against the live state. A
+positional save (``ckpt.v2``, single file) restores through this API too, its
+buckets seen as the parts ``model``, ``optimizer``, ``scheduler`` and the
+values ``train_state`` and ``extras``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ckpt_lesson.errors import CorruptCheckpointError, StateMismatchError
+from ckpt_lesson.files.checkpoint import read_checkpoint
+from ckpt_lesson.files.integrity import part_digest
+from ckpt_lesson.files.state_files import read_state_payload
+from ckpt_lesson.files.state_payload import PARTS_SCHEMA, Restored, apply_state_payload, parts_view
+from ckpt_lesson.runs.restore import ContractCheck, check_parts_present, verify_other_parts
+from ckpt_lesson.runs.scan import read_manifest
+
+__all__ = ["load_state_save"]
+
+
+def load_state_save(
+    target: Path,
+    step: int,
+    state: Mapping[str, Any],
+    *,
+    strict: bool,
+    map_location: Any,
+    check_contract: ContractCheck,
+) -> tuple[dict[str, Any], Restored]:
+    """Verify one published save folder and restore it into the live ``state`` mapping.
+
+    Args:
+        target: The ``step-XXXXXXXX`` folder.
+        step: The step its name promises; manifest and payload must agree.
+        state: The live ``{name: part}`` mapping; objects are restored in place.
+        strict: Refuse parts present on one side only.
+        map_location: As for ``torch.load``.
+        check_contract: Called with ``(target, manifest)`` before any part is read.
+
+    Returns:
+        ``(manifest, restored)``.
+
+    Raises:
+        IncompleteCheckpointError: A part is missing.
+        CorruptCheckpointError: Wrong step, size or digest, or an unreadable part.
+        StateMismatchError: The save does not fit ``state`` (named by part).
+
+    Example:
+        >>> manifest, restored = load_state_save(  # doctest: +SKIP
+        ...     run / "step-00000240", 240, {"model": model}, strict=True, map_location="cpu",
+        ...     check_contract=lambda target, manifest: None)
+    """
+    manifest = read_manifest(target)
+    if manifest["step"] != step:
+        raise CorruptCheckpointError(f"{target.name}: manifest records step {manifest['step']}")
+    check_contract(target, manifest)
+    check_parts_present(target, manifest)
+    parts_save = manifest.get("payload_schema") == PARTS_SCHEMA
+    if manifest["layout"] == "single":
+        verify_other_parts(target, manifest, skip={"checkpoint.pt"})
+        algo, want = part_digest({p["file"]: p for p in manifest["parts"]}["checkpoint.pt"])
+        path = target / "checkpoint.pt"
+        # One pass: the loader checks footer and the manifest's digest while hashing.
+        read = read_state_payload if parts_save else read_checkpoint
+        payload = read(path, map_location=map_location, expected_digest=want, algo=algo)
+    elif parts_save:
+        verify_other_parts(target, manifest, skip=set())  # pins index.json; the loader checks the rest
+        payload = read_state_payload(target, map_location=map_location)
+    else:
+        raise StateMismatchError(
+            f"{target.name}: a sharded positional save; restore it with "
+            "restore_latest(model, optimizer, scheduler), or save through the state API from now on."
+        )
+    saved_step = parts_view(payload, source=str(target))["step"]
+    if saved_step != step:  # before anything is applied: an older save is tried next
+        raise CorruptCheckpointError(f"{target.name}: payload holds step {saved_step}")
+    restored = apply_state_payload(payload, state, source=str(target), strict=strict)
+    restored.path = target
+    restored.save_id = manifest.get("save_id")
+    return manifest, restored
