@@ -12,23 +12,23 @@ check_torch_version()
 
 from .cli.chaos import CampaignResult, run_campaign  # noqa: E402
 from .cli.faults import KillPlan  # noqa: E402
-from .cli.lesson_demo import main, parse_args  # noqa: E402
-from .course.accumulating import MicroStepRecord, train_accumulating  # noqa: E402
-from .course.controls import run_negative_control  # noqa: E402
-from .course.demo import run_full_demo, run_resume_demo  # noqa: E402
-from .course.demo_artifacts import write_demo_artifacts  # noqa: E402
-from .course.exercises import (  # noqa: E402
+from .cli.lesson_demo import main, parse_args  # noqa: E402, F401 (course harness: COURSE_NAMES)
+from .course.accumulating import MicroStepRecord, train_accumulating  # noqa: E402, F401 (course harness: COURSE_NAMES)
+from .course.controls import run_negative_control  # noqa: E402, F401 (course harness: COURSE_NAMES)
+from .course.demo import run_full_demo, run_resume_demo  # noqa: E402, F401 (course harness: COURSE_NAMES)
+from .course.demo_artifacts import write_demo_artifacts  # noqa: E402, F401 (course harness: COURSE_NAMES)
+from .course.exercises import (  # noqa: E402, F401 (course harness: COURSE_NAMES)
     GradeResult,
     check_cadence,
     check_keep_k,
     check_migration,
     check_verify_part,
 )
-from .course.lesson_loop import step_one, synthetic_loader, train_until  # noqa: E402
-from .course.managed import run_managed_training  # noqa: E402
-from .course.preemptible import train_until_preempted  # noqa: E402
-from .course.skill import render_skill_markdown, write_skill_markdown  # noqa: E402
-from .course.training import (  # noqa: E402
+from .course.lesson_loop import step_one, synthetic_loader, train_until  # noqa: E402, F401 (course harness: COURSE_NAMES)
+from .course.managed import run_managed_training  # noqa: E402, F401 (course harness: COURSE_NAMES)
+from .course.preemptible import train_until_preempted  # noqa: E402, F401 (course harness: COURSE_NAMES)
+from .course.skill import render_skill_markdown, write_skill_markdown  # noqa: E402, F401 (course harness: COURSE_NAMES)
+from .course.training import (  # noqa: E402, F401 (course harness: COURSE_NAMES)
     SyntheticRegression,
     make_model,
     make_optimizer_and_scheduler,
@@ -73,6 +73,8 @@ from .files.sharded import (  # noqa: E402
     shard_keys_by_prefix,
     verify_sharded_checkpoint,
 )
+from .files.state_files import load_state, save_state  # noqa: E402
+from .files.state_payload import Restored  # noqa: E402
 from .files.verify import verify_part  # noqa: E402
 from .runs.accumulation import AccumulationState, load_accumulating, save_accumulating  # noqa: E402
 from .runs.async_save import AsyncCheckpointer, TrainingSnapshot  # noqa: E402
@@ -111,6 +113,7 @@ __all__ = [
     "AsyncCheckpointer",
     "BUCKETS",
     "CHECKPOINT_SCHEMA",
+    "COURSE_NAMES",
     "CURRENT_SCHEMA",
     "CampaignResult",
     "CheckpointError",
@@ -120,18 +123,17 @@ __all__ = [
     "DistributedCheckpointManager",
     "DistributedRestore",
     "FileDigest",
-    "GradeResult",
     "IncompleteCheckpointError",
     "KeepBest",
     "KeepLastK",
     "KillPlan",
     "LoadEnvironmentError",
     "ManagerConfig",
-    "MicroStepRecord",
     "MigrationResult",
     "PREEMPTED_EXIT_CODE",
     "PreemptionHandler",
     "RecoveryRecorder",
+    "Restored",
     "ResumeReport",
     "SCHEMA_V1",
     "SCHEMA_V2",
@@ -142,7 +144,6 @@ __all__ = [
     "ShardedSaveResult",
     "SpotComparison",
     "StateMismatchError",
-    "SyntheticRegression",
     "TrainState",
     "TrainingSnapshot",
     "UnsafeCheckpointError",
@@ -151,12 +152,8 @@ __all__ = [
     "atomic_save",
     "atomic_write_json",
     "capture_rng_state",
-    "check_cadence",
     "check_contract",
-    "check_keep_k",
-    "check_migration",
     "check_torch_version",
-    "check_verify_part",
     "compare_spot",
     "config_fingerprint",
     "contract_metadata",
@@ -172,52 +169,66 @@ __all__ = [
     "load_accumulating",
     "load_checkpoint",
     "load_sharded_checkpoint",
+    "load_state",
     "log_step",
-    "main",
-    "make_model",
-    "make_optimizer_and_scheduler",
     "migrate_file",
     "migrate_v1_to_v2",
     "model_fingerprint",
-    "parse_args",
     "plan_shards",
     "read_checkpoint",
     "read_manifest",
     "read_recovery_log",
     "read_shard_index",
-    "render_skill_markdown",
     "restore_rng_state",
     "resume_report",
     "run_campaign",
-    "run_full_demo",
-    "run_managed_training",
-    "run_negative_control",
-    "run_resume_demo",
     "save_accumulating",
     "save_checkpoint",
     "save_sharded_checkpoint",
+    "save_state",
     "scan_checkpoints",
-    "seed_everything",
     "shard_keys_by_prefix",
     "should_save",
-    "step_one",
     "summarize_recoveries",
-    "synthetic_loader",
-    "train",
-    "train_accumulating",
-    "train_until",
-    "train_until_preempted",
     "tuple_from_nested",
     "verify_folder",
     "verify_part",
     "verify_sharded_checkpoint",
     "warm_start_from",
-    "write_demo_artifacts",
     "write_folder_manifest",
     "write_legacy_v1_checkpoint",
-    "write_skill_markdown",
     "young_interval",
 ]
+
+#: The course harness (toy model and loop, demos, exercise graders): importable from here for the
+#: lesson's code and the notebooks, but not part of the library's listing above.
+COURSE_NAMES = (
+    "GradeResult",
+    "MicroStepRecord",
+    "SyntheticRegression",
+    "check_cadence",
+    "check_keep_k",
+    "check_migration",
+    "check_verify_part",
+    "main",
+    "make_model",
+    "make_optimizer_and_scheduler",
+    "parse_args",
+    "render_skill_markdown",
+    "run_full_demo",
+    "run_managed_training",
+    "run_negative_control",
+    "run_resume_demo",
+    "seed_everything",
+    "step_one",
+    "synthetic_loader",
+    "train",
+    "train_accumulating",
+    "train_until",
+    "train_until_preempted",
+    "write_demo_artifacts",
+    "write_skill_markdown",
+)
 
 
 #: Served on first use, not at import: ``ckpt_lesson.distributed`` pulls in

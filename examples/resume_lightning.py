@@ -13,9 +13,9 @@ scheduler state, the loop counters (epoch, step). What it does not, and this
 script adds:
 
 * **the RNG.** Lightning stores no generator state in its checkpoints, so a
-  resumed run draws different dropout masks. ``on_save_checkpoint`` puts
-  :func:`ckpt_lesson.capture_rng_state` into the checkpoint and
-  ``on_load_checkpoint`` puts it back (it loads weights-only).
+  resumed run would draw different dropout masks. ``VerifiedCheckpointIO``
+  adds every generator to each checkpoint and restores it when ``fit`` loads
+  the file (``rng=True``, its default): nothing to write here.
 * **the data order.** ``shuffle=True`` draws an epoch's order from the global
   RNG; here the order of an epoch depends on ``(seed, epoch)`` only (Lightning
   calls ``set_epoch`` on the sampler), and the DataLoader gets its own
@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
-from ckpt_lesson import capture_rng_state, log_step, restore_rng_state
+from ckpt_lesson import log_step
 from ckpt_lesson.integrations.lightning import VerifiedCheckpointIO, latest_verified_checkpoint
 
 MISTAKES = ("no-resume",)
@@ -85,12 +85,6 @@ class Tiny(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
 
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["rng"] = capture_rng_state()  # Lightning saves no generator state of its own
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        restore_rng_state(checkpoint["rng"])
-
 
 def make_data(seed: int) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
@@ -124,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         num_sanity_val_steps=0,
     )  # fmt: skip
     # The newest file whose footer verifies; None (a fresh start) when there is none yet.
-    resume = latest_verified_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
+    resume = latest_verified_checkpoint(ckpt_dir)
     if args.mistake == "no-resume":
         # MISTAKE (no-resume): without ckpt_path, fit starts from step 0 on every restart.
         resume = None

@@ -106,6 +106,18 @@ def flip_byte(path: Path, offset: int | None = None) -> None:
     path.write_bytes(bytes(data))
 
 
+def _tensor_byte(path: Path) -> int:
+    """Offset of a byte in the middle of the file's largest tensor record (zip member ``*/data/N``)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(path, "rb") as f:  # local header: 30 fixed bytes, then name and extra field
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = (int.from_bytes(f.read(2), "little") for _ in range(2))
+    return info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One uninterrupted 8-step run with the plugin: its checkpoints and final weights."""
@@ -146,13 +158,38 @@ def test_a_byte_flipped_in_the_newest_checkpoint_is_refused_and_the_previous_one
     ckdir.mkdir()
     for name in ("step=6.ckpt", "step=8.ckpt"):
         (ckdir / name).write_bytes((reference[0] / name).read_bytes())
-    flip_byte(ckdir / "step=8.ckpt")
+    flip_byte(
+        ckdir / "step=8.ckpt", _tensor_byte(ckdir / "step=8.ckpt")
+    )  # inside the weights, not the pickle
     plugin = VerifiedCheckpointIO()
     with pytest.raises(CorruptCheckpointError, match=r"step=8\.ckpt"):
         plugin.load_checkpoint(ckdir / "step=8.ckpt")
     assert plugin.load_checkpoint(ckdir / "step=6.ckpt")["global_step"] == 6
     # The stock loader takes the same damaged file without a word.
     assert TorchCheckpointIO().load_checkpoint(ckdir / "step=8.ckpt", weights_only=True)["global_step"] == 8
+
+
+def test_the_plugin_carries_the_generators_lightning_does_not_save(tmp_path):
+    import random
+
+    plugin = VerifiedCheckpointIO()
+    random.seed(5)
+    torch.manual_seed(5)
+    plugin.save_checkpoint({"global_step": 1, "state_dict": {}}, tmp_path / "a.ckpt")
+    expected = (random.random(), torch.rand(3))
+    torch.manual_seed(99)
+    random.seed(99)
+    loaded = plugin.load_checkpoint(tmp_path / "a.ckpt")
+    assert "ckpt_lesson_rng" not in loaded  # handed to Lightning without our key
+    assert random.random() == expected[0] and torch.equal(torch.rand(3), expected[1])
+
+
+def test_a_missing_or_empty_folder_has_no_latest_checkpoint_and_a_file_is_refused(tmp_path):
+    assert latest_verified_checkpoint(tmp_path / "never-made") is None
+    assert latest_verified_checkpoint(tmp_path) is None
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(CheckpointError, match="is a file"):
+        latest_verified_checkpoint(tmp_path / "f")
 
 
 def test_scan_lists_each_ckpt_of_a_lightning_run_with_epoch_and_step_and_names_the_newest(reference, capsys):

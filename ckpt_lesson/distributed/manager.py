@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -39,10 +39,12 @@ from ckpt_lesson.runs.commit import clean_stale
 from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, clean_unmarked
 from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
 from ckpt_lesson.runs.scan import step_dir_name
+from ckpt_lesson.runs.state_args import is_state_call, positional_restore_args, positional_save_args
 
 from .comm import Comm, new_checkpoint_group, quiet_single_process, release_groups
 from .restore import WORLD_SIZE_POLICIES, DistributedRestore, restore_newest
 from .saving import Retention, SaveJob, fail_save, prepare_save
+from .state_api import apply_rank_parts, as_restored, rank_data, split_state
 
 __all__ = ["DistributedCheckpointManager"]
 
@@ -186,16 +188,14 @@ class DistributedCheckpointManager:
 
     # ------------------------------------------------------------------ save
 
-    def save(
-        self, model: Any, optimizer: Any, scheduler: Any, state: TrainState, *, data_state: Any = None
-    ) -> Path:
-        """Save ``state.step`` from every rank and commit it; collective.
+    def save(self, *args: Any, data_state: Any = None, rng: Any = None) -> Path:
+        """Save one step from every rank and commit it; collective.
 
-        Args:
-            model, optimizer: The live (FSDP2, DDP or plain) model and its optimizer.
-            scheduler: Its LR scheduler, or ``None``.
-            state: This rank's counters; ``state.step`` must agree on all ranks.
-            data_state: This rank's data position (plain values/tensors), or ``None``.
+        Two forms, as :class:`~ckpt_lesson.CheckpointManager`: ``save(step, state, *, rng=True)``
+        (the state API; see :mod:`.state_api` for how the parts are split) and
+        ``save(model, optimizer, scheduler, state, *, data_state=None)``, where
+        ``data_state`` is this rank's data position (plain values/tensors).
+        ``rng`` may be this rank's generators captured earlier (before a prefetch).
 
         Returns:
             The published ``step-XXXXXXXX`` folder.
@@ -206,11 +206,11 @@ class DistributedCheckpointManager:
                 previous save stays the latest).
 
         Example:
-            >>> mgr.save(model, opt, sched, state, data_state={"batch": 7})  # doctest: +SKIP
+            >>> mgr.save(40, {"model": model, "optimizer": opt, "loader": loader})  # doctest: +SKIP
             PosixPath('/shared/runs/a/step-00000040')
         """
         self.wait()
-        job = self._begin(model, optimizer, scheduler, state, data_state)
+        job = self._begin(*self._save_args(args, data_state, rng))
         try:
             with quiet_single_process(self._no_dist):
                 dcp.save(
@@ -223,10 +223,8 @@ class DistributedCheckpointManager:
             fail_save(job, exc, self.rank)
         return self._end(job)
 
-    def save_async(
-        self, model: Any, optimizer: Any, scheduler: Any, state: TrainState, *, data_state: Any = None
-    ) -> None:
-        """Like :meth:`save`, but write and commit in the background; collective.
+    def save_async(self, *args: Any, data_state: Any = None, rng: Any = None) -> None:
+        """Like :meth:`save` (either form), but write and commit in the background; collective.
 
         Returns once the state is copied to CPU (and the RNG captured), so
         training may go on changing the live tensors. At most one save is in
@@ -237,12 +235,12 @@ class DistributedCheckpointManager:
                 failures of the background part surface from :meth:`wait`.
 
         Example:
-            >>> mgr.save_async(model, opt, sched, state)  # doctest: +SKIP
+            >>> mgr.save_async(40, {"model": model, "optimizer": opt})  # doctest: +SKIP
             >>> # train on while it is written, then, before the next save or at exit:
             >>> mgr.wait()  # doctest: +SKIP
         """
         self.wait()
-        job = self._begin(model, optimizer, scheduler, state, data_state)
+        job = self._begin(*self._save_args(args, data_state, rng))
         try:
             future = dcp.async_save(
                 job.state_dict, storage_writer=job.writer, process_group=self._io_group, no_dist=self._no_dist
@@ -250,6 +248,25 @@ class DistributedCheckpointManager:
         except BaseException as exc:
             fail_save(job, exc, self.rank)
         self._pending = (job, future)
+
+    @staticmethod
+    def _save_args(args: tuple[Any, ...], data_state: Any, rng: Any) -> tuple[Any, ...]:
+        """``(model, optimizer, scheduler, train_state, data_state, rng)`` for either call form."""
+        if is_state_call(args):
+            step, state = args
+            if data_state is not None:
+                raise CheckpointError(
+                    "data_state= belongs to the positional form; put it in the state mapping."
+                )
+            _, model, _, optimizer, parts = split_state(state)
+            rng_state = None if rng is None or rng is True else rng
+            if rng is False:
+                raise CheckpointError(
+                    "rng=False is not supported on many ranks: each rank's stream is saved."
+                )
+            return model, optimizer, None, TrainState(step=step), rank_data(parts), rng_state
+        model, optimizer, scheduler, state = positional_save_args(args)
+        return model, optimizer, scheduler, state, data_state, rng
 
     def wait(self) -> Path | None:
         """Finish the asynchronous save in flight, if any; collective.
@@ -270,7 +287,9 @@ class DistributedCheckpointManager:
             fail_save(job, exc, self.rank)
         return self._end(job)
 
-    def _begin(self, model: Any, optimizer: Any, scheduler: Any, state: Any, data_state: Any) -> SaveJob:
+    def _begin(
+        self, model: Any, optimizer: Any, scheduler: Any, state: Any, data_state: Any, rng: Any = None
+    ) -> SaveJob:
         if self._closed:
             raise CheckpointError(f"{self.run_dir}: this manager is closed; create a new one.")
         job = prepare_save(
@@ -289,6 +308,7 @@ class DistributedCheckpointManager:
             },
             emit=self._emit,
             after_publish=self._retention.after_publish,
+            rng=rng,
         )
         self._cadence.mark_saved(job.step)  # at request time: a save in flight must not be requested again
         return job
@@ -304,13 +324,11 @@ class DistributedCheckpointManager:
 
     def restore_latest(
         self,
-        model: Any,
-        optimizer: Any,
-        scheduler: Any = None,
-        *,
+        *args: Any,
+        strict: bool = True,
         on_world_size_change: str = "refuse",
         reseed_base: int = 0,
-    ) -> DistributedRestore | None:
+    ) -> Any:
         """Restore the newest save every rank agrees is intact; collective.
 
         Damaged newer saves (a flipped byte, a missing file) are skipped and
@@ -318,8 +336,12 @@ class DistributedCheckpointManager:
         a save that does not fit (world size under ``"refuse"``, scheduler) are
         raised at once: an older save of the same run would not fix them.
 
+        Two forms: ``restore_latest(state, *, strict=True)`` (the state API: returns a
+        :class:`~ckpt_lesson.Restored`) and ``restore_latest(model, optimizer, scheduler=None)``.
+
         Args:
-            model, optimizer, scheduler: Restored in place (``scheduler`` as saved: both or neither).
+            args: The state mapping, or model, optimizer and scheduler (restored in place).
+            strict: State API: refuse parts present on one side only.
             on_world_size_change: ``"refuse"`` (default) or ``"reseed"`` (see :mod:`.restore`).
             reseed_base: Base seed for ``"reseed"``.
 
@@ -338,6 +360,14 @@ class DistributedCheckpointManager:
         if on_world_size_change not in WORLD_SIZE_POLICIES:
             raise CheckpointError(f"on_world_size_change must be one of {WORLD_SIZE_POLICIES}.")
         self.wait()
+        state = args[0] if len(args) == 1 and isinstance(args[0], Mapping) else None
+        if state is not None:
+            _, model, _, optimizer, _ = split_state(state)
+            scheduler = None
+        else:
+            model, optimizer, scheduler = positional_restore_args(
+                (*args, None)[:3] if len(args) == 2 else args
+            )
         steps = self._ctl.broadcast(self._retention.published() if self.rank == 0 else None)
         restored = restore_newest(
             [self.step_dir(step) for step in steps],
@@ -353,4 +383,7 @@ class DistributedCheckpointManager:
             self._retention.verified.add(restored.step)
             self._cadence.mark_saved(restored.step)
             self.last_restore = restored
-        return restored
+        if state is None or restored is None:
+            return restored
+        values = apply_rank_parts(restored.data_state, state, source=str(restored.path), strict=strict)
+        return as_restored(restored, values, restored.rng)

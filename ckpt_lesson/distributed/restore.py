@@ -45,6 +45,7 @@ from ckpt_lesson.runs.scan import step_of
 from .comm import Comm, quiet_single_process, raise_from_checkpoint_exception
 from .reader import VerifyingReader, WeightsOnlyLoadPlanner, verify_save
 from .state import apply_shared_state, build_load_template, decode_rank_state, rank_key, reseed_generators
+from .state_api import has_rank_parts
 
 __all__ = ["WORLD_SIZE_POLICIES", "DistributedRestore", "restore_newest", "restore_save"]
 
@@ -68,6 +69,7 @@ class DistributedRestore:
         save_id: The manifest's save id.
         reseed: The seed each generator got when resharded, else ``None``.
         skipped: Newer saves skipped as damaged: ``{"step", "status", "reason"}``.
+        rng: This rank's restored generator state; ``None`` when resharded (re-seeded instead).
     """
 
     step: int
@@ -80,6 +82,7 @@ class DistributedRestore:
     save_id: str
     reseed: int | None = None
     skipped: list[dict[str, Any]] = field(default_factory=list)
+    rng: dict[str, Any] | None = None
 
 
 def world_size_message(folder: Path, saved: int, now: int) -> str:
@@ -185,7 +188,10 @@ def restore_save(
     return DistributedRestore(
         step=manifest["step"],
         state=rank_state["train"],
-        data_state=None if resharded else rank_state["data"],
+        # State-API saves keep their other parts in the blob: after a world-size change they come
+        # from rank 0's copy (schedulers, scalers and values agree across ranks; loader positions do not).
+        data_state=None if resharded and not has_rank_parts(rank_state["data"]) else rank_state["data"],
+        rng=None if resharded else rank_state["rng"],
         resharded=resharded,
         saved_world_size=saved_world,
         world_size=now,

@@ -74,6 +74,7 @@ def prepare_save(
     writer_options: dict[str, Any],
     emit: Emit,
     after_publish: Callable[[Path, dict[str, Any]], None],
+    rng: dict[str, Any] | None = None,
 ) -> SaveJob:
     """Check the input on every rank, agree, and set up staging folder and writer; collective.
 
@@ -84,6 +85,7 @@ def prepare_save(
         writer_options: ``algo``, ``thread_count``, ``publish`` and the manifest's ``metadata``.
         emit: The manager's event hook.
         after_publish: Rank 0's post-publish callback (retention).
+        rng: This rank's generators captured earlier (e.g. before a prefetch); ``None`` captures them now.
 
     Returns:
         The job: the state dict for DCP and a :class:`~.writer.CommitWriter` aimed at the staging folder.
@@ -99,7 +101,7 @@ def prepare_save(
     """
     error, state_dict, step = None, {}, getattr(state, "step", None)
     try:  # everything local first; a rank that fails must not leave the others inside a collective
-        blob = encode_rank_state(state, capture_rng_state(), data_state)
+        blob = encode_rank_state(state, capture_rng_state() if rng is None else rng, data_state)
         state_dict = build_save_state(model, optimizer, scheduler, rank=ctl.rank, blob=blob)
     except CheckpointError as exc:
         error = str(exc)

@@ -53,9 +53,13 @@ import torch
 from ckpt_lesson.errors import CheckpointError, UnsafeCheckpointError
 from ckpt_lesson.files.atomic import atomic_save, fsync_dir
 from ckpt_lesson.files.loading import load_verified_file
+from ckpt_lesson.files.rng import capture_rng_state, restore_rng_state
 from ckpt_lesson.runs.lightning_files import LIGHTNING_SUFFIX, inspect_lightning_file, newness
 
-__all__ = ["OrderedAsyncCheckpointIO", "VerifiedCheckpointIO", "latest_verified_checkpoint"]
+__all__ = ["RNG_KEY", "OrderedAsyncCheckpointIO", "VerifiedCheckpointIO", "latest_verified_checkpoint"]
+
+#: Key of the generator state the plugin adds to each Lightning checkpoint (Lightning saves none).
+RNG_KEY = "ckpt_lesson_rng"
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +107,10 @@ class VerifiedCheckpointIO(_CheckpointIOBase):  # type: ignore[misc,valid-type]
             integrity footer (written by the stock writer): they cannot be
             verified. ``False`` loads them weights-only anyway, for moving a
             run that began with the stock writer.
+        rng: ``True`` (default) carries what Lightning does not save: every
+            generator (Python, NumPy, torch CPU and CUDA), captured on the
+            training thread when the save is requested and restored when
+            ``fit(ckpt_path=...)`` loads the file, before the first resumed step.
 
     Raises:
         CheckpointError: Lightning is not installed.
@@ -112,11 +120,14 @@ class VerifiedCheckpointIO(_CheckpointIOBase):  # type: ignore[misc,valid-type]
         >>> trainer.fit(model, ckpt_path="checkpoints/last.ckpt")  # doctest: +SKIP
     """
 
-    def __init__(self, *, safe_globals: Iterable[Any] = (), require_integrity: bool = True) -> None:
+    def __init__(
+        self, *, safe_globals: Iterable[Any] = (), require_integrity: bool = True, rng: bool = True
+    ) -> None:
         _require_lightning()
         super().__init__()
         self.safe_globals = list(safe_globals)
         self.require_integrity = require_integrity
+        self.rng = rng
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any | None = None
@@ -132,6 +143,8 @@ class VerifiedCheckpointIO(_CheckpointIOBase):  # type: ignore[misc,valid-type]
                 f"{os.fspath(path)}: VerifiedCheckpointIO takes no storage_options; "
                 "call trainer.save_checkpoint(path) without them."
             )
+        if self.rng and RNG_KEY not in checkpoint:  # the async wrapper captured it already, on time
+            checkpoint = {**checkpoint, RNG_KEY: capture_rng_state()}
         digest = atomic_save(checkpoint, _local_path(path))
         log.debug("saved %s (%d bytes, %s %s)", path, digest.size, digest.algo, digest.digest[:12])
 
@@ -184,6 +197,10 @@ class VerifiedCheckpointIO(_CheckpointIOBase):  # type: ignore[misc,valid-type]
             raise CheckpointError(
                 f"{path}: holds a {type(payload).__name__}, not a Lightning checkpoint dict."
             )
+        saved_rng = payload.pop(RNG_KEY, None)
+        if self.rng and saved_rng is not None:
+            # Lightning calls this while restoring, before the fit loop draws anything.
+            restore_rng_state(_on_cpu(saved_rng))
         return payload
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
@@ -231,6 +248,12 @@ class OrderedAsyncCheckpointIO(_AsyncBase):  # type: ignore[misc,valid-type]
             )
         super().__init__(checkpoint_io if checkpoint_io is not None else VerifiedCheckpointIO())
 
+    def save_checkpoint(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        """Capture the generators now, on the training thread, then queue the write as Lightning does."""
+        if getattr(self.checkpoint_io, "rng", False) and RNG_KEY not in checkpoint:
+            checkpoint = {**checkpoint, RNG_KEY: capture_rng_state()}
+        super().save_checkpoint(checkpoint, *args, **kwargs)
+
     def remove_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         """Queue the removal behind every save submitted before it; skip it if a save failed."""
         self._ensure_setup()
@@ -268,24 +291,40 @@ def latest_verified_checkpoint(dirpath: str | os.PathLike[str]) -> str | None:
     step come from the pickle's opcodes (see :mod:`ckpt_lesson.runs.lightning_files`).
 
     Returns:
-        The file's path as a string, or ``None`` when none verifies (``fit``
-        then starts fresh).
+        The file's path as a string, or ``None`` when the folder is missing,
+        empty, or holds no file that verifies (``fit`` then starts fresh).
 
     Raises:
-        CheckpointError: ``dirpath`` is not a directory.
+        CheckpointError: ``dirpath`` exists and is not a directory (a missing
+            or empty folder gives ``None``: a first run needs no special case).
 
     Example:
         >>> trainer.fit(model, ckpt_path=latest_verified_checkpoint("checkpoints"))  # doctest: +SKIP
     """
     dirpath = Path(dirpath)
+    if not dirpath.exists():
+        return None  # a first run: nothing saved yet, so fit starts fresh
     if not dirpath.is_dir():
-        raise CheckpointError(f"{dirpath}: no such checkpoint folder; pass ModelCheckpoint's dirpath.")
+        raise CheckpointError(
+            f"{dirpath}: is a file, not a checkpoint folder; pass ModelCheckpoint's dirpath."
+        )
     found = [inspect_lightning_file(p) for p in dirpath.iterdir() if _is_candidate(p)]
     for skipped in found:
         if skipped.status != "ok":
             log.warning("skipping %s: %s", skipped.path.name, skipped.reason)
     good = [f for f in found if f.status == "ok"]
     return str(max(good, key=newness).path) if good else None
+
+
+def _on_cpu(tree: Any) -> Any:
+    # Generator states are CPU byte tensors; a map_location that moved them must not break the restore.
+    if isinstance(tree, torch.Tensor):
+        return tree.cpu()
+    if isinstance(tree, dict):
+        return {k: _on_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_on_cpu(v) for v in tree]
+    return tree
 
 
 def _is_candidate(path: Path) -> bool:

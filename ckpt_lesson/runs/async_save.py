@@ -65,6 +65,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import threading
@@ -72,9 +73,10 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.checkpoint import TrainState
+from ckpt_lesson.files.state_payload import build_state_payload
 from ckpt_lesson.runs.manager import CheckpointManager
-from ckpt_lesson.runs.snapshot import TrainingSnapshot
+from ckpt_lesson.runs.snapshot import TrainingSnapshot, snapshot_payload
+from ckpt_lesson.runs.state_args import is_state_call, positional_save_args
 
 __all__ = ["AsyncCheckpointer", "TrainingSnapshot"]
 
@@ -123,6 +125,7 @@ class AsyncCheckpointer:
         self._error: BaseException | None = None
         # The last snapshot, kept for its buffers; only touched after its save has finished.
         self._buffers: TrainingSnapshot | None = None
+        self._payload_buffers: dict[str, Any] | None = None
 
     def __enter__(self) -> AsyncCheckpointer:
         return self
@@ -152,29 +155,50 @@ class AsyncCheckpointer:
             return every is not None and step > 0 and step != self._step and step % every == 0
         return self.manager.should_save(step)
 
-    def save_async(self, model: Any, optimizer: Any, scheduler: Any, state: TrainState) -> None:
+    def save_async(self, *args: Any, rng: Any = None, extras: dict[str, Any] | None = None) -> None:
         """Wait for the previous save, snapshot the state now, and write it in the background.
 
+        Takes the manager's two forms: ``save_async(step, state, *, rng=True)``
+        (the state API: every part, plain value and the RNG is copied) and
+        ``save_async(model, optimizer, scheduler, train_state, *, rng=None, extras=None)``.
+        ``rng`` may be a state captured earlier with ``capture_rng_state()``.
         Returns once the snapshot is taken; the live objects may then change freely.
 
         Raises:
             CheckpointError: The previous background save failed (re-raised
                 here; this call then saves nothing, so call again to retry),
-                ``state`` is not a ``TrainState``, the manager is closed, a value
+                a bad part or ``state``, the manager is closed, a value
                 could not be loaded back (meta tensors, NumPy arrays), or the call comes from the
                 writer thread itself (e.g. an ``on_event`` hook), which would
                 deadlock waiting for itself.
+
+        Example:
+            >>> ckpt.save_async(step, {"model": model, "optimizer": opt, "hidden": h})  # doctest: +SKIP
         """
         self._refuse_writer_thread("save_async")
         self.manager.check_open()  # a closed manager must refuse now, not in the background
         with self._lock:
             self._wait_locked()
             # _wait_locked joined the previous writer, so its snapshot's buffers are free to refill.
-            snapshot = TrainingSnapshot.capture(model, optimizer, scheduler, state, reuse=self._buffers)
-            self._buffers = snapshot
-            step = snapshot.state.step
+            if is_state_call(args):
+                if extras is not None:
+                    raise CheckpointError("extras= belongs to the positional form; put values in the state.")
+                payload = build_state_payload(
+                    *args, rng=True if rng is None else rng, data=self.manager.config.data
+                )
+                snapshot: Any = snapshot_payload(payload, reuse=self._payload_buffers)
+                self._payload_buffers, step = snapshot, snapshot["step"]
+            else:
+                model, optimizer, scheduler, state = positional_save_args(args)
+                snapshot = TrainingSnapshot.capture(
+                    model, optimizer, scheduler, state, reuse=self._buffers, rng=rng
+                )
+                self._buffers, step = snapshot, snapshot.state.step
             thread = threading.Thread(
-                target=self._write, args=(snapshot,), name=f"ckpt-save-step-{step}", daemon=False
+                target=self._write,
+                args=(snapshot, copy.deepcopy(extras)),
+                name=f"ckpt-save-step-{step}",
+                daemon=False,
             )
             self._thread, self._step, self._result, self._error = thread, step, None, None
             thread.start()
@@ -210,7 +234,7 @@ class AsyncCheckpointer:
                 "on_event hook; that would wait for itself. Call it from the training thread."
             )
 
-    def _write(self, snapshot: TrainingSnapshot) -> None:
+    def _write(self, snapshot: Any, extras: dict[str, Any] | None) -> None:
         if self.writer_nice and hasattr(os, "setpriority"):
             # Linux keeps the nice value per thread (setpriority(2), NOTES), so this lowers only the
             # writer. Relative to the value it inherited: raising nice needs no privilege, lowering would.
@@ -219,9 +243,13 @@ class AsyncCheckpointer:
                 os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + self.writer_nice)
             )
         try:
-            self._result = self.manager.save(
-                snapshot.model, snapshot.optimizer, snapshot.scheduler, snapshot.state, rng=snapshot.rng
-            )
+            if isinstance(snapshot, dict):  # a state-API payload, already copied
+                self._result = self.manager.save_payload(snapshot)
+            else:
+                s = snapshot
+                self._result = self.manager.save(
+                    s.model, s.optimizer, s.scheduler, s.state, rng=s.rng, extras=extras
+                )
         except BaseException as exc:  # kept for the training thread, which alone can act on it
             self._error = exc
 

@@ -22,9 +22,9 @@ from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.modules import model_state
 from ckpt_lesson.files.payload import optimizer_state_with_bindings, validate_payload
-from ckpt_lesson.files.rng import capture_rng_state
+from ckpt_lesson.files.rng import capture_rng_state, validate_rng_state
 
-__all__ = ["TrainingSnapshot"]
+__all__ = ["TrainingSnapshot", "snapshot_payload"]
 
 
 def _fits(buffer: Any, src: torch.Tensor) -> bool:
@@ -121,6 +121,7 @@ class TrainingSnapshot:
         state: TrainState,
         *,
         reuse: TrainingSnapshot | None = None,
+        rng: dict[str, Any] | None = None,
     ) -> TrainingSnapshot:
         """Copy the training state now, on the calling thread.
 
@@ -128,6 +129,7 @@ class TrainingSnapshot:
             model, optimizer, scheduler: The live training objects
                 (``scheduler`` may be ``None``).
             state: The live counters and losses.
+            rng: Generator state captured earlier (before a prefetch); ``None`` captures it now.
             reuse: A previous snapshot that nothing reads any more (its save
                 has finished): its tensor buffers are overwritten and reused.
                 Passing one still in use would change that save's values.
@@ -144,6 +146,8 @@ class TrainingSnapshot:
         """
         if not isinstance(state, TrainState):
             raise CheckpointError(f"state must be a TrainState, got {type(state).__name__}.")
+        if rng is not None:
+            validate_rng_state(rng)  # refused here, on the training thread, not in the background
         model_sd = model_state(model)  # canonical keys, as a synchronous save writes them
         optimizer_sd = optimizer_state_with_bindings(model, optimizer)
         # Checked before copying: a meta tensor cannot even be copied, and a value a weights-only
@@ -161,7 +165,31 @@ class TrainingSnapshot:
             if scheduler is None
             else _FrozenState(_copy_tree(scheduler.state_dict(), old(reuse and reuse.scheduler))),
             state=dataclasses.replace(state, losses=list(state.losses)),
-            rng=capture_rng_state(),  # already copies: tensors cloned, the rest plain values
+            # capture_rng_state already copies; a state the caller captured earlier is copied here.
+            rng=capture_rng_state() if rng is None else _copy_tree(rng),
         )
         _sync_if_cuda()
         return snapshot
+
+
+def snapshot_payload(payload: dict[str, Any], *, reuse: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A state-API payload copied into memory of its own (tensors, values and RNG), now.
+
+    ``build_state_payload`` returns the parts' live tensors; an asynchronous save
+    must write the values of *this* moment, so every part, plain value and the
+    RNG block is copied before the training thread moves on. ``reuse`` is a
+    previous copy that nothing reads any more: its buffers are refilled.
+
+    Example:
+        >>> from ckpt_lesson.files.state_payload import build_state_payload
+        >>> live = torch.zeros(2)
+        >>> copy = snapshot_payload(build_state_payload(1, {"x": live}, rng=False))
+        >>> _ = live.add_(1); copy["values"]["x"].tolist()
+        [0.0, 0.0]
+    """
+    old = reuse or {}
+    out = dict(payload)
+    for key in ("objects", "values", "rng"):
+        out[key] = _copy_tree(payload[key], old.get(key))
+    _sync_if_cuda()
+    return out

@@ -44,7 +44,7 @@ def check_state_mapping(state: Any) -> None:
         )
 
 
-def _require_objects(names: tuple[str, ...], values: tuple[Any, ...]) -> None:
+def _require_objects(names: tuple[str, ...], values: tuple[Any, ...], *, loading: bool) -> None:
     for name, value in zip(names, values, strict=True):
         if name == "scheduler":
             if value is not None and not callable(getattr(value, "state_dict", None)):
@@ -54,9 +54,9 @@ def _require_objects(names: tuple[str, ...], values: tuple[Any, ...]) -> None:
             continue
         if value is None:
             raise CheckpointError(f"{name} is None: " + _NO_OBJECT.format())
-        if not callable(getattr(value, "state_dict", None)) or not callable(
-            getattr(value, "load_state_dict", None)
-        ):
+        # A save reads state_dict() only (an asynchronous snapshot's stand-ins have nothing else).
+        methods = ("state_dict", "load_state_dict") if loading else ("state_dict",)
+        if not all(callable(getattr(value, m, None)) for m in methods):
             raise CheckpointError(
                 f"{name} is a {type(value).__name__}, which has no state_dict()/load_state_dict(); pass the "
                 f"live {name}, or use the state API (mgr.save(step, {{...}})) for other kinds of state."
@@ -76,7 +76,7 @@ def positional_save_args(args: tuple[Any, ...]) -> tuple[Any, Any, Any, TrainSta
             "positional argument(s)."
         )
     model, optimizer, scheduler, state = args
-    _require_objects(("model", "optimizer", "scheduler"), (model, optimizer, scheduler))
+    _require_objects(("model", "optimizer", "scheduler"), (model, optimizer, scheduler), loading=False)
     if not isinstance(state, TrainState):
         raise CheckpointError(f"state must be a TrainState, got {type(state).__name__}.")
     return model, optimizer, scheduler, state
@@ -89,5 +89,5 @@ def positional_restore_args(args: tuple[Any, ...]) -> tuple[Any, Any, Any]:
             f"restore_latest() takes (state) or (model, optimizer, scheduler); got {len(args)} positional "
             "argument(s). With the state API pass one mapping: restore_latest({'model': model, ...})."
         )
-    _require_objects(("model", "optimizer", "scheduler"), args)
+    _require_objects(("model", "optimizer", "scheduler"), args, loading=True)
     return args[0], args[1], args[2]
