@@ -1,4 +1,4 @@
-"""The five example loops (GPT, LSTM, GAN, AMP, DDP) resume bit for bit; each leaves-a-part-out variant FAILs.
+"""The five example loops (GPT, LSTM, GAN, AMP, DDP) resume bit for bit; each leave-a-part-out variant FAILs.
 
 Each case is a real ``resume-test`` run of a real training script (fresh interpreters, torch
 imported each time; the DDP loop under torchrun with 2 gloo ranks), so every case uses the fewest
@@ -31,12 +31,13 @@ CASES = {
     "lstm": (PY, "loop_lstm.py", TWO_KILLS, ()),
     "gan": (PY, "loop_gan.py", TWO_KILLS, ()),
     "amp": (PY, "loop_amp.py", TWO_KILLS, ()),
-    "ddp": (TORCHRUN, "loop_ddp.py", AFTER_SAVE, ()),  # saves at steps 5, 10, 15
+    "ddp": (TORCHRUN, "loop_ddp.py", TWO_KILLS, ()),  # DistributedCheckpointManager; saves at 5, 10, 15
+    "ddp-rank0": (TORCHRUN, "loop_ddp.py", AFTER_SAVE, ("--manager", "rank0")),
     "gpt-rng-after-prefetch": (PY, "loop_gpt.py", AFTER_SAVE, (*SHORT, "--mistake", "rng-after-prefetch")),
     "lstm-hidden": (PY, "loop_lstm.py", AFTER_SAVE, (*SHORT, "--mistake", "hidden")),
     "gan-one-optimizer": (PY, "loop_gan.py", AFTER_SAVE, (*SHORT, "--mistake", "one-optimizer")),
     "amp-scaler": (PY, "loop_amp.py", AFTER_SAVE, (*SHORT, "--mistake", "scaler")),
-    "ddp-rng": (TORCHRUN, "loop_ddp.py", AFTER_SAVE, ("--mistake", "rng")),
+    "ddp-optimizer": (TORCHRUN, "loop_ddp.py", AFTER_SAVE, ("--manager", "rank0", "--mistake", "optimizer")),
 }  # fmt: skip
 
 
@@ -57,7 +58,7 @@ def reports(tmp_path_factory):
     return {case: future.result() for case, future in futures.items()}
 
 
-@pytest.mark.parametrize("case", ["gpt", "lstm", "gan", "amp", "ddp"])
+@pytest.mark.parametrize("case", ["gpt", "lstm", "gan", "amp", "ddp", "ddp-rank0"])
 def test_each_example_loop_resumes_bit_for_bit_after_every_kill(reports, case):
     code, report = reports[case]
     assert code == 0, report.get("diagnosis")
@@ -77,7 +78,7 @@ def test_each_example_loop_resumes_bit_for_bit_after_every_kill(reports, case):
         ("lstm-hidden", "metric 'hidden_in' is back at its first-step value (0) at the first step after"),
         ("gan-one-optimizer", "optimizer (or LR scheduler) state not restored"),
         ("amp-scaler", "metric 'scale' is back at its first-step value (1024) at the first step after"),
-        ("ddp-rng", "on the same samples: RNG state not restored"),
+        ("ddp-optimizer", "optimizer (or LR scheduler) state not restored"),
     ],
 )
 def test_each_loop_that_leaves_a_part_out_fails_with_a_diagnosis_naming_it(reports, case, diagnosis):
