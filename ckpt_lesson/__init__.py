@@ -10,9 +10,11 @@ from ._version_check import check_torch_version
 
 check_torch_version()
 
+from .cli import main as run_command  # noqa: E402  (one `python -m ckpt_lesson` command, in-process)
 from .cli.chaos import CampaignResult, run_campaign  # noqa: E402
-from .cli.faults import KillPlan  # noqa: E402
+from .cli.faults import KillPlan, RunConfig, compute_baseline, run_kill_sequence  # noqa: E402
 from .cli.lesson_demo import main, parse_args  # noqa: E402, F401 (course harness: COURSE_NAMES)
+from .cli.scan import format_table as format_scan_table  # noqa: E402
 from .course.accumulating import MicroStepRecord, train_accumulating  # noqa: E402, F401 (course harness: COURSE_NAMES)
 from .course.controls import run_negative_control  # noqa: E402, F401 (course harness: COURSE_NAMES)
 from .course.demo import run_full_demo, run_resume_demo  # noqa: E402, F401 (course harness: COURSE_NAMES)
@@ -55,6 +57,7 @@ from .files.checkpoint import (  # noqa: E402
 )
 from .files.integrity import FileDigest, file_digest, file_sha256  # noqa: E402
 from .files.migrate import MigrationResult, migrate_file, write_legacy_v1_checkpoint  # noqa: E402
+from .files.record_seal import seal_record  # noqa: E402
 from .files.rng import capture_rng_state, restore_rng_state, tuple_from_nested  # noqa: E402
 from .files.schema import (  # noqa: E402
     CHECKPOINT_SCHEMA,
@@ -135,6 +138,7 @@ __all__ = [
     "RecoveryRecorder",
     "Restored",
     "ResumeReport",
+    "RunConfig",
     "SCHEMA_V1",
     "SCHEMA_V2",
     "SHARD_SCHEMA",
@@ -155,6 +159,7 @@ __all__ = [
     "check_contract",
     "check_torch_version",
     "compare_spot",
+    "compute_baseline",
     "config_fingerprint",
     "contract_metadata",
     "cost_per_accepted_step",
@@ -163,6 +168,7 @@ __all__ = [
     "expected_wall_time",
     "file_digest",
     "file_sha256",
+    "format_scan_table",
     "fsync_dir",
     "keep_last_k",
     "latest_verified_folder",
@@ -182,11 +188,14 @@ __all__ = [
     "restore_rng_state",
     "resume_report",
     "run_campaign",
+    "run_command",
+    "run_kill_sequence",
     "save_accumulating",
     "save_checkpoint",
     "save_sharded_checkpoint",
     "save_state",
     "scan_checkpoints",
+    "seal_record",
     "shard_keys_by_prefix",
     "should_save",
     "summarize_recoveries",

@@ -27,6 +27,7 @@ __all__ = [
     "train_step",
     "w_close_frees_threads",
     "w_resume",
+    "w_retention_after_bit_flip",
     "w_train_and_save",
 ]
 
@@ -163,3 +164,28 @@ def w_close_frees_threads(rank: int, world: int, out: str) -> None:
     mgr.close()
     after = native_threads()
     write_json(Path(out) / f"threads-rank{rank}.json", {"before": before, "opened": opened, "after": after})
+
+
+def w_retention_after_bit_flip(rank: int, world: int, out: str) -> None:
+    """keep_last=2: save steps 2 and 4, flip one byte of step 4 (same size), save 6; rank 0 lists the run."""
+    import torch.distributed as dist
+
+    model, opt, sched, sampler = make_run("fsdp", world, rank)
+    run = Path(out) / "run"
+    mgr = DistributedCheckpointManager(run, keep_last=2, every_steps=2)
+    state = TrainState()
+    for step in range(1, 7):
+        state.losses.append(train_step(model, opt, sched, sampler))
+        state.step = step
+        if step == 6 and rank == 0:  # bit rot in the save that step 6's retention would lean on
+            part = sorted((run / "step-00000004").glob("__*.distcp"))[-1]
+            data = bytearray(part.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            part.write_bytes(bytes(data))
+        if step == 6:
+            dist.barrier()
+        if step % 2 == 0:
+            mgr.save(model, opt, sched, state)
+    mgr.close()
+    if rank == 0:
+        write_json(Path(out) / "listing.json", sorted(p.name for p in run.iterdir()))

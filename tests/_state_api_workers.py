@@ -46,3 +46,57 @@ def w_state_api_resume(rank: int, world: int, out: str, kind: str) -> None:
     mgr.close()
     result = {"step": restored.step, "losses": losses, "h": restored.values["h"].tolist()}
     (Path(out) / kind / f"resume-{rank}.json").write_text(json.dumps(result))
+
+
+def _equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(
+        torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    )
+
+
+def w_wrapped_round_trips(rank: int, world: int, out: str) -> None:
+    """DDP- and compile-wrapped saves restore into plain models and the reverse, in every saver."""
+    import ckpt_lesson as cl
+
+    def fresh(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    wraps = {
+        "ddp": torch.nn.parallel.DistributedDataParallel,
+        "compiled": lambda m: torch.compile(m, backend="eager"),
+        "ddp+compiled": lambda m: torch.compile(
+            torch.nn.parallel.DistributedDataParallel(m), backend="eager"
+        ),
+    }
+    results = {}
+    for name, wrap in wraps.items():
+        for direction in ("wrapped->plain", "plain->wrapped"):
+            src, src_opt = fresh(1)
+            dst, dst_opt = fresh(2)
+            saved_as = wrap(src) if direction == "wrapped->plain" else src
+            loaded_as = dst if direction == "wrapped->plain" else wrap(dst)
+            base = Path(out) / f"{name}-{direction.replace('>', '')}"
+            ok = {}
+            state = {"model": saved_as, "optimizer": src_opt}
+            cl.CheckpointManager(base / "single", every_steps=1).save(1, state)
+            cl.CheckpointManager(base / "single", every_steps=1).restore_latest(
+                {"model": loaded_as, "optimizer": dst_opt}
+            )
+            ok["CheckpointManager"] = _equal(src, dst)
+            dst, dst_opt = fresh(2)
+            loaded_as = dst if direction == "wrapped->plain" else wrap(dst)
+            cl.save_state(base / "pair.pt", 1, state)
+            cl.load_state(base / "pair.pt", {"model": loaded_as, "optimizer": dst_opt})
+            ok["save_state/load_state"] = _equal(src, dst)
+            dst, dst_opt = fresh(2)
+            loaded_as = dst if direction == "wrapped->plain" else wrap(dst)
+            mgr = DistributedCheckpointManager(base / "dcp", every_steps=1)
+            mgr.save(1, state)
+            mgr.restore_latest({"model": loaded_as, "optimizer": dst_opt})
+            mgr.close()
+            ok["DistributedCheckpointManager"] = _equal(src, dst)
+            results[f"{name} {direction}"] = ok
+    if rank == 0:
+        (Path(out) / "wrapped.json").write_text(json.dumps(results))

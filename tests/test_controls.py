@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ckpt_lesson.course.controls import (
+    ALL_CONTROL_KINDS,
     CONTROL_KINDS,
     caller_rng_preserved,
     control_records,
@@ -57,6 +58,19 @@ def test_negative_control_diverges_from_the_baseline_on_the_same_batches(run: di
     records = control_records(kind, ckpt_path=run["ckpt"], total_steps=STEPS, seed=SEED)
     assert [list(r.sample_ids) for r in records] == run["ids"][SAVE_AT:]
     assert max_loss_diff([r.loss for r in records], run["losses"][SAVE_AT:]) > 0.0
+
+
+def test_the_data_position_control_diverges_only_because_it_trains_on_other_batches(run: dict) -> None:
+    records = control_records("no_data_position", ckpt_path=run["ckpt"], total_steps=STEPS, seed=SEED)
+    ids = [list(r.sample_ids) for r in records]
+    assert ids != run["ids"][SAVE_AT:]
+    assert ids[0] == run["ids"][0]  # the interrupted epoch started over: its first batch again
+    assert max_loss_diff([r.loss for r in records], run["losses"][SAVE_AT:]) > 0.0
+
+
+def test_the_demo_runs_two_controls_and_run_negative_control_knows_a_third() -> None:
+    assert CONTROL_KINDS == ("no_rng", "fresh_optimizer")
+    assert ALL_CONTROL_KINDS == (*CONTROL_KINDS, "no_data_position")
 
 
 def test_negative_control_is_repeatable(run: dict) -> None:

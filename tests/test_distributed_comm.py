@@ -14,6 +14,7 @@ from ckpt_lesson.distributed.comm import (
     quiet_single_process,
     raise_from_checkpoint_exception,
 )
+from ckpt_lesson.errors import CorruptCheckpointError
 
 
 def test_without_a_process_group_the_world_is_one_rank_and_collectives_are_identities() -> None:
@@ -48,3 +49,9 @@ def test_only_dcps_single_process_warning_is_silenced_and_only_when_asked() -> N
         with quiet_single_process(False):
             warnings.warn(message, UserWarning, stacklevel=1)
     assert [str(w.message)[:20] for w in caught] == ["something else", message[:20]]
+
+
+def test_an_io_error_while_loading_is_damage_so_the_restore_falls_back() -> None:
+    wrapped = CheckpointException("read", {0: (OSError(5, "Input/output error"), None)})
+    with pytest.raises(CorruptCheckpointError, match=r"loading step-00000004 failed \(rank 0: OSError"):
+        raise_from_checkpoint_exception(wrapped, "loading step-00000004", reading=True)

@@ -64,10 +64,13 @@ def test_a_distributed_marker_save_without_its_marker_is_incomplete_and_restore_
     run = tmp_path / "run"
     save_locally(run, steps=(2, 4), publish="marker")
     (run / STEP4 / COMMIT_MARKER).unlink()
+    (run / STEP4 / MARKER_LOCK).touch()  # the writer held it until the kill; now nobody does
     assert _statuses(run)[4] == ("incomplete", f"no {COMMIT_MARKER} (save never finished)")
     restored, _ = restore_locally(run)
     assert restored.step == 2
-    assert not (run / STEP4).exists()  # its writer is gone (lock free): removed like a staging folder
+    # Its writer is gone, but it holds a manifest: moved aside (kept for a person), never deleted.
+    [aside] = [p for p in run.iterdir() if p.name.startswith(f".quarantine-{STEP4}-")]
+    assert not (run / STEP4).exists() and (aside / "manifest.json").is_file()
 
 
 @pytest.mark.parametrize("forge", ["other_digest", "other_save"])

@@ -56,6 +56,7 @@ def test_retention_does_not_count_a_save_that_lost_a_part(tmp_path: Path) -> Non
     (tmp_path / "step-00000004" / "__0_0.distcp").write_bytes(b"short")
     assert keeper.sizes_ok(2) and not keeper.sizes_ok(4)
     keeper.after_publish(tmp_path / "step-00000004", {"step": 4})
+    keeper.wait()
     assert (tmp_path / "step-00000002").exists()  # the only good save is kept
 
 

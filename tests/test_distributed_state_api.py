@@ -43,3 +43,13 @@ def test_a_positional_save_is_refused_by_a_state_api_restore_naming_the_differen
     with pytest.raises(cl.StateMismatchError, match="saved with a scheduler"):
         mgr.restore_latest({"model": model, "optimizer": opt})
     mgr.close()
+
+
+def test_wrapped_saves_restore_into_plain_models_and_the_reverse_in_every_saver(tmp_path):
+    from _state_api_workers import w_wrapped_round_trips
+
+    assert launch(w_wrapped_round_trips, 1, tmp_path, str(tmp_path)) == [0]
+    results = json.loads((tmp_path / "wrapped.json").read_text())
+    assert len(results) == 6
+    failed = {case: [saver for saver, ok in savers.items() if not ok] for case, savers in results.items()}
+    assert failed == {case: [] for case in results}

@@ -3,6 +3,7 @@ and reports an untouched scaffold as not attempted without raising."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import random
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from ckpt_lesson.course import exercises, graders_files, graders_runs, solutions
+from ckpt_lesson.course.exercise import SOLVE_FIRST
 from ckpt_lesson.course.exercises import EXERCISES, Exercise
 from ckpt_lesson.course.graders_disk import check_atomic_save, check_round_trip
 from ckpt_lesson.course.graders_files import check_migration, check_verify_part
@@ -209,9 +211,9 @@ def test_verify_part_fails_a_check_of_the_size_only():
 
 def test_verify_part_fails_raising_on_a_missing_file():
     def raises_when_missing(path, *, size, sha256):
-        data = Path(path).read_bytes()
-        ok = len(data) == size and hashlib.sha256(data).hexdigest() == sha256
-        return None if ok else "mismatch"
+        if Path(path).stat().st_size != size:
+            return "size differs"
+        return None if hashlib.sha256(Path(path).read_bytes()).hexdigest() == sha256 else "mismatch"
 
     failure = _fails(check_verify_part, raises_when_missing)
     assert "raised FileNotFoundError" in failure
@@ -233,14 +235,46 @@ def test_verify_part_fails_hashing_only_the_first_kilobyte():
 def test_verify_part_passes_a_correct_answer_in_other_words():
     def mine(path, *, size, sha256):
         try:
+            actual = os.stat(path).st_size
+        except FileNotFoundError:
+            return "gone"
+        if actual != size:
+            return f"has {actual} bytes"
+        with open(path, "rb") as f:
+            return None if hashlib.file_digest(f, "sha256").hexdigest() == sha256 else "hash differs"
+
+    assert check_verify_part(mine, verbose=False).passed
+
+
+def test_verify_part_fails_an_answer_that_hashes_before_comparing_the_size():
+    def hash_first(path, *, size, sha256):
+        try:
             data = Path(path).read_bytes()
         except FileNotFoundError:
             return "gone"
+        if hashlib.sha256(data).hexdigest() != sha256:
+            return "hash differs"
+        return None if len(data) == size else f"has {len(data)} bytes"
+
+    failure = _fails(check_verify_part, hash_first)
+    assert "yet verify_part opened it" in failure
+    assert "compare the size first" in failure
+
+
+def test_verify_part_fails_reading_through_os_open_before_the_size_check():
+    def low_level(path, *, size, sha256):
+        if not Path(path).exists():
+            return "gone"
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            data = os.read(fd, size + 1)
+        finally:
+            os.close(fd)
         if len(data) != size:
-            return f"has {len(data)} bytes"
+            return "size differs"
         return None if hashlib.sha256(data).hexdigest() == sha256 else "hash differs"
 
-    assert check_verify_part(mine, verbose=False).passed
+    assert "yet verify_part opened it" in _fails(check_verify_part, low_level)
 
 
 def test_verify_part_grader_prints_no_temp_paths(capsys):
@@ -386,6 +420,57 @@ def test_hints_are_counted_per_exercise_object(capsys):
     one.hint()
     two.hint()
     assert capsys.readouterr().out.splitlines() == ["Hint 1 of 2 (one): a", "Hint 1 of 2 (two): c"]
+
+
+LESSON_EXERCISES = ["atomic", "batch_position", "param_group", "rng_capture", "round_trip"]
+
+
+def test_the_five_lesson_exercises_are_the_ones_that_name_the_package_version():
+    assert sorted(n for n, e in EXERCISES.items() if e.package) == LESSON_EXERCISES
+
+
+@pytest.mark.parametrize("name", LESSON_EXERCISES)
+def test_compare_prints_the_solve_first_line_until_a_check_passes(name, capsys):
+    exercise = dataclasses.replace(EXERCISES[name])  # a fresh object: nothing earned yet
+    exercise.compare()
+    exercise.check(*[scaffold for _ in exercise.references])
+    exercise.compare()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{SOLVE_FIRST}: the package's version appears here once {name}.check(...)")
+    assert out[2] == out[0]
+    assert not any(line.startswith("def ") for line in out)
+
+
+@pytest.mark.parametrize("name", LESSON_EXERCISES)
+def test_compare_shows_the_package_source_once_a_check_passed(name, capsys):
+    exercise = dataclasses.replace(EXERCISES[name])
+    exercise.check(*exercise.references)
+    capsys.readouterr()
+    exercise.compare()
+    out = capsys.readouterr().out
+    assert out.startswith("# ckpt_lesson/")
+    for spec in exercise.package:
+        assert f"def {spec.partition(':')[2]}(" in out
+
+
+def test_compare_shows_the_package_source_after_the_solution_was_asked_for(capsys):
+    exercise = dataclasses.replace(exercises.atomic)
+    exercise.solution()
+    capsys.readouterr()
+    exercise.compare()
+    assert "def _atomic_write(" in capsys.readouterr().out
+
+
+def test_a_failing_check_does_not_earn_the_package_version(capsys):
+    exercise = dataclasses.replace(exercises.param_group)
+
+    def one_shard_for_all(state_dict, num_shards):
+        return [list(state_dict)] + [[] for _ in range(num_shards - 1)]
+
+    assert not exercise.check(one_shard_for_all).passed
+    capsys.readouterr()
+    exercise.compare()
+    assert capsys.readouterr().out.startswith(SOLVE_FIRST)
 
 
 @pytest.mark.parametrize("name", sorted(EXERCISES))

@@ -61,6 +61,7 @@ def good_run(tmp_path: Path, tiny_run, steps=(2,), **kwargs):
     for step in steps:
         run.train(step)
         mgr.save(run.model, run.optimizer, run.scheduler, run.state)
+    mgr.wait_retention()  # retention runs behind the saves
     return run, mgr
 
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -120,11 +121,22 @@ def test_sigterm_finishes_the_step_saves_exits_75_and_a_fresh_process_resumes_bi
     assert json.loads((run / "losses.json").read_text()) == expected
 
 
+def send_to_main_thread(signum: int) -> None:
+    """Deliver `signum` to this thread and run its Python handler before returning.
+
+    `os.kill(os.getpid(), ...)` sends to the process: with other threads alive (torch starts some)
+    the kernel may hand it to one of them, and the Python handler then runs at some later bytecode
+    boundary, possibly after the next assert. `signal.pthread_kill` targets this thread, and CPython
+    checks for pending signals before it returns, so the handler has run (or raised) by then.
+    """
+    signal.pthread_kill(threading.main_thread().ident, signum)
+
+
 def test_a_caught_sigint_sets_the_flag_instead_of_raising_and_old_handlers_come_back():
     before = signal.getsignal(signal.SIGINT)
     with PreemptionHandler(signals=(signal.SIGINT,)) as handler:
         assert not handler.requested
-        os.kill(os.getpid(), signal.SIGINT)
+        send_to_main_thread(signal.SIGINT)
         assert handler.requested
         assert handler.signal_received == signal.SIGINT
     assert signal.getsignal(signal.SIGINT) is before
@@ -132,10 +144,10 @@ def test_a_caught_sigint_sets_the_flag_instead_of_raising_and_old_handlers_come_
 
 def test_a_second_sigint_reaches_the_previous_handler_so_a_hung_save_stays_interruptible():
     with PreemptionHandler(signals=(signal.SIGINT,)) as handler:
-        os.kill(os.getpid(), signal.SIGINT)
+        send_to_main_thread(signal.SIGINT)
         assert handler.requested
         with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
+            send_to_main_thread(signal.SIGINT)
 
 
 def run_child(run_dir, conn):

@@ -17,6 +17,7 @@ from ckpt_lesson.cli.resume_compare import stitch, trajectory
 from ckpt_lesson.cli.resume_diagnose import TrialVerdict
 from ckpt_lesson.cli.resume_runner import Attempt, TrialRun
 from ckpt_lesson.cli.resume_watch import FILES, MANAGER
+from ckpt_lesson.files.side_files import replace_beside
 
 __all__ = ["build_report", "format_text", "write_plot"]
 
@@ -151,7 +152,8 @@ def format_text(report: dict[str, Any]) -> str:
 
 
 def write_json(report: dict[str, Any], path: Path) -> None:
-    path.write_text(json.dumps(report, indent=2, allow_nan=True) + "\n", encoding="utf-8")
+    # A fresh random temp name and a rename, never a write through whatever sits at `path`.
+    replace_beside(path, (json.dumps(report, indent=2, allow_nan=True) + "\n").encode("utf-8"))
 
 
 def write_plot(

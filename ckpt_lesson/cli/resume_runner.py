@@ -29,6 +29,7 @@ from ckpt_lesson.cli.resume_plan import KillTarget, KillTrigger, TrialPlan
 from ckpt_lesson.cli.resume_steps import StepPattern, StepReader, StepRecord
 from ckpt_lesson.cli.resume_watch import MANAGER, NONE, FolderWatcher, SaveBurst, Waker
 from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.side_files import open_beside
 from ckpt_lesson.runs.scan import scan_checkpoints
 from ckpt_lesson.runs.steplog import CKPT_DIR_ENV, STEP_LOG_ENV
 
@@ -116,7 +117,12 @@ class TrialRun:
 
 
 def _launch(spec: RunSpec, argv: list[str], env: dict[str, str], folder: Path) -> subprocess.Popen[bytes]:
-    with open(folder / "stdout.log", "wb") as out, open(folder / "stderr.log", "wb") as err:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    # Opened like every side file (side_files.py): no symlink followed, no FIFO waited on.
+    with (
+        os.fdopen(open_beside(folder / "stdout.log", flags), "wb") as out,
+        os.fdopen(open_beside(folder / "stderr.log", flags), "wb") as err,
+    ):
         try:
             return subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, cwd=spec.cwd,

@@ -2,8 +2,9 @@
 
 A comparison that cannot fail proves nothing. :mod:`ckpt_lesson.course.demo`
 shows that a real resume matches the baseline exactly; this module supplies
-the runs that *should not* match: a resume that skips the RNG restore, and one
-that builds a fresh optimizer. Both "work" (no error, a plausible loss) and
+the runs that *should not* match: a resume that skips the RNG restore, one
+that builds a fresh optimizer, and one that loses only the position inside the
+epoch (notebook 05's own topic; the demo runs the first two). All "work" (no error, a plausible loss) and
 both quietly turn into a different run, which is the point of showing them.
 
 It also holds the two small helpers the demo and the controls share: keeping
@@ -27,6 +28,7 @@ from ckpt_lesson.files.checkpoint import TrainState, read_checkpoint
 from ckpt_lesson.files.rng import capture_rng_state, restore_rng_state
 
 __all__ = [
+    "ALL_CONTROL_KINDS",
     "CONTROL_KINDS",
     "caller_rng_preserved",
     "control_records",
@@ -34,8 +36,11 @@ __all__ = [
     "run_negative_control",
 ]
 
-#: The two deliberately broken resumes; each must diverge from the baseline.
+#: The two deliberately broken resumes the demo runs; each must diverge from the baseline.
 CONTROL_KINDS = ("no_rng", "fresh_optimizer")
+#: Every broken resume :func:`run_negative_control` knows: the demo's two, and one that restores
+#: every bucket except the data position (notebook 05 runs it beside the demo's table).
+ALL_CONTROL_KINDS = (*CONTROL_KINDS, "no_data_position")
 
 
 @contextmanager
@@ -78,6 +83,9 @@ def run_negative_control(
     * ``"fresh_optimizer"``: restores the weights and generators but builds a
       new AdamW and schedule, so the moments restart at zero and the learning
       rate jumps back to its peak.
+    * ``"no_data_position"``: restores model, optimizer, scheduler and
+      generators, but starts the interrupted epoch over (``batch_in_epoch =
+      0``), as a loader without saved state does: other batches, a different run.
 
     Runs in-process; the caller's RNG state and thread count are put back.
 
@@ -95,8 +103,8 @@ def control_records(
     kind: str, *, ckpt_path: str | os.PathLike[str], total_steps: int, seed: int
 ) -> list[Any]:
     """Like :func:`run_negative_control`, but the full step records (losses and sample ids)."""
-    if kind not in CONTROL_KINDS:
-        raise CheckpointError(f"unknown negative control {kind!r}; choose one of {CONTROL_KINDS}.")
+    if kind not in ALL_CONTROL_KINDS:
+        raise CheckpointError(f"unknown negative control {kind!r}; choose one of {ALL_CONTROL_KINDS}.")
     payload = read_checkpoint(ckpt_path)
     state = TrainState.from_dict(payload["state"], source=str(ckpt_path))
     if not 0 < state.step < total_steps:
@@ -109,6 +117,11 @@ def control_records(
         if kind == "no_rng":  # naive, do not use: the generators stay wherever seeding left them
             optimizer.load_state_dict(payload["optimizer"])
             scheduler.load_state_dict(payload["scheduler"])
-        else:  # naive, do not use: optimizer and scheduler start from scratch
+        elif kind == "fresh_optimizer":  # naive, do not use: optimizer and scheduler start from scratch
             restore_rng_state(payload["rng"], allow_device_change=True)
+        else:  # naive, do not use: every bucket but the data position, so the epoch starts over
+            optimizer.load_state_dict(payload["optimizer"])
+            scheduler.load_state_dict(payload["scheduler"])
+            restore_rng_state(payload["rng"], allow_device_change=True)
+            state.batch_in_epoch = 0
         return train(model, optimizer, scheduler, state, data, until_step=total_steps, seed=seed)

@@ -11,12 +11,17 @@ and uses the way Kaggle Learn's exercises work:
 * ``keep_k.hint()`` prints one more hint per call, most general first;
   ``keep_k.hint(2)`` prints a chosen one;
 * ``keep_k.solution()`` prints the source of the reference solution, which
-  lives in :mod:`ckpt_lesson.course.solutions` and is graded by the tests.
+  lives in :mod:`ckpt_lesson.course.solutions` and is graded by the tests;
+* ``rng_capture.compare()`` prints the package's own version of the piece, but
+  only once it is earned: after a ``check`` that passed, or after
+  ``solution()``. Before that it prints :data:`SOLVE_FIRST`'s stable line, so
+  Run All on an unsolved notebook never shows an answer above the exercise.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import textwrap
 from collections.abc import Callable
@@ -25,7 +30,10 @@ from typing import Any
 
 from ckpt_lesson.course.grading import GradeResult, verdict_line
 
-__all__ = ["Exercise", "show_source"]
+__all__ = ["SOLVE_FIRST", "Exercise", "show_source"]
+
+#: The start of the line :meth:`Exercise.compare` prints while the answer is not earned yet.
+SOLVE_FIRST = "Solve the exercise first"
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,9 @@ class Exercise:
         hints: Graduated hints, most general first.
         reference: The reference solution: one function, or a tuple of functions when the
             exercise asks for several (``capture_rng_state`` and ``restore_rng_state``).
+        package: The package's own functions for the same piece, as ``"module:name"``
+            strings that :meth:`compare` imports when it prints them (private helpers
+            included, so a notebook never has to import one).
 
     Example:
         >>> from ckpt_lesson.course.exercises import keep_k
@@ -53,8 +64,11 @@ class Exercise:
     grader: Callable[..., GradeResult]
     hints: tuple[str, ...]
     reference: Callable[..., Any] | tuple[Callable[..., Any], ...]
+    package: tuple[str, ...] = ()
     # How many hints hint() has shown; a list so the frozen object can count.
     _shown: list[int] = field(default_factory=lambda: [0], init=False, repr=False, compare=False)
+    # Whether the package's version may be shown: a check passed, or solution() was asked for.
+    _earned: list[bool] = field(default_factory=lambda: [False], init=False, repr=False, compare=False)
 
     @property
     def references(self) -> tuple[Callable[..., Any], ...]:
@@ -77,6 +91,8 @@ class Exercise:
             The grader's :class:`GradeResult`.
         """
         result = self.grader(*fns, verbose=False, **kwargs)
+        if result.passed:
+            self._earned[0] = True
         nudge = f" {self.name}.hint() gives a hint, {self.name}.solution() shows one answer."
         print(verdict_line(self.name, self.function_names, result, nudge))
         return result
@@ -103,9 +119,31 @@ class Exercise:
 
     def solution(self) -> None:
         """Print the reference solution's source (any function that passes the grader is right too)."""
+        self._earned[0] = True  # the answer is out: comparing with the package's hides nothing more
         sources = [inspect.getsource(f).rstrip() for f in self.references]
         print(f"# One answer for {self.name}; yours may differ and still pass.\n")
         print("\n\n\n".join(sources))
+
+    def compare(self) -> None:
+        """Print the package's version of this piece, once the learner has earned it.
+
+        A lesson's "compare with the package" cell calls this. Run All on an
+        unsolved notebook must not print the answer above the exercise, so until
+        a :meth:`check` has passed (or :meth:`solution` was called) it prints one
+        stable line instead, the same on every run.
+
+        Example:
+            >>> from ckpt_lesson.course.exercises import atomic
+            >>> atomic.compare()  # doctest: +ELLIPSIS
+            Solve the exercise first: ...
+        """
+        if not self._earned[0]:
+            print(
+                f"{SOLVE_FIRST}: the package's version appears here once {self.name}.check(...) prints PASS "
+                f"(or after {self.name}.solution()). Then run this cell again and compare it with yours."
+            )
+            return
+        show_source(*(_resolve(spec) for spec in self.package))
 
 
 def show_source(*functions: Callable[..., Any], docstrings: bool = False) -> None:
@@ -132,6 +170,11 @@ def show_source(*functions: Callable[..., Any], docstrings: bool = False) -> Non
         module = inspect.getmodule(fn)
         where = module.__name__.replace(".", "/") + ".py" if module else "?"
         print(("\n" if number else "") + f"# {where}\n{source.rstrip()}")
+
+
+def _resolve(spec: str) -> Callable[..., Any]:
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _without_docstring(source: str) -> str:

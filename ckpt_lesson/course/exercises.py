@@ -69,6 +69,7 @@ rng_capture = Exercise(
         "snapshot.",
     ),
     reference=(solutions.capture_rng_state, solutions.restore_rng_state),
+    package=("ckpt_lesson.files.rng:capture_rng_state", "ckpt_lesson.files.rng:restore_rng_state"),
 )
 
 atomic = Exercise(
@@ -88,6 +89,7 @@ atomic = Exercise(
         "so a failed save leaves no temp file and the caller still sees the error.",
     ),
     reference=solutions.atomic_save,
+    package=("ckpt_lesson.files.atomic:atomic_save", "ckpt_lesson.files.atomic:_atomic_write"),
 )
 
 round_trip = Exercise(
@@ -106,6 +108,7 @@ round_trip = Exercise(
         "`TrainState(**payload['state'])`.",
     ),
     reference=(solutions.save_checkpoint, solutions.load_checkpoint),
+    package=("ckpt_lesson.files.checkpoint:save_checkpoint", "ckpt_lesson.files.checkpoint:load_checkpoint"),
 )
 
 param_group = Exercise(
@@ -121,6 +124,7 @@ param_group = Exercise(
         "Return one list per shard, `num_shards` lists in all (some may be empty); every key exactly once.",
     ),
     reference=solutions.plan_param_group,
+    package=("ckpt_lesson.files.shard_plan:plan_shards", "ckpt_lesson.files.shard_plan:_balance"),
 )
 
 batch_position = Exercise(
@@ -137,6 +141,11 @@ batch_position = Exercise(
         "batches after each step). Never loop over earlier batches or epochs.",
     ),
     reference=solutions.next_batch_ids,
+    package=(
+        "ckpt_lesson.course.training:next_batch_ids",
+        "ckpt_lesson.course.training:batch_sample_ids",
+        "ckpt_lesson.course.training:epoch_order",
+    ),
 )
 
 keep_k = Exercise(

@@ -14,9 +14,12 @@ in :mod:`ckpt_lesson.course.exercises`.
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import hashlib
+import os
 import random
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -92,9 +95,21 @@ def _verify_case(
     if damage != "missing":
         path.write_bytes(data)
     expected_ok = reference(path, size=size, sha256=sha) is None
+    size_differs = damage != "missing" and len(data) != size
     describe = f"[a {n}-byte file, {damage}] verify_part(path, size={size}, sha256='{sha[:12]}...')"
+    opened: list[str] = []
+
+    def call(f: Callable[..., Any]) -> Any:
+        opened.clear()
+        with _watch_opens(path, opened):
+            return f(path, size=size, sha256=sha)
 
     def judge(got: Any) -> str | None:
+        if size_differs and opened:
+            return (
+                f"the file has {len(data)} bytes, not the recorded {size}, yet verify_part opened it; "
+                "compare the size first (path.stat().st_size is free) and hash only when it matches"
+            )
         if got is not None and not (isinstance(got, str) and got):
             return f"returned {_short(got)}; return None when the file is fine, else a non-empty reason"
         if expected_ok and got is not None:
@@ -103,7 +118,50 @@ def _verify_case(
             return "the file does not match its record, but got None (ok)"
         return None
 
-    return _Case(describe, lambda f: f(path, size=size, sha256=sha), judge)
+    return _Case(describe, call, judge)
+
+
+# Python's audit hooks (PEP 578) see every open() and os.open() in the process, whichever
+# way the learner reads the file: that is how the grader knows a file was read, without
+# replacing any function. A hook cannot be removed once added, so one hook is added on first
+# use and stays idle (one context-variable lookup) unless a grader is watching a path.
+_WATCH: contextvars.ContextVar[tuple[str, list[str]] | None] = contextvars.ContextVar(
+    "ckpt_lesson_watch_opens", default=None
+)
+_HOOK_ADDED = False
+
+
+def _on_audit(event: str, args: tuple[Any, ...]) -> None:
+    if event != "open":
+        return
+    watch = _WATCH.get()
+    if watch is None or not args or not isinstance(args[0], (str, bytes, os.PathLike)):
+        return
+    try:
+        name = os.path.abspath(os.fsdecode(args[0]))
+    except (TypeError, ValueError):
+        return
+    if name == watch[0]:
+        watch[1].append(name)
+
+
+class _watch_opens:
+    """Record in ``opened`` every open of ``path`` made inside the ``with`` block."""
+
+    def __init__(self, path: Path, opened: list[str]) -> None:
+        self._target = (os.path.abspath(path), opened)
+        self._token: contextvars.Token[tuple[str, list[str]] | None] | None = None
+
+    def __enter__(self) -> None:
+        global _HOOK_ADDED
+        if not _HOOK_ADDED:
+            sys.addaudithook(_on_audit)
+            _HOOK_ADDED = True
+        self._token = _WATCH.set(self._target)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            _WATCH.reset(self._token)
 
 
 # ---------------------------------------------------------------- v1 -> v2 migration (notebook 09)

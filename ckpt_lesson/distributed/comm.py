@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 
 __all__ = [
     "Comm",
@@ -133,7 +133,9 @@ def quiet_single_process(no_dist: bool) -> Iterator[None]:
         yield
 
 
-def raise_from_checkpoint_exception(exc: CheckpointException, what: str) -> NoReturn:
+def raise_from_checkpoint_exception(
+    exc: CheckpointException, what: str, *, reading: bool = False
+) -> NoReturn:
     """Turn DCP's ``CheckpointException`` into this package's errors.
 
     DCP gathers every rank's failure into one ``CheckpointException``, which is
@@ -142,6 +144,10 @@ def raise_from_checkpoint_exception(exc: CheckpointException, what: str) -> NoRe
     (our own checks: an unsafe value, a missing item), that error is raised as
     it is, with its type, so callers can tell damage from tampering. Anything
     else becomes a ``CheckpointError`` naming the ranks and their errors.
+
+    With ``reading=True`` (a load), an ``OSError`` on any rank (EIO on a
+    part) becomes a :class:`~ckpt_lesson.errors.CorruptCheckpointError`, so
+    the restore falls back to an older save on every rank alike.
 
     Raises:
         CheckpointError: Always.
@@ -154,4 +160,8 @@ def raise_from_checkpoint_exception(exc: CheckpointException, what: str) -> NoRe
     summary = "; ".join(
         f"rank {rank}: {type(failures[rank][0]).__name__}: {failures[rank][0]}" for rank in sorted(failures)
     )
+    if reading and any(isinstance(failures[rank][0], OSError) for rank in failures):
+        # EIO while reading a part: damage to this copy, so callers fall back to an older save.
+        # (While writing, an OSError such as a full disk is no verdict on any save.)
+        raise CorruptCheckpointError(f"{what} failed ({summary}).") from exc
     raise CheckpointError(f"{what} failed ({summary}).") from exc

@@ -32,19 +32,18 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.tagged_hash import DEFAULT_ALGO
 from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale
 from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, clean_unmarked
 from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
 from ckpt_lesson.runs.scan import step_dir_name
-from ckpt_lesson.runs.state_args import is_state_call, positional_restore_args, positional_save_args
+from ckpt_lesson.runs.state_args import positional_restore_args
 
 from .comm import Comm, new_checkpoint_group, quiet_single_process, release_groups
 from .restore import WORLD_SIZE_POLICIES, DistributedRestore, restore_newest
 from .saving import Retention, SaveJob, fail_save, prepare_save
-from .state_api import apply_rank_parts, as_restored, rank_data, split_state
+from .state_api import apply_rank_parts, as_restored, save_args, split_state
 
 __all__ = ["DistributedCheckpointManager"]
 
@@ -161,6 +160,7 @@ class DistributedCheckpointManager:
         if not self._closed:
             try:
                 self.wait()
+                self._retention.wait()  # rank 0's purge behind the last save
             finally:
                 self._closed = True
                 self._ctl, io_group, self._io_group = Comm.solo(), self._io_group, None
@@ -210,7 +210,7 @@ class DistributedCheckpointManager:
             PosixPath('/shared/runs/a/step-00000040')
         """
         self.wait()
-        job = self._begin(*self._save_args(args, data_state, rng))
+        job = self._begin(*save_args(args, data_state, rng))
         try:
             with quiet_single_process(self._no_dist):
                 dcp.save(
@@ -240,7 +240,7 @@ class DistributedCheckpointManager:
             >>> mgr.wait()  # doctest: +SKIP
         """
         self.wait()
-        job = self._begin(*self._save_args(args, data_state, rng))
+        job = self._begin(*save_args(args, data_state, rng))
         try:
             future = dcp.async_save(
                 job.state_dict, storage_writer=job.writer, process_group=self._io_group, no_dist=self._no_dist
@@ -248,25 +248,6 @@ class DistributedCheckpointManager:
         except BaseException as exc:
             fail_save(job, exc, self.rank)
         self._pending = (job, future)
-
-    @staticmethod
-    def _save_args(args: tuple[Any, ...], data_state: Any, rng: Any) -> tuple[Any, ...]:
-        """``(model, optimizer, scheduler, train_state, data_state, rng)`` for either call form."""
-        if is_state_call(args):
-            step, state = args
-            if data_state is not None:
-                raise CheckpointError(
-                    "data_state= belongs to the positional form; put it in the state mapping."
-                )
-            _, model, _, optimizer, parts = split_state(state)
-            rng_state = None if rng is None or rng is True else rng
-            if rng is False:
-                raise CheckpointError(
-                    "rng=False is not supported on many ranks: each rank's stream is saved."
-                )
-            return model, optimizer, None, TrainState(step=step), rank_data(parts), rng_state
-        model, optimizer, scheduler, state = positional_save_args(args)
-        return model, optimizer, scheduler, state, data_state, rng
 
     def wait(self) -> Path | None:
         """Finish the asynchronous save in flight, if any; collective.
@@ -380,7 +361,7 @@ class DistributedCheckpointManager:
             reseed_base=reseed_base,
         )
         if restored is not None:
-            self._retention.verified.add(restored.step)
+            self._retention.mark_good(restored.step)
             self._cadence.mark_saved(restored.step)
             self.last_restore = restored
         if state is None or restored is None:

@@ -45,6 +45,7 @@ from ckpt_lesson.errors import (
     IncompleteCheckpointError,
     UnsafeCheckpointError,
 )
+from ckpt_lesson.files.safe_read import read_regular_file
 from ckpt_lesson.files.tagged_hash import hash_bytes
 from ckpt_lesson.runs.dcp_manifest import METADATA_FILE, check_dcp_part, read_dcp_manifest
 
@@ -87,9 +88,13 @@ def _local_findings(folder: Path, comm: Comm) -> tuple[dict[str, Any], Any]:
     metadata = None
     problem = check_dcp_part(folder, meta_part, hash_it=False)  # stat + size; the digest is of the bytes read
     if problem is None:
-        data = (folder / METADATA_FILE).read_bytes()
-        record = hash_bytes(data, meta_part["algo"])
-        if len(data) != meta_part["bytes"] or record["digest"] != meta_part["digest"]:
+        data = _read_metadata_file(folder, meta_part["bytes"])
+        if data is None:
+            problem = f"{METADATA_FILE}: unreadable (an I/O error or a swapped file)"
+        elif (
+            len(data) != meta_part["bytes"]
+            or hash_bytes(data, meta_part["algo"])["digest"] != meta_part["digest"]
+        ):
             problem = f"{METADATA_FILE}: changed while it was being verified"
         else:
             sizes = {name: p["bytes"] for name, p in parts.items() if name != METADATA_FILE}
@@ -105,6 +110,32 @@ def _local_findings(folder: Path, comm: Comm) -> tuple[dict[str, Any], Any]:
         if i % comm.world_size == comm.rank:
             _note(findings, check_dcp_part(folder, parts[name]))
     return findings, (manifest, metadata)
+
+
+def _read_metadata_file(folder: Path, size: int) -> bytes | None:
+    # Through the one bounded reader: EIO (a bad sector) is damage to this copy, not a crash on
+    # one rank while the others wait in a collective.
+    try:
+        return read_regular_file(folder / METADATA_FILE, limit=size, what="DCP .metadata")
+    except (OSError, CheckpointError):
+        return None
+
+
+def _safe_local_findings(folder: Path, comm: Comm) -> tuple[dict[str, Any], Any]:
+    """:func:`_local_findings`, with *any* failure turned into a finding this rank reports.
+
+    Why a catch-all here and nowhere else: what follows is a collective. A rank
+    that raised here (a RecursionError from a crafted file, an OSError the
+    readers did not expect) would leave the other ranks waiting in
+    ``all_gather`` until gloo gives up with a "Read error", and each rank
+    would tell a different story. Reported as a problem, every rank sees it
+    and all fall back to the older save together.
+    """
+    try:
+        return _local_findings(folder, comm)
+    except Exception as exc:
+        problem = f"rank {comm.rank} could not read it ({type(exc).__name__}: {str(exc)[:160]})"
+        return {"manifest": None, "missing": [], "problems": [problem], "unsafe": None}, None
 
 
 def _note(findings: dict[str, Any], problem: str | None) -> None:
@@ -134,7 +165,7 @@ def verify_save(folder: str | os.PathLike[str], comm: Comm) -> VerifiedSave:
         >>> verified = verify_save(run / "step-00000040", Comm())  # doctest: +SKIP
     """
     folder = Path(folder)
-    findings, parsed = _local_findings(folder, comm)
+    findings, parsed = _safe_local_findings(folder, comm)
     everyone = comm.all_gather(findings)
     unsafe = [f"rank {r}: {f['unsafe']}" for r, f in enumerate(everyone) if f["unsafe"]]
     if unsafe:

@@ -157,7 +157,7 @@ def restore_save(
                 no_dist=not ctl.enabled,
             )
     except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
-        raise_from_checkpoint_exception(exc, f"loading {folder.name}")
+        raise_from_checkpoint_exception(exc, f"loading {folder.name}", reading=True)
     problem = None
     try:
         rank_state = decode_rank_state(template[blob_key], where=f"{folder.name}/{blob_key}")

@@ -30,11 +30,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.atomic import fsync_dir
 from ckpt_lesson.files.rng import capture_rng_state
-from ckpt_lesson.runs.commit import QUARANTINE_PREFIX, delete_save, open_staging
-from ckpt_lesson.runs.dcp_manifest import read_dcp_manifest
+from ckpt_lesson.runs.commit import QUARANTINE_PREFIX, open_staging
 from ckpt_lesson.runs.dcp_marker import open_marker_folder
+from ckpt_lesson.runs.deleter import BackgroundRetention
 from ckpt_lesson.runs.retention import RetentionPolicy
-from ckpt_lesson.runs.scan import step_dir_name, step_of
+from ckpt_lesson.runs.reverify import check_save
+from ckpt_lesson.runs.scan import published_steps, step_dir_name, step_of
 
 from .comm import Comm, raise_from_checkpoint_exception
 from .reader import verify_save
@@ -183,10 +184,16 @@ def fail_save(job: SaveJob, exc: BaseException, rank: int) -> NoReturn:
 class Retention:
     """Known-good saves of one run directory, and the purge that follows each publish.
 
+    The purge is the single-process manager's: the same rule
+    (:func:`~ckpt_lesson.runs.reverify.retention_pass`: cheap checks of every
+    save kept instead, one full re-hash per pass, round robin) on the same
+    background thread (:class:`~ckpt_lesson.runs.deleter.BackgroundRetention`).
+
     Args:
         run_dir: The run directory.
         policy: ``to_delete(steps, verified)``, e.g. ``KeepLastK(3)``.
         emit: Event hook (``retention_delete`` before each delete).
+        background: ``False`` runs each pass inside ``after_publish``.
 
     Example:
         >>> keeper = Retention(run, KeepLastK(2), emit=lambda name, **info: None)  # doctest: +SKIP
@@ -194,38 +201,46 @@ class Retention:
         [2, 4]
     """
 
-    def __init__(self, run_dir: Path, policy: RetentionPolicy, emit: Emit) -> None:
+    def __init__(
+        self, run_dir: Path, policy: RetentionPolicy, emit: Emit, *, background: bool = True
+    ) -> None:
         self.run_dir, self.policy, self.emit = run_dir, policy, emit
-        #: Steps written or restored by this process: retention counts only these as good.
-        self.verified: set[int] = set()
+        self.worker = BackgroundRetention(run_dir, policy, emit=emit, background=background)
+
+    @property
+    def verified(self) -> set[int]:
+        """Steps known to be good (written, restored or re-checked by this process)."""
+        self.worker.wait()
+        return self.worker.known.verified
+
+    @verified.setter
+    def verified(self, steps: set[int]) -> None:
+        self.worker.wait()
+        self.worker.known.verified.clear()
+        self.worker.known.verified.update(steps)
+
+    def mark_good(self, step: int) -> None:
+        """``step`` was verified in full just now (a restore read and hashed it)."""
+        self.worker.wait()
+        self.worker.known.mark_hashed(step)
+
+    def wait(self) -> None:
+        """Wait for the retention pass in flight, if any."""
+        self.worker.wait()
 
     def published(self) -> list[int]:
         """Published steps, ascending (folder names only; nothing is read)."""
-        found = (step_of(e.name) for e in self.run_dir.iterdir() if e.is_dir() and not e.is_symlink())
-        return sorted(s for s in found if s is not None)
+        return published_steps(self.run_dir)
 
     def after_publish(self, final: Path, manifest: dict[str, Any]) -> None:
-        """Count the new save as good and delete what the policy allows; errors are logged, not raised."""
+        """Count the new save as good and start the purge behind it; errors are logged, not raised."""
         try:
-            self.verified.add(manifest["step"])
-            published = self.published()
-            self.verified = {s for s in self.verified if s in published and self.sizes_ok(s)}
-            for step in self.policy.to_delete(published, set(self.verified)):
-                self.emit("retention_delete", step=step)
-                if delete_save(self.run_dir / step_dir_name(step)):
-                    self.verified.discard(step)
+            # Every part was hashed as it was written and finish() checked every item was: the
+            # write-time check of the single-process manager's "writer" mode.
+            self.worker.submit(manifest["step"], checked=True)
         except Exception:  # the save is durable; a failed purge must not turn it into a failure
             log.exception("retention after %s failed; the save itself is published", final.name)
 
     def sizes_ok(self, step: int) -> bool:
         """A known-good save still has its manifest and every part at its size (a stat each, no hashing)."""
-        folder = self.run_dir / step_dir_name(step)
-        try:
-            manifest, _ = read_dcp_manifest(folder)
-        except CheckpointError:
-            return False
-        for part in manifest["parts"]:
-            path = folder / part["file"]
-            if not path.is_file() or path.is_symlink() or path.stat().st_size != part["bytes"]:
-                return False
-        return True
+        return check_save(self.run_dir / step_dir_name(step), full=False) is None

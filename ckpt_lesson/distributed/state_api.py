@@ -27,16 +27,23 @@ import torch
 
 from ckpt_lesson.errors import CheckpointError, StateMismatchError
 from ckpt_lesson.files.payload import validate_payload
-from ckpt_lesson.files.state_payload import OBJECT, VALUE, Restored, check_part_names
+from ckpt_lesson.files.state_apply import check_part_names
+from ckpt_lesson.files.state_payload import OBJECT, VALUE, Restored, is_object
+from ckpt_lesson.files.train_state import TrainState
+from ckpt_lesson.runs.state_args import is_state_call, positional_save_args
 
-__all__ = ["PARTS_KEY", "apply_rank_parts", "as_restored", "has_rank_parts", "rank_data", "split_state"]
+__all__ = [
+    "PARTS_KEY",
+    "apply_rank_parts",
+    "as_restored",
+    "has_rank_parts",
+    "rank_data",
+    "save_args",
+    "split_state",
+]
 
 #: Key of the per-rank blob's ``data`` entry that holds the state API's other parts.
 PARTS_KEY = "ckpt_lesson_parts"
-
-
-def _is_object(part: Any) -> bool:
-    return callable(getattr(part, "state_dict", None)) and callable(getattr(part, "load_state_dict", None))
 
 
 def split_state(state: Mapping[str, Any]) -> tuple[str, Any, str | None, Any, dict[str, Any]]:
@@ -67,7 +74,7 @@ def split_state(state: Mapping[str, Any]) -> tuple[str, Any, str | None, Any, di
     for name, part in state.items():
         if name in modules or name in optims:
             continue
-        if _is_object(part):
+        if is_object(part):
             kinds[name], objects[name] = OBJECT, part
         else:
             validate_payload(part, where=f"state[{name!r}]")
@@ -138,3 +145,28 @@ def as_restored(result: Any, values: dict[str, Any], rng: Any) -> Restored:
         step=result.step, values=values, rng=rng, path=result.path, save_id=result.save_id,
         skipped=list(result.skipped),
     )  # fmt: skip
+
+
+def save_args(args: tuple[Any, ...], data_state: Any, rng: Any) -> tuple[Any, ...]:
+    """``(model, optimizer, scheduler, train_state, data_state, rng)`` for either form of ``save``.
+
+    Raises:
+        CheckpointError: Arguments of neither form, or options of the other form.
+    """
+    if not is_state_call(args):
+        model, optimizer, scheduler, state = positional_save_args(args)
+        return model, optimizer, scheduler, state, data_state, rng
+    step, state = args
+    if data_state is not None:
+        raise CheckpointError("data_state= belongs to the positional form; put it in the state mapping.")
+    if rng is False:
+        raise CheckpointError("rng=False is not supported on many ranks: each rank's stream is saved.")
+    _, model, _, optimizer, parts = split_state(state)
+    return (
+        model,
+        optimizer,
+        None,
+        TrainState(step=step),
+        rank_data(parts),
+        None if rng in (None, True) else rng,
+    )

@@ -35,6 +35,7 @@ from ckpt_lesson.files.atomic import atomic_save
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.files.integrity import FileDigest
 from ckpt_lesson.files.loading import load_verified_file
+from ckpt_lesson.files.mapped_restore import keep_no_mapped_extra_state
 from ckpt_lesson.files.modules import model_state
 from ckpt_lesson.files.payload import (
     check_model_state,
@@ -121,6 +122,7 @@ def save_checkpoint(
     data: dict[str, Any] | None = None,
     rng: dict[str, Any] | None = None,
     algo: str = DEFAULT_ALGO,
+    zip_crc32: bool = False,
 ) -> FileDigest:
     """Save a complete, resumable checkpoint to one file, atomically.
 
@@ -139,6 +141,8 @@ def save_checkpoint(
         rng: Generator state captured earlier (see :func:`build_payload`);
             ``None`` captures it now.
         algo: Integrity hash of the footer (see :data:`~ckpt_lesson.files.hashing.ALGORITHMS`).
+        zip_crc32: Keep the zip CRC32s, for tools that test zip archives
+            (``unzip -t``); off by default, as in :func:`~ckpt_lesson.files.atomic.atomic_save`.
 
     Returns:
         Size and digest of the file written.
@@ -157,7 +161,7 @@ def save_checkpoint(
             f"{hint} or leave schema out."
         )
     payload = build_payload(model, optimizer, scheduler, state, extras=extras, data=data, rng=rng)
-    return atomic_save(payload, out_path, algo=algo)
+    return atomic_save(payload, out_path, algo=algo, zip_crc32=zip_crc32)
 
 
 def read_checkpoint(
@@ -211,6 +215,9 @@ def read_checkpoint(
         # Optimizer moments would otherwise stay mapped: Optimizer.load_state_dict keeps a tensor
         # that already has the parameter's dtype and device instead of copying it.
         payload = {k: v if k == "model" else _private(v) for k, v in payload.items()}
+        # Extra state is handed to set_extra_state as it is, and a module may keep it: copy it
+        # out too, or a kept tensor would keep the file mapped (SIGBUS if it is truncated later).
+        payload = keep_no_mapped_extra_state(payload)
     original = payload.get("schema") if isinstance(payload, dict) else None
     payload = migrate_payload(payload, source=str(path))
     require_footer({"schema": original}, digest, path)

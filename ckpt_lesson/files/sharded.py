@@ -141,12 +141,16 @@ def _default_workers(jobs: int) -> int:
     return max(1, min(jobs, os.cpu_count() or 1))
 
 
-def _write_all(jobs: list[tuple[Any, Path]], *, workers: int, algo: str) -> list[FileDigest]:
+def _write_all(
+    jobs: list[tuple[Any, Path]], *, workers: int, algo: str, zip_crc32: bool = False
+) -> list[FileDigest]:
     """``atomic_save`` every ``(body, path)``, ``workers`` at a time; digests in job order."""
     if workers == 1:
-        return [atomic_save(body, path, algo=algo) for body, path in jobs]
+        return [atomic_save(body, path, algo=algo, zip_crc32=zip_crc32) for body, path in jobs]
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-shard") as pool:
-        futures = [pool.submit(atomic_save, body, path, algo=algo) for body, path in jobs]
+        futures = [
+            pool.submit(atomic_save, body, path, algo=algo, zip_crc32=zip_crc32) for body, path in jobs
+        ]
         # result() re-raises a writer's error here, in the caller's thread; leaving
         # the with-block first waits for the other writers, so none outlives the call.
         return [f.result() for f in futures]
@@ -166,6 +170,7 @@ def save_sharded_checkpoint(
     rng: dict[str, Any] | None = None,
     algo: str = DEFAULT_ALGO,
     workers: int | None = None,
+    zip_crc32: bool = False,
 ) -> ShardedSaveResult:
     """Save a resumable checkpoint as shards + ``meta.pt`` + ``index.json`` (last).
 
@@ -182,6 +187,7 @@ def save_sharded_checkpoint(
         num_shards: Number of shard files for the model's weights.
         layout: How keys are assigned; see :func:`plan_shards`.
         algo: Integrity hash of every file and index entry.
+        zip_crc32: Keep the zip CRC32s in every file (see ``atomic_save``).
         workers: Writer threads (default: one per CPU core, at most one per
             file); ``1`` writes the files one after another.
 
@@ -230,7 +236,8 @@ def save_sharded_checkpoint(
     ]
     # meta.pt goes first: it is often the largest single file left, so it should not start last.
     jobs.insert(0, (payload, out_dir / META_NAME))
-    meta_digest, *digests = _write_all(jobs, workers=workers or _default_workers(len(jobs)), algo=algo)
+    jobs_workers = workers or _default_workers(len(jobs))
+    meta_digest, *digests = _write_all(jobs, workers=jobs_workers, algo=algo, zip_crc32=zip_crc32)
     files = [
         {"name": _shard_name(i), "keys": keys, "optimizer_state": pids, **d.record()}
         for i, (keys, pids, d) in enumerate(zip(plan, opt_plan, digests, strict=True))

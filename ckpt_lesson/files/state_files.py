@@ -42,7 +42,8 @@ from ckpt_lesson.files.sharded import (
     _shard_name,
     _write_all,
 )
-from ckpt_lesson.files.state_payload import PARTS_SCHEMA, Restored, apply_state_payload, build_state_payload
+from ckpt_lesson.files.state_apply import apply_state_payload
+from ckpt_lesson.files.state_payload import PARTS_SCHEMA, Restored, build_state_payload
 
 __all__ = ["load_state", "read_state_payload", "save_state", "write_state_payload"]
 
@@ -57,6 +58,7 @@ def save_state(
     rng: bool | dict[str, Any] | None = True,
     num_shards: int | None = None,
     algo: str = DEFAULT_ALGO,
+    zip_crc32: bool = False,
 ) -> FileDigest | ShardedSaveResult:
     """Save ``state`` (a mapping of named parts) at ``step``, atomically and with its integrity record.
 
@@ -68,6 +70,7 @@ def save_state(
             dict from ``capture_rng_state()`` taken earlier.
         num_shards: ``None`` for one file; else the sharded layout with that many shard files.
         algo: Integrity hash.
+        zip_crc32: Keep the zip CRC32s ``torch.save`` writes (off: ``torch.load`` never checks them).
 
     Returns:
         The file's digest, or the sharded save's :class:`ShardedSaveResult`.
@@ -79,7 +82,7 @@ def save_state(
         >>> save_state("ckpt/last.pt", 120, {"model": model, "best": 0.31})  # doctest: +SKIP
     """
     payload = build_state_payload(step, state, rng=rng)
-    return write_state_payload(payload, path, num_shards=num_shards, algo=algo)
+    return write_state_payload(payload, path, num_shards=num_shards, algo=algo, zip_crc32=zip_crc32)
 
 
 def write_state_payload(
@@ -89,10 +92,14 @@ def write_state_payload(
     num_shards: int | None = None,
     layout: str = "param_group",
     algo: str = DEFAULT_ALGO,
+    zip_crc32: bool = False,
 ) -> FileDigest | ShardedSaveResult:
-    """Write a payload from ``build_state_payload`` (or an async snapshot of one); see :func:`save_state`."""
+    """Write a payload from ``build_state_payload`` (or an async snapshot of one); see :func:`save_state`.
+
+    ``zip_crc32=True`` keeps the zip CRC32s for tools that check them (see ``atomic_save``).
+    """
     if num_shards is None:
-        return atomic_save(payload, path, algo=algo)
+        return atomic_save(payload, path, algo=algo, zip_crc32=zip_crc32)
     _check_plan_args(num_shards, layout)
     out_dir = Path(path)
     if (out_dir / INDEX_NAME).exists():
@@ -107,7 +114,9 @@ def write_state_payload(
     for i, keys in enumerate(plan):
         body = {"model": {k: _own_storage(tensors[k]) for k in keys}, "optimizer_state": {}}
         jobs.append((body, out_dir / _shard_name(i)))
-    meta_digest, *digests = _write_all(jobs, workers=_default_workers(len(jobs)), algo=algo)
+    meta_digest, *digests = _write_all(
+        jobs, workers=_default_workers(len(jobs)), algo=algo, zip_crc32=zip_crc32
+    )
     files = [
         {"name": _shard_name(i), "keys": keys, "optimizer_state": [], **d.record()}
         for i, (keys, d) in enumerate(zip(plan, digests, strict=True))

@@ -32,14 +32,13 @@ from typing import Any
 import torch
 
 from ckpt_lesson.errors import CheckpointError, StateMismatchError
-from ckpt_lesson.files.apply import check_optimizer_payload
-from ckpt_lesson.files.modules import canonical_saved_keys, load_model_state, model_state
-from ckpt_lesson.files.payload import check_model_state, optimizer_state_with_bindings, validate_payload
-from ckpt_lesson.files.rng import capture_rng_state, restore_rng_state, validate_rng_state
+from ckpt_lesson.files.modules import model_state, unwrap
+from ckpt_lesson.files.payload import optimizer_state_with_bindings, validate_payload
+from ckpt_lesson.files.rng import capture_rng_state, validate_rng_state
 from ckpt_lesson.files.schema import SCHEMA_V2, current_env
 from ckpt_lesson.files.train_state import TrainState
 
-__all__ = ["PARTS_SCHEMA", "Restored", "apply_state_payload", "build_state_payload", "parts_view"]
+__all__ = ["OBJECT", "PARTS_SCHEMA", "VALUE", "Restored", "build_state_payload", "parts_view"]
 
 #: Schema of a payload saved through the state API.
 PARTS_SCHEMA = "ckpt.parts.v1"
@@ -68,11 +67,11 @@ class Restored:
     skipped: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _is_object(part: Any) -> bool:
+def is_object(part: Any) -> bool:
     return callable(getattr(part, "state_dict", None)) and callable(getattr(part, "load_state_dict", None))
 
 
-def _check_names(state: Any, what: str) -> None:
+def check_names(state: Any, what: str) -> None:
     if not isinstance(state, Mapping):
         raise CheckpointError(
             f"{what}: state must be a mapping of named parts, e.g. {{'model': model, 'optimizer': opt}}, "
@@ -91,21 +90,19 @@ def _check_step(step: Any) -> int:
     return step
 
 
-class _Names:
+class Names:
     """Canonical ``part.parameter`` names of every module part, for the optimizer bindings."""
 
     def __init__(self, modules: dict[str, Any]) -> None:
         self._modules = modules
 
     def named_parameters(self) -> Any:
-        from ckpt_lesson.files.modules import unwrap
-
         for part, module in self._modules.items():
             for name, param in unwrap(module).named_parameters():
                 yield f"{part}.{name}", param
 
 
-def _modules(objects: Mapping[str, Any]) -> dict[str, Any]:
+def module_parts(objects: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in objects.items() if isinstance(v, torch.nn.Module)}
 
 
@@ -137,12 +134,12 @@ def build_state_payload(
         ({'model': 'object', 'best': 'value'}, {'best': 0.5})
     """
     _check_step(step)
-    _check_names(state, f"save of step {step}")
+    check_names(state, f"save of step {step}")
     kinds: dict[str, str] = {}
     objects: dict[str, Any] = {}
     values: dict[str, Any] = {}
-    live = {k: v for k, v in state.items() if _is_object(v)}
-    names = _Names(_modules(live))
+    live = {k: v for k, v in state.items() if is_object(v)}
+    names = Names(module_parts(live))
     for name, part in state.items():
         where = f"state[{name!r}]"
         if name in live:
@@ -227,135 +224,3 @@ def parts_view(payload: dict[str, Any], *, source: str) -> dict[str, Any]:
         "objects": objects,
         "values": values,
     }
-
-
-def check_part_names(
-    saved: Mapping[str, str], given: Mapping[str, Any], *, source: str, strict: bool
-) -> None:
-    """Refuse parts present on one side only (unless ``strict=False``), and parts of the wrong kind."""
-    missing = [n for n in saved if n not in given]
-    extra = [n for n in given if n not in saved]
-    if strict and (missing or extra):
-        raise StateMismatchError(
-            f"{source}: the save holds parts {missing} that the state given to restore lacks, and the "
-            f"state has {extra} that the save lacks. Pass the same part names as the saving run, or "
-            "restore with strict=False to ignore parts present on one side only."
-        )
-    for name in saved:
-        if name not in given:
-            continue
-        part = given[name]
-        if saved[name] == OBJECT and not _is_object(part):
-            kind = "None" if part is None else type(part).__name__
-            raise StateMismatchError(
-                f"{source}: part {name!r} was saved from an object with state_dict(), but the state "
-                f"given to restore holds {kind}; pass the live object (built as in the saving run)."
-            )
-        if saved[name] == VALUE and _is_object(part):
-            raise StateMismatchError(
-                f"{source}: part {name!r} was saved as a plain value, but the state given to restore holds "
-                f"a {type(part).__name__} object; pass a placeholder value (its saved value comes back in "
-                "restored.values)."
-            )
-
-
-def apply_state_payload(
-    payload: dict[str, Any],
-    state: Mapping[str, Any],
-    *,
-    source: str,
-    strict: bool = True,
-    allow_dtype_cast: bool = False,
-) -> Restored:
-    """Check that ``payload`` fits the live ``state``, then restore every part and the RNG.
-
-    Modules and optimizers are checked completely before anything changes;
-    other objects (schedulers, scalers, loaders) can only be checked by loading
-    them, so they are loaded first and put back if a later one fails.
-
-    Args:
-        payload: A parts payload, or a ``ckpt.v2`` one (see :func:`parts_view`).
-        state: The live ``{name: part}`` mapping, as passed to the save.
-        source: Names the checkpoint in messages.
-        strict: Refuse parts present on one side only (default). ``False`` ignores them.
-        allow_dtype_cast: Accept module tensors saved in another dtype.
-
-    Returns:
-        A :class:`Restored` (``path`` and ``save_id`` left for the caller to fill).
-
-    Raises:
-        StateMismatchError: Any difference, named by part; nothing was changed then.
-
-    Example:
-        >>> net = torch.nn.Linear(2, 2)
-        >>> p = build_state_payload(3, {"model": net, "best": 0.5}, rng=False)
-        >>> apply_state_payload(p, {"model": net, "best": None}, source="demo").values
-        {'best': 0.5}
-    """
-    _check_names(state, source)
-    view = parts_view(payload, source=source)
-    step, kinds, objects, values = (view.get(k) for k in ("step", "kinds", "objects", "values"))
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise StateMismatchError(f"{source}: the payload's step {step!r} is not an int >= 0.")
-    if not all(isinstance(x, dict) for x in (kinds, objects, values)) or set(kinds) != set(objects) | set(
-        values
-    ):
-        raise StateMismatchError(f"{source}: the payload's parts are malformed (kinds, objects, values).")
-    check_part_names(kinds, state, source=source, strict=strict)
-    wanted = [n for n in objects if n in state]
-    live_modules = _modules({n: state[n] for n in wanted})
-    # A v2 payload's bindings name parameters as the bare model did; a parts payload qualifies them.
-    names = live_modules.get("model") if view["schema"] == SCHEMA_V2 else _Names(live_modules)
-    module_sds: dict[str, Any] = {}
-    optimizer_sds: dict[str, Any] = {}
-    for name in wanted:
-        part, saved = state[name], objects[name]
-        where = f"{source} part {name!r}"
-        if isinstance(part, torch.nn.Module):
-            sd = canonical_saved_keys(saved, model_state(part).keys()) if isinstance(saved, dict) else saved
-            check_model_state(sd, part, source=where, allow_dtype_cast=allow_dtype_cast)
-            module_sds[name] = sd
-        elif isinstance(part, torch.optim.Optimizer):
-            optimizer_sds[name] = check_optimizer_payload(saved, part, names, source=where)
-        elif not isinstance(saved, dict):
-            raise StateMismatchError(f"{where}: saved state is a {type(saved).__name__}, not a state dict.")
-    rng = view.get("rng")
-    if rng is not None:
-        try:
-            validate_rng_state(rng)
-        except CheckpointError as exc:
-            raise StateMismatchError(f"{source}: {exc}") from exc
-    _load_all(state, wanted, objects, optimizer_sds, module_sds, source=source)
-    if rng is not None:
-        restore_rng_state(rng)
-    return Restored(step=step, values=dict(values), rng=rng)
-
-
-def _load_all(
-    state: Mapping[str, Any],
-    wanted: list[str],
-    objects: dict[str, Any],
-    optimizer_sds: dict[str, Any],
-    module_sds: dict[str, Any],
-    *,
-    source: str,
-) -> None:
-    """Load the objects: the uncheckable ones and optimizers first (undone on failure), modules last."""
-    others = [n for n in wanted if n not in module_sds]
-    done: list[tuple[Any, Any]] = []
-    for name in others:
-        part = state[name]
-        previous = part.state_dict()
-        try:
-            part.load_state_dict(optimizer_sds.get(name, objects[name]))
-        except Exception as exc:
-            for loaded, before in reversed([*done, (part, previous)]):
-                loaded.load_state_dict(before)
-            raise StateMismatchError(
-                f"{source}: part {name!r} ({type(part).__name__}) refused its saved state "
-                f"({type(exc).__name__}: {str(exc)[:200]}); build it as in the saving run. "
-                "Nothing was changed."
-            ) from exc
-        done.append((part, previous))
-    for name, sd in module_sds.items():
-        load_model_state(state[name], sd)

@@ -36,8 +36,10 @@ first waits for the previous save, *then* takes its snapshot.
 Why errors surface on the training thread: an exception in a background thread
 only prints a traceback; the run would carry on believing it is protected. The
 error is kept and re-raised by the next :meth:`~AsyncCheckpointer.save_async`
-or :meth:`~AsyncCheckpointer.wait` (and by leaving the ``with`` block). A
-failed save publishes nothing; the older saves stay intact.
+or :meth:`~AsyncCheckpointer.wait` (and by leaving the ``with`` block); one
+never raised there is printed on stderr at interpreter exit
+(:mod:`ckpt_lesson.runs.async_report`). A failed save publishes nothing; the
+older saves stay intact.
 
 What is and is not safe: mutating the model or optimizer right after
 ``save_async`` returns is safe, because the snapshot was finished before it
@@ -67,13 +69,13 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.state_payload import build_state_payload
+from ckpt_lesson.runs.async_report import forget_failure, lower_writer_priority, note_failure
 from ckpt_lesson.runs.manager import CheckpointManager
 from ckpt_lesson.runs.snapshot import TrainingSnapshot, snapshot_payload
 from ckpt_lesson.runs.state_args import is_state_call, positional_save_args
@@ -235,14 +237,10 @@ class AsyncCheckpointer:
             )
 
     def _write(self, snapshot: Any, extras: dict[str, Any] | None) -> None:
-        if self.writer_nice and hasattr(os, "setpriority"):
-            # Linux keeps the nice value per thread (setpriority(2), NOTES), so this lowers only the
-            # writer. Relative to the value it inherited: raising nice needs no privilege, lowering would.
-            me = threading.get_native_id()
-            os.setpriority(
-                os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + self.writer_nice)
-            )
         try:
+            # Inside the try: an error here must reach the training thread like any other (a failed
+            # priority change itself is only a warning; see async_report.py).
+            lower_writer_priority(self.writer_nice)
             if isinstance(snapshot, dict):  # a state-API payload, already copied
                 self._result = self.manager.save_payload(snapshot)
             else:
@@ -252,6 +250,8 @@ class AsyncCheckpointer:
                 )
         except BaseException as exc:  # kept for the training thread, which alone can act on it
             self._error = exc
+            step = snapshot["step"] if isinstance(snapshot, dict) else snapshot.state.step
+            note_failure(step, exc)  # reported at exit if nobody asks before then
 
     def _wait_locked(self) -> Path | None:
         thread = self._thread
@@ -260,6 +260,7 @@ class AsyncCheckpointer:
         thread.join()
         step, result, error = self._step, self._result, self._error
         self._thread, self._step, self._result, self._error = None, None, None, None
+        forget_failure(thread)  # raised just below: the exit report has nothing left to say
         if error is None:
             return result
         if isinstance(error, CheckpointError):

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.atomic import fsync_dir
+from ckpt_lesson.files.side_files import open_beside, open_existing_lock
 from ckpt_lesson.runs.scan import STAGING_PREFIX, inspect_save, step_of
 
 __all__ = [
@@ -85,7 +86,7 @@ def _make_staging(run_dir: Path, step: int) -> tuple[Path, int]:
     # Create and lock .lock right after mkdir: a staging folder without a lock is
     # treated as abandoned once it is STALE_UNLOCKED_SECONDS old.
     try:
-        fd = os.open(staging / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = open_beside(staging / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -177,13 +178,14 @@ def publish(staging: Path, final: Path, *, on_quarantined: Callable[[Path], None
     return final
 
 
-def delete_save(src: Path) -> bool:
+def delete_save(src: Path, *, on_renamed: Callable[[Path], None] | None = None) -> bool:
     """Remove one published save: rename it out of sight first, then delete the files.
 
     The rename is atomic, so a kill during the (slow) ``rmtree`` leaves a
     ``.deleting-`` folder for :func:`clean_stale`, never a half-deleted folder
     that still looks like a save. Failures are logged, not raised: a save that
-    cannot be deleted must not stop training.
+    cannot be deleted must not stop training. ``on_renamed(aside)`` is called
+    between the rename and the removal.
 
     Returns:
         True once the save is no longer visible (even if removing its files failed).
@@ -199,12 +201,21 @@ def delete_save(src: Path) -> bool:
     except OSError as exc:
         log.warning("could not delete %s (%s); training goes on, retention will retry", src.name, exc)
         return False
+    if on_renamed is not None:
+        on_renamed(doomed)
     try:
         fsync_dir(run_dir)
-        shutil.rmtree(doomed)
+        # Another cleaner (clean_stale of a manager opened meanwhile) may be removing the same
+        # leftover: a file it removed first is not a failure, the folder goes either way.
+        shutil.rmtree(doomed, onerror=_gone_is_fine)
     except OSError as exc:
         log.warning("could not remove %s (%s); training goes on; delete it by hand", doomed.name, exc)
     return True
+
+
+def _gone_is_fine(func: object, path: str, exc_info: tuple[type, BaseException, object]) -> None:
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]
 
 
 def clean_stale(run_dir: Path) -> list[str]:
@@ -222,9 +233,11 @@ def clean_stale(run_dir: Path) -> list[str]:
         ['.staging-step-00000280-4242-0f3a9c1e']
     """
     removed = []
-    for entry in sorted(run_dir.iterdir()):
-        if not entry.is_dir() or entry.is_symlink():
-            continue
+    # Only the names starting with a dot can be ours to clean: filter on the name first, so a run
+    # directory of 10,000 saves costs one listing, not a stat per save (scandir gives the kind).
+    with os.scandir(run_dir) as listing:
+        hidden = sorted(e.name for e in listing if e.name.startswith(".") and e.is_dir(follow_symlinks=False))
+    for entry in (run_dir / name for name in hidden):
         if entry.name.startswith(DELETING_PREFIX):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry.name)
@@ -249,13 +262,13 @@ def writer_is_dead(staging: Path) -> bool:
         True
     """
     try:
-        fd = os.open(staging / LOCK_NAME, os.O_RDWR)
+        fd = open_existing_lock(staging / LOCK_NAME)
     except FileNotFoundError:
         try:
             return time.time() - staging.stat().st_mtime > STALE_UNLOCKED_SECONDS
         except FileNotFoundError:
             return False
-    except OSError:
+    except (OSError, CheckpointError):  # a FIFO or symlink at .lock: not ours to judge, leave it
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

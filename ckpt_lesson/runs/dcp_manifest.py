@@ -21,7 +21,6 @@ has been verified, so it must be safe to parse whatever it contains.
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import time
@@ -38,7 +37,9 @@ from ckpt_lesson.errors import (
     UnsafeCheckpointError,
 )
 from ckpt_lesson.files.record_seal import SEAL_KEY, is_sealed, verify_record_seal
+from ckpt_lesson.files.safe_read import parse_json_text, read_regular_file
 from ckpt_lesson.files.schema import MANIFEST_NAME
+from ckpt_lesson.files.step_names import check_recorded_step
 from ckpt_lesson.files.tagged_hash import check_hash_record, hash_file
 from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, check_commit_marker
 
@@ -159,13 +160,15 @@ def read_dcp_manifest(folder: str | os.PathLike[str]) -> tuple[dict[str, Any], b
         raise CorruptCheckpointError(f"{where}: not a regular file; restore an older save.")
     if info.st_size > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"{where}: {info.st_size} bytes, over the {MAX_MANIFEST_BYTES} cap.")
-    raw = path.read_bytes()
+    # The one bounded reader: EIO, a swapped-in FIFO and deep nesting all come out as damage.
     try:
-        manifest = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CorruptCheckpointError(f"{where}: not valid JSON ({exc}); restore an older save.") from exc
+        raw = read_regular_file(path, limit=MAX_MANIFEST_BYTES, what="manifest")
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(f"{folder.name}: {MANIFEST_NAME} vanished while read.") from None
+    manifest = parse_json_text(raw, where=where)
     check_manifest_seal(manifest, where=where)
     validate_manifest(manifest, where=where)
+    check_recorded_step(manifest["step"], folder, record=MANIFEST_NAME)
     if manifest.get("publish") == "marker":
         check_commit_marker(folder, manifest, raw)  # written last: without it the save never finished
     return manifest, raw

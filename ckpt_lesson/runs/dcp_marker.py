@@ -14,7 +14,9 @@ A reader counts such a folder only when the marker is there and names exactly
 the manifest beside it (its manifest says ``"publish": "marker"``, so the
 reader knows to ask). A folder without the marker is an unfinished save: it is
 skipped, and once its writer is gone (its ``.marker-lock`` is free) the
-manager removes it, as it removes a dead writer's staging folder.
+manager removes it, as it removes a dead writer's staging folder, unless it
+holds a manifest: that one is quarantined (:mod:`ckpt_lesson.runs.marker_cleanup`).
+The lock is removed once the marker is written.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, Incomple
 from ckpt_lesson.files.atomic import atomic_write_json, fsync_dir
 from ckpt_lesson.files.record_seal import seal_record, verify_record_seal
 from ckpt_lesson.files.safe_read import parse_json_text, read_regular_file
+from ckpt_lesson.files.side_files import open_beside, open_existing_lock
 from ckpt_lesson.files.tagged_hash import hash_bytes
 
 __all__ = [
@@ -41,6 +44,7 @@ __all__ = [
     "PUBLISH_MODES",
     "check_commit_marker",
     "clean_unmarked",
+    "lock_is_free",
     "open_marker_folder",
     "write_commit_marker",
 ]
@@ -138,7 +142,7 @@ def open_marker_folder(final: Path) -> Iterator[Path]:
     """
     final.mkdir()
     try:
-        fd = os.open(final / MARKER_LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = open_beside(final / MARKER_LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BaseException:
         shutil.rmtree(final, ignore_errors=True)
@@ -151,44 +155,33 @@ def open_marker_folder(final: Path) -> Iterator[Path]:
             shutil.rmtree(final, ignore_errors=True)
         raise
     finally:
+        if (final / COMMIT_MARKER).exists():
+            # A committed folder needs no lock, and one left behind would make the folder look
+            # like an interrupted save to cleanup if commit.json were ever lost.
+            try:
+                os.unlink(final / MARKER_LOCK)
+            except OSError:
+                pass
         os.close(fd)  # releases the flock
 
 
 def clean_unmarked(run_dir: Path) -> list[str]:
-    """Remove marker-mode folders whose writer is gone before it wrote the marker.
+    """See :func:`ckpt_lesson.runs.marker_cleanup.clean_unmarked` (kept here for old imports)."""
+    from ckpt_lesson.runs.marker_cleanup import clean_unmarked as clean  # it imports this module
 
-    Only folders holding a free ``.marker-lock`` and no ``commit.json`` are
-    touched: a folder written by rename, or one a live writer still holds, never is.
+    return clean(run_dir)
 
-    Returns:
-        Names of the folders removed.
+
+def lock_is_free(path: Path) -> bool:
+    """True when ``path`` is a regular lock file nobody holds (``False`` when missing or odd).
 
     Example:
-        >>> clean_unmarked(run)  # doctest: +SKIP
-        ['step-00000040']
+        >>> lock_is_free(run / "step-00000040" / MARKER_LOCK)  # doctest: +SKIP
+        True
     """
-    removed = []
-    for entry in sorted(run_dir.iterdir()):
-        if entry.is_symlink() or not entry.is_dir() or (entry / COMMIT_MARKER).exists():
-            continue
-        if not (entry / MARKER_LOCK).is_file() or not _lock_is_free(entry / MARKER_LOCK):
-            continue
-        doomed = run_dir / f".deleting-{entry.name}-unmarked"
-        try:
-            os.replace(entry, doomed)
-        except OSError as exc:
-            log.warning("could not remove unfinished %s (%s)", entry.name, exc)
-            continue
-        shutil.rmtree(doomed, ignore_errors=True)
-        log.info("removed %s: its writer is gone before the commit marker (an interrupted save)", entry.name)
-        removed.append(entry.name)
-    return removed
-
-
-def _lock_is_free(path: Path) -> bool:
     try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError:
+        fd = open_existing_lock(path)
+    except (OSError, CheckpointError):
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

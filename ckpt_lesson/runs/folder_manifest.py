@@ -22,7 +22,6 @@ first that passes, logging why each newer one was skipped.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -32,6 +31,8 @@ from typing import Any
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 from ckpt_lesson.files.atomic import atomic_write_json, fsync_dir, is_temp_file
 from ckpt_lesson.files.hashing import DEFAULT_ALGO, new_hasher, part_digest, record_fields
+from ckpt_lesson.files.safe_read import parse_json_text, read_regular_file
+from ckpt_lesson.files.step_names import check_recorded_step
 
 __all__ = [
     "FOLDER_MANIFEST_NAME",
@@ -129,11 +130,17 @@ def _read(folder: Path) -> tuple[dict[str, Any] | None, str]:
     if path.stat().st_size > _MAX_MANIFEST_BYTES:
         return None, f"{FOLDER_MANIFEST_NAME}: larger than {_MAX_MANIFEST_BYTES} bytes; not ours"
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        return None, f"{FOLDER_MANIFEST_NAME}: unreadable ({type(exc).__name__})"
+        # The one bounded reader (safe_read.py): EIO, deep nesting, a swapped-in FIFO are all damage.
+        raw = read_regular_file(path, limit=_MAX_MANIFEST_BYTES, what="folder manifest")
+        manifest = parse_json_text(raw, where=f"{folder.name}/{FOLDER_MANIFEST_NAME}")
+    except (OSError, CheckpointError) as exc:
+        return None, f"{FOLDER_MANIFEST_NAME}: unreadable ({str(exc)[:160]})"
     if not isinstance(manifest, dict) or manifest.get("schema") != FOLDER_MANIFEST_SCHEMA:
         return None, f"{FOLDER_MANIFEST_NAME}: not a {FOLDER_MANIFEST_SCHEMA} manifest"
+    try:
+        check_recorded_step(manifest.get("step"), folder, record=FOLDER_MANIFEST_NAME)
+    except CheckpointError as exc:
+        return None, str(exc)
     files = manifest.get("files")
     if not isinstance(files, list) or not files:
         return None, f"{FOLDER_MANIFEST_NAME}: 'files' must be a non-empty list"
@@ -192,9 +199,12 @@ def verify_folder(folder: str | os.PathLike[str]) -> str | None:
     for name, entry in listed.items():
         algo, want = part_digest(entry)
         h = new_hasher(algo)
-        with open(folder / name, "rb") as f:
-            for chunk in iter(lambda f=f: f.read(_CHUNK), b""):
-                h.update(chunk)
+        try:
+            with open(folder / name, "rb") as f:
+                for chunk in iter(lambda f=f: f.read(_CHUNK), b""):
+                    h.update(chunk)
+        except OSError as exc:  # EIO on a bad sector: this copy is damaged, not a crash
+            return f"{name}: unreadable ({exc.strerror or type(exc).__name__})"
         if h.hexdigest() != want:
             return f"{name}: {algo} {h.hexdigest()[:12]}... != recorded {want[:12]}..."
     return None

@@ -15,16 +15,16 @@ with this package's integrity footer, so each file can be judged on its own:
   (``.last.ckpt.tmp-...``, left by a kill; no loader ever picks it).
 
 The epoch and step are read from the archive's ``data.pkl`` by walking its
-pickle *opcodes* (``pickletools.genops``), which executes nothing: no
-unpickler, not even the weights-only one, runs during a scan. Lightning
-writes ``epoch`` and ``global_step`` as the first two keys of its checkpoint
-dict; a file without them is listed with step and epoch unknown.
+pickle *opcodes* (:mod:`ckpt_lesson.runs.pickle_keys`), which executes
+nothing: no unpickler, not even the weights-only one, runs during a scan. A
+key set twice resolves as ``torch.load`` resolves it (the last one wins), and
+the walk stops once the rest cannot change the answer. A file without them
+is listed with step and epoch unknown.
 """
 
 from __future__ import annotations
 
 import os
-import pickletools
 import re
 import stat
 import struct
@@ -37,6 +37,7 @@ from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, UnsafeCh
 from ckpt_lesson.files.atomic import TEMP_MARKER, is_temp_file
 from ckpt_lesson.files.integrity import verify_footer
 from ckpt_lesson.files.loading import check_archive
+from ckpt_lesson.runs.pickle_keys import read_top_level_ints
 
 __all__ = [
     "LIGHTNING_SUFFIX",
@@ -52,21 +53,6 @@ LIGHTNING_SUFFIX = ".ckpt"
 _MAX_PICKLE_BYTES = 64 << 20
 #: A zip local file header: signature, versions, flags, method, time, date, crc, sizes, name/extra lengths.
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
-_INT_OPS = {"BININT", "BININT1", "BININT2", "LONG1", "INT", "LONG"}
-_MEMO_OPS = {"BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE"}
-# Opcodes that consume the topmost MARK: after one, we are back at the enclosing level.
-_POP_MARK_OPS = {
-    "SETITEMS",
-    "APPENDS",
-    "TUPLE",
-    "LIST",
-    "DICT",
-    "OBJ",
-    "INST",
-    "POP_MARK",
-    "ADDITEMS",
-    "FROZENSET",
-}
 _NAME_STEP_RE = re.compile(r"(?:^|[-_])step=([0-9]+)")
 
 
@@ -115,33 +101,9 @@ def read_epoch_and_step(f: BinaryIO, *, name: str = "<file>") -> tuple[int | Non
         why = "no data.pkl record" if member is None else f"data.pkl larger than {_MAX_PICKLE_BYTES} bytes"
         raise CorruptCheckpointError(f"{name}: not a torch.save checkpoint ({why}).")
     data = _stored_bytes(f, member, name)
-    found: dict[str, int] = {}
-    depth, key = 0, None
-    try:
-        for op, arg, _ in pickletools.genops(data):
-            name = op.name
-            if name == "MARK":
-                depth, key = depth + 1, None
-            elif name in _POP_MARK_OPS:
-                depth, key = depth - 1, None
-            elif name in _MEMO_OPS:
-                continue  # a memo store between a key and its value changes nothing
-            elif depth == 1 and key is not None and name in _INT_OPS and isinstance(arg, int):
-                found.setdefault(key, arg)
-                key = None
-            elif (
-                depth == 1
-                and isinstance(arg, str)
-                and name.endswith("UNICODE")
-                and arg in ("epoch", "global_step")
-            ):
-                key = arg
-            else:
-                key = None
-            if len(found) == 2 or name == "STOP":
-                break
-    except ValueError:  # damaged opcodes: keep what was read before them
-        pass
+    # An abstract walk, last assignment winning as in torch.load, stopped as soon as the rest of
+    # the bytes cannot change the answer (runs/pickle_keys.py).
+    found = read_top_level_ints(data, ("epoch", "global_step"))
     return found.get("epoch"), found.get("global_step")
 
 

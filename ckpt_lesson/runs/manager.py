@@ -9,10 +9,11 @@ manager does that with a commit protocol borrowed from databases:
    exclusive ``flock`` on its ``.lock`` file for the whole save;
 2. write every part atomically, hashing each while it is written;
 3. write ``manifest.json`` (every part's size and sha256), fsync the folder;
-4. optionally re-hash the parts (``verify_on_save``; see below);
+4. check the parts (``verify_on_save``: sizes, or a read-back from the device);
 5. publish: ``os.replace`` the staging folder to ``RUN_DIR/step-XXXXXXXX``
    and fsync ``RUN_DIR``: one atomic rename makes the whole save visible;
-6. only then apply retention, then release the lock.
+6. release the lock; retention then runs *behind* the save, on its own thread
+   (:mod:`~ckpt_lesson.runs.deleter`), by the rule of :mod:`~ckpt_lesson.runs.reverify`.
 
 A crash before step 5 leaves only a staging folder, which nobody mistakes for
 a save; a crash after it leaves a complete, verifiable save. Discovery trusts
@@ -46,10 +47,10 @@ from ckpt_lesson.files.state_payload import Restored, build_state_payload
 from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale, open_staging, publish
 from ckpt_lesson.runs.contract import ENV_POLICIES
+from ckpt_lesson.runs.deleter import BackgroundRetention
 from ckpt_lesson.runs.manager_config import EventHook, ManagerConfig
-from ckpt_lesson.runs.restore import check_resume_contract, load_save, restore_newest
-from ckpt_lesson.runs.restore_state import load_state_save
-from ckpt_lesson.runs.retain import apply_retention
+from ckpt_lesson.runs.restore import check_resume_contract, restore_newest
+from ckpt_lesson.runs.restore_state import loader_for
 from ckpt_lesson.runs.retention import RetentionPolicy
 from ckpt_lesson.runs.save_parts import refuse_if_already_saved, stage_payload_save, stage_save
 from ckpt_lesson.runs.scan import (
@@ -59,12 +60,7 @@ from ckpt_lesson.runs.scan import (
     published_steps,
     step_dir_name,
 )
-from ckpt_lesson.runs.state_args import (
-    check_state_mapping,
-    is_state_call,
-    positional_restore_args,
-    positional_save_args,
-)
+from ckpt_lesson.runs.state_args import is_state_call, positional_save_args
 
 __all__ = ["CheckpointManager"]
 
@@ -78,12 +74,11 @@ class CheckpointManager:
         run_dir: The run's folder (created if missing).
         keep_last: How many verified saves retention keeps.
         every_steps, every_seconds: Cadence for :meth:`should_save` (at least one).
-        num_shards: ``None`` for one ``checkpoint.pt`` per save, else the
-            sharded layout with that many model shards.
+        num_shards: ``None`` for one ``checkpoint.pt`` per save, else that many shards.
         clock: Time source for ``every_seconds`` (tests pass a fake one).
-        verify_on_save: Re-hash the parts before publishing (see module doc).
-        hash_algo: Integrity hash of every part (default ``xxh3_128``, fast;
-            ``sha256`` or ``blake3`` when digests are pinned somewhere trusted).
+        verify_on_save, scrub_bytes_per_s, background_retention, hash_algo, zip_crc32:
+            How saves are checked, re-checked, deleted and hashed: see
+            :class:`~ckpt_lesson.runs.manager_config.ManagerConfig`.
         data: Dataset description recorded in payload and manifest, e.g.
             ``{"fingerprint": ds.fingerprint(), "order_seed": 11}``.
         metadata: Caller's dict copied into every manifest (run id, config hash).
@@ -102,11 +97,11 @@ class CheckpointManager:
 
     Example:
         >>> with CheckpointManager("runs/a", keep_last=2, every_steps=50) as mgr:  # doctest: +SKIP
-        ...     state = mgr.restore_latest(model, opt, sched) or TrainState()
-        ...     def after_step(state, record):
-        ...         if mgr.should_save(state.step):
-        ...             mgr.save(model, opt, sched, state)
-        ...     train(model, opt, sched, state, data, until_step=500, seed=11, after_step=after_step)
+        ...     restored = mgr.restore_latest({"model": model, "optimizer": opt})
+        ...     for step in range(restored.step + 1 if restored else 1, 501):
+        ...         train_one_step(model, opt)
+        ...         if mgr.should_save(step):
+        ...             mgr.save(step, {"model": model, "optimizer": opt})
     """
 
     def __init__(
@@ -118,7 +113,7 @@ class CheckpointManager:
         every_seconds: float | None = None,
         num_shards: int | None = None,
         clock: Callable[[], float] = time.monotonic,
-        verify_on_save: bool = True,
+        verify_on_save: bool | str = "writer",
         data: dict[str, Any] | None = None,
         metadata: dict[str, Any] | None = None,
         on_event: EventHook | None = None,
@@ -126,6 +121,9 @@ class CheckpointManager:
         expect: Mapping[str, Any] | None = None,
         env_policy: str = "refuse",
         hash_algo: str = DEFAULT_ALGO,
+        zip_crc32: bool = False,
+        scrub_bytes_per_s: float | None = None,
+        background_retention: bool = True,
     ) -> None:
         if env_policy not in ENV_POLICIES:
             raise CheckpointError(f"env_policy must be one of {ENV_POLICIES}, got {env_policy!r}.")
@@ -142,6 +140,9 @@ class CheckpointManager:
             metadata=metadata or {},
             retention=retention,
             hash_algo=hash_algo,
+            zip_crc32=zip_crc32,
+            scrub_bytes_per_s=scrub_bytes_per_s,
+            background_retention=background_retention,
         )
         self.run_dir = Path(run_dir)
         if self.run_dir.exists() and not self.run_dir.is_dir():
@@ -149,9 +150,16 @@ class CheckpointManager:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.on_event = on_event
         self._cadence = SaveCadence(every_steps, every_seconds, clock=clock)
-        # Steps known to verify: written+verified by this manager or verified by a scan/restore.
-        # Retention trusts this set instead of re-hashing every old save on every save.
-        self._verified: set[int] = set()
+        # Retention's worker owns what is known to verify (written+checked here, or verified by a
+        # scan/restore); everything below that reads or changes it waits for the worker first.
+        self._retention = BackgroundRetention(
+            self.run_dir,
+            self.config.policy,
+            emit=self._emit,
+            after_pass=self.clean_stale,
+            scrub_bytes_per_s=scrub_bytes_per_s,
+            background=background_retention,
+        )
         self._closed = False
         #: What the last :meth:`restore_latest` did (chosen step, save_id, skipped saves, manifest).
         self.last_restore: dict[str, Any] | None = None
@@ -172,8 +180,20 @@ class CheckpointManager:
         return f"CheckpointManager({str(self.run_dir)!r}, keep_last={c.keep_last}, layout={c.layout!r})"
 
     def close(self) -> None:
-        """Stop accepting saves. Nothing is held open between saves, so this is cheap."""
+        """Wait for the retention pass in flight, then stop accepting saves."""
+        self._retention.wait()
         self._closed = True
+
+    def wait_retention(self) -> list[int]:
+        """Wait until the background retention pass (if any) is done; returns every step deleted so far.
+
+        Example:
+            >>> mgr.save(model, opt, sched, state)  # doctest: +SKIP
+            >>> mgr.wait_retention()  # doctest: +SKIP
+            [10, 20]
+        """
+        self._retention.wait()
+        return list(self._retention.deleted)
 
     def check_open(self) -> None:
         """Raise :class:`CheckpointError` once :meth:`close` was called."""
@@ -204,15 +224,17 @@ class CheckpointManager:
 
     def all_steps(self) -> list[int]:
         """Published steps that have a manifest, ascending. Nothing is hashed."""
+        self._retention.wait()
         return [s for s in self._published() if (self.step_dir(s) / MANIFEST_NAME).is_file()]
 
     def verify_step(self, step: int) -> ScanResult:
         """Hash every part of one save against its manifest; updates the known-good set."""
+        self._retention.wait()
         result, _ = inspect_save(self.step_dir(step))
         if result.ok:
-            self._verified.add(step)
+            self._retention.known.mark_hashed(step)
         else:
-            self._verified.discard(step)
+            self._retention.known.forget([step])
         return result
 
     def latest_step(self) -> int | None:
@@ -242,11 +264,9 @@ class CheckpointManager:
             The published ``step-XXXXXXXX`` folder.
 
         Raises:
-            CheckpointError: The manager is closed, a part or value is refused
-                (named, before anything is written), or a save of this step
-                already exists and verifies. ``CorruptCheckpointError`` when
-                ``verify_on_save`` finds the written bytes differ (nothing is
-                published then).
+            CheckpointError: The manager is closed, a part or value is refused (named, before
+                anything is written), a good save of this step exists, or ``verify_on_save``
+                found the written bytes differ (nothing is published then).
 
         Example:
             >>> mgr.save(240, {"model": model, "optimizer": opt, "best": 0.31}).name  # doctest: +SKIP
@@ -257,12 +277,9 @@ class CheckpointManager:
             step, state = args
             if extras is not None:
                 raise CheckpointError(
-                    "extras= belongs to the positional form; put plain values in the state mapping."
+                    "extras= belongs to the positional form; put values in the state mapping."
                 )
-            payload = build_state_payload(
-                step, state, rng=True if rng is None else rng, data=self.config.data
-            )
-            return self.save_payload(payload)
+            return self.save_payload(build_state_payload(step, state, rng=rng, data=self.config.data))
         model, optimizer, scheduler, state = positional_save_args(args)
         step = state.step
         return self._commit(step, lambda staging: stage_save(
@@ -289,27 +306,30 @@ class CheckpointManager:
                 self.step_dir(step),
                 on_quarantined=lambda aside: self._emit("quarantined", step=step, path=str(aside)),
             )
-            self._verified.add(step)
             self._cadence.mark_saved(step)
             self._emit("published", step=step, path=str(final), save_id=manifest["save_id"])
-            deleted = self.apply_retention(fresh=(step,) if self.config.verify_on_save else ())
             seconds = time.perf_counter() - started
             save_id = manifest["save_id"]
             self.last_save = {"step": step, "path": str(final), "save_id": save_id, "seconds": seconds}
-            self._emit("save_end", step=step, path=str(final), seconds=seconds, deleted=deleted)
-        self.clean_stale()
+            self._emit("save_end", step=step, path=str(final), seconds=seconds)
+        # Retention (and the cleanup of stale folders) runs behind, off this thread; this call
+        # waits only if the previous pass is still running (see runs/deleter.py).
+        self._retention.submit(step, checked=self.config.verify_on_save is not False)
         return final
 
     # ------------------------------------------------------------------ retention and cleanup
 
     def apply_retention(self, *, fresh: tuple[int, ...] = ()) -> list[int]:
-        """Delete what the retention policy allows; returns the deleted steps.
+        """Run one retention pass now, on this thread; returns the steps it deleted.
 
-        Every save the policy would keep instead is hashed again first (except
-        ``fresh`` ones, verified moments ago): one that no longer verifies does
-        not count as good (see :mod:`~ckpt_lesson.runs.retain`).
+        Every save the policy would keep instead gets the cheap checks, and the
+        least recently hashed of them is hashed again (``fresh`` ones count as
+        hashed just now): see :mod:`~ckpt_lesson.runs.reverify`.
         """
-        return apply_retention(self.run_dir, self.config.policy, self._verified, emit=self._emit, fresh=fresh)
+        self._retention.wait()
+        for step in fresh:
+            self._retention.known.mark_hashed(step)
+        return self._retention.run_now()
 
     def clean_stale(self) -> list[str]:
         """Remove staging folders of dead writers and ``.deleting-`` leftovers; see ``commit.clean_stale``."""
@@ -317,7 +337,9 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ restore
 
-    def restore_latest(self, *args: Any, strict: bool = True, map_location: Any = "cpu") -> Any:
+    def restore_latest(
+        self, *args: Any, strict: bool = True, map_location: Any = "cpu", mmap: bool = True
+    ) -> Any:
         """Restore the newest save that verifies; skip (and log) damaged newer ones.
 
         Two forms:
@@ -328,6 +350,11 @@ class CheckpointManager:
           ``values``, ``rng``, ``path``). ``strict=False`` ignores parts present
           on one side only. Positional single-file saves restore this way too.
         * ``restore_latest(model, optimizer, scheduler)``: returns the :class:`TrainState`.
+
+        ``mmap=False`` reads each file into memory instead of copying the
+        weights from a mapping of it: slower, but immune to another process
+        truncating the file during the restore (which kills a mapped restore
+        with SIGBUS; see the README's safety section).
 
         Returns:
             The result above, or ``None`` when the run directory holds no save at all (a fresh start).
@@ -343,28 +370,18 @@ class CheckpointManager:
             >>> start = restored.step + 1 if restored else 1  # doctest: +SKIP
         """
         self.check_open()
+        self._retention.wait()
         self._contract = None
         self.last_restore = {}
-        if len(args) == 1 and isinstance(args[0], Mapping):
-            state = args[0]
-            check_state_mapping(state)
-
-            def load(target: Path, step: int) -> tuple[dict[str, Any], Any]:
-                return load_state_save(target, step, state, strict=strict, map_location=map_location,
-                                       check_contract=self._check_contract)  # fmt: skip
-        else:
-            model, optimizer, scheduler = positional_restore_args(args)
-
-            def load(target: Path, step: int) -> tuple[dict[str, Any], Any]:
-                return load_save(target, step, model, optimizer, scheduler, map_location=map_location,
-                                 check_contract=self._check_contract)  # fmt: skip
-
+        load = loader_for(
+            args, strict=strict, map_location=map_location, mmap=mmap, check_contract=self._check_contract
+        )
         found = restore_newest(self.run_dir, self._published(), load, record=self.last_restore)
-        self._verified.difference_update(s["step"] for s in self.last_restore["skipped"])
+        self._retention.known.forget([s["step"] for s in self.last_restore["skipped"]])
         if found is None:
             return None
         step, result = found
-        self._verified.add(step)
+        self._retention.known.mark_hashed(step)
         self._cadence.mark_saved(step)
         contract = self._contract
         self.last_restore["contract"] = contract[0].to_dict() if contract else None

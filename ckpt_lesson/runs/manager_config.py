@@ -14,6 +14,7 @@ from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.hashing import DEFAULT_ALGO, check_algo
+from ckpt_lesson.files.readback import verify_mode
 from ckpt_lesson.runs.cadence import validate_cadence
 from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
 
@@ -22,7 +23,8 @@ __all__ = ["EventHook", "ManagerConfig"]
 #: ``on_event(name, info)``: called at each stage of a save, in this order:
 #: ``save_begin``, ``part_begin``, ``part_written`` (info has ``file``),
 #: ``parts_complete``, ``manifest_written``, ``verified``, ``published``,
-#: ``retention_delete`` (before each delete; info has ``step``), ``save_end``;
+#: ``save_end``; then, on the retention thread (runs/deleter.py), ``retention_delete``
+#: (before each delete; info has ``step``) and ``retention_renamed`` (renamed aside);
 #: and ``quarantined`` when publishing moved a damaged folder aside. For the
 #: sharded layout the writer makes every file in one call, so there is one
 #: ``part_begin`` (``file="*"``) and then one ``part_written`` per file.
@@ -48,10 +50,28 @@ def _plain_dict(value: Any, name: str) -> dict[str, Any]:
 class ManagerConfig:
     """Validated, immutable settings of a :class:`CheckpointManager`.
 
+    The ones documented only here:
+
+    * ``verify_on_save``: check the parts before publishing: ``"writer"``
+      (default: every part complete at its recorded size; the digest was taken
+      from the bytes written), ``"device"`` or ``True`` (evict the cached pages,
+      then hash what the disk returns), ``False`` (no check; retention hashes
+      the save before relying on it). See ``docs/performance.md``.
+    * ``scrub_bytes_per_s``: after each retention pass, hash the other kept
+      saves at this average rate in idle time (``None``: no scrub).
+    * ``background_retention``: run retention on a background thread (default);
+      ``False`` runs it inside ``save()``.
+    * ``hash_algo``: integrity hash of every part (default ``xxh3_128``, fast;
+      ``sha256`` or ``blake3`` when digests are pinned somewhere trusted).
+    * ``zip_crc32``: keep the zip CRC32s ``torch.save`` writes (off: ``torch.load``
+      never checks them and our digests cover the bytes); turn it on when other
+      tools (``unzip -t``, ``zipfile``) must accept the files.
+
     Raises:
         CheckpointError: ``keep_last < 1``; ``every_steps < 1``; ``every_seconds <= 0``;
             neither cadence set; ``num_shards < 1``; ``data``/``metadata`` not JSON dicts;
-            ``hash_algo`` not one of :data:`~ckpt_lesson.files.hashing.ALGORITHMS`.
+            ``hash_algo`` not one of :data:`~ckpt_lesson.files.hashing.ALGORITHMS`;
+            ``verify_on_save`` not True/False/"writer"/"device"; ``scrub_bytes_per_s <= 0``.
 
     Example:
         >>> ManagerConfig(keep_last=2, every_steps=10).num_shards is None
@@ -63,14 +83,24 @@ class ManagerConfig:
     every_seconds: float | None = None
     num_shards: int | None = None
     shard_layout: str = "round_robin"
-    verify_on_save: bool = True
+    verify_on_save: bool | str = "writer"
     data: dict[str, Any] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     retention: RetentionPolicy | None = None
     hash_algo: str = DEFAULT_ALGO
+    zip_crc32: bool = False
+    scrub_bytes_per_s: float | None = None
+    background_retention: bool = True
 
     def __post_init__(self) -> None:
         check_algo(self.hash_algo)
+        verify_mode(self.verify_on_save)
+        if not isinstance(self.zip_crc32, bool):
+            raise CheckpointError(f"zip_crc32 must be True or False, got {self.zip_crc32!r}.")
+        rate = self.scrub_bytes_per_s
+        bad_rate = isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0
+        if rate is not None and bad_rate:
+            raise CheckpointError(f"scrub_bytes_per_s must be None (no scrub) or a number > 0, got {rate!r}.")
         keep = self.keep_last
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise CheckpointError(

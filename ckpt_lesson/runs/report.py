@@ -35,6 +35,7 @@ from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 from ckpt_lesson.files.safe_read import parse_json_text, read_json_file, read_regular_file
+from ckpt_lesson.files.side_files import append_beside, replace_beside
 
 __all__ = [
     "PROGRESS_NAME",
@@ -70,16 +71,11 @@ def record_progress(run_dir: str | os.PathLike[str], step: int) -> bool:
         ``True`` when the heartbeat was written.
     """
     global _HEARTBEAT_WARNED
-    run_dir = Path(run_dir)
-    tmp = run_dir / f".{PROGRESS_NAME}.tmp-{os.getpid()}"
+    data = json.dumps({"step": int(step), "wall": time.time()}).encode("utf-8")
     try:
-        tmp.write_text(json.dumps({"step": int(step), "wall": time.time()}), encoding="utf-8")
-        os.replace(tmp, run_dir / PROGRESS_NAME)
-    except OSError as exc:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+        # A random O_EXCL temp name, no symlink followed, no FIFO waited on (side_files.py).
+        replace_beside(Path(run_dir) / PROGRESS_NAME, data)
+    except (OSError, CheckpointError) as exc:
         if not _HEARTBEAT_WARNED:
             log.warning("could not write %s (%s); training goes on without a heartbeat", PROGRESS_NAME, exc)
             _HEARTBEAT_WARNED = True
@@ -181,10 +177,8 @@ def build_recovery_record(
 def append_recovery_record(run_dir: str | os.PathLike[str], record: dict[str, Any]) -> None:
     """Append ``record`` as one line of ``recovery.jsonl`` (flushed and fsynced)."""
     line = json.dumps(record, sort_keys=True, allow_nan=False) + "\n"
-    with open(Path(run_dir) / RECOVERY_LOG, "a", encoding="utf-8") as f:
-        f.write(line)
-        f.flush()
-        os.fsync(f.fileno())
+    # Not open(..., "a"): that follows a symlink out of the run directory and blocks on a FIFO.
+    append_beside(Path(run_dir) / RECOVERY_LOG, line.encode("utf-8"))
 
 
 def read_recovery_log(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -330,6 +324,11 @@ class RecoveryRecorder:
             first_step_at=time.time(),
             now=self._restored_at,
         )
-        append_recovery_record(self.run_dir, self.record)
+        try:
+            append_recovery_record(self.run_dir, self.record)
+        except (OSError, CheckpointError) as exc:
+            # The log is a report about training, never a reason to stop it (a FIFO or a symlink
+            # planted at its name, a full disk): say so once and keep going.
+            log.warning("could not append to %s (%s); this restore is not in the report", RECOVERY_LOG, exc)
         self._pending = None
         return self.record

@@ -68,6 +68,7 @@ def load_save(
     *,
     map_location: Any,
     check_contract: ContractCheck,
+    mmap: bool = True,
 ) -> tuple[dict[str, Any], TrainState]:
     """Verify one published save folder and restore it into the live objects.
 
@@ -78,6 +79,9 @@ def load_save(
         map_location: As for ``torch.load``.
         check_contract: Called with ``(target, manifest)`` before any part is
             read; it raises to refuse the save.
+        mmap: Copy the weights from a mapping of the verified file (see
+            :func:`~ckpt_lesson.files.checkpoint.read_checkpoint`); ``False`` reads
+            the file into memory, which no truncation by another process can disturb.
 
     Returns:
         ``(manifest, state)``.
@@ -102,7 +106,9 @@ def load_save(
         )
     check_contract(target, manifest)
     check_parts_present(target, manifest)
-    return load_positional(target, manifest, step, model, optimizer, scheduler, map_location=map_location)
+    return load_positional(
+        target, manifest, step, model, optimizer, scheduler, map_location=map_location, mmap=mmap
+    )
 
 
 def check_parts_present(target: Path, manifest: dict[str, Any]) -> None:
@@ -132,6 +138,7 @@ def load_positional(
     scheduler: Any,
     *,
     map_location: Any,
+    mmap: bool = True,
 ) -> tuple[dict[str, Any], TrainState]:
     """The positional save's payload, verified and applied (the end of :func:`load_save`)."""
     if manifest["layout"] == "single":
@@ -141,7 +148,7 @@ def load_positional(
         path = target / "checkpoint.pt"
         algo, want = part_digest(by_name["checkpoint.pt"])
         payload = read_checkpoint(
-            path, map_location=map_location, expected_digest=want, algo=algo, mmap_model=True
+            path, map_location=map_location, expected_digest=want, algo=algo, mmap_model=mmap
         )
         saved = TrainState.from_dict(payload["state"], source=str(path))
         if saved.step != step:

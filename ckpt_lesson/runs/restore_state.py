@@ -10,19 +10,21 @@ values ``train_state`` and ``extras``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CorruptCheckpointError, StateMismatchError
 from ckpt_lesson.files.checkpoint import read_checkpoint
 from ckpt_lesson.files.integrity import part_digest
+from ckpt_lesson.files.state_apply import apply_state_payload
 from ckpt_lesson.files.state_files import read_state_payload
-from ckpt_lesson.files.state_payload import PARTS_SCHEMA, Restored, apply_state_payload, parts_view
-from ckpt_lesson.runs.restore import ContractCheck, check_parts_present, verify_other_parts
+from ckpt_lesson.files.state_payload import PARTS_SCHEMA, Restored, parts_view
+from ckpt_lesson.runs.restore import ContractCheck, check_parts_present, load_save, verify_other_parts
 from ckpt_lesson.runs.scan import read_manifest
+from ckpt_lesson.runs.state_args import check_state_mapping, positional_restore_args
 
-__all__ = ["load_state_save"]
+__all__ = ["load_state_save", "loader_for"]
 
 
 def load_state_save(
@@ -33,6 +35,7 @@ def load_state_save(
     strict: bool,
     map_location: Any,
     check_contract: ContractCheck,
+    mmap: bool = False,
 ) -> tuple[dict[str, Any], Restored]:
     """Verify one published save folder and restore it into the live ``state`` mapping.
 
@@ -43,6 +46,8 @@ def load_state_save(
         strict: Refuse parts present on one side only.
         map_location: As for ``torch.load``.
         check_contract: Called with ``(target, manifest)`` before any part is read.
+        mmap: Map the verified single file and copy every tensor out of the mapping
+            (a state-API payload keeps no tensor mapped); ``False`` reads it into memory.
 
     Returns:
         ``(manifest, restored)``.
@@ -68,8 +73,14 @@ def load_state_save(
         algo, want = part_digest({p["file"]: p for p in manifest["parts"]}["checkpoint.pt"])
         path = target / "checkpoint.pt"
         # One pass: the loader checks footer and the manifest's digest while hashing.
-        read = read_state_payload if parts_save else read_checkpoint
-        payload = read(path, map_location=map_location, expected_digest=want, algo=algo)
+        if parts_save:
+            payload = read_state_payload(
+                path, map_location=map_location, expected_digest=want, algo=algo, mmap=mmap
+            )
+        else:
+            payload = read_checkpoint(
+                path, map_location=map_location, expected_digest=want, algo=algo, mmap_model=mmap
+            )
     elif parts_save:
         verify_other_parts(target, manifest, skip=set())  # pins index.json; the loader checks the rest
         payload = read_state_payload(target, map_location=map_location)
@@ -85,3 +96,37 @@ def load_state_save(
     restored.path = target
     restored.save_id = manifest.get("save_id")
     return manifest, restored
+
+
+def loader_for(
+    args: tuple[Any, ...], *, strict: bool, map_location: Any, mmap: bool, check_contract: ContractCheck
+) -> Callable[[Path, int], tuple[dict[str, Any], Any]]:
+    """``load(folder, step)`` for ``restore_latest(*args)``: the state API for one mapping, else positional.
+
+    Raises:
+        CheckpointError: Arguments of neither form (named by :mod:`~ckpt_lesson.runs.state_args`).
+    """
+    if len(args) == 1 and isinstance(args[0], Mapping):
+        state = args[0]
+        return lambda target, step: load_state_save(
+            target,
+            step,
+            state,
+            strict=strict,
+            map_location=map_location,
+            check_contract=check_contract,
+            mmap=mmap,
+        )
+    if len(args) == 1:
+        check_state_mapping(args[0])
+    model, optimizer, scheduler = positional_restore_args(args)
+    return lambda target, step: load_save(
+        target,
+        step,
+        model,
+        optimizer,
+        scheduler,
+        map_location=map_location,
+        check_contract=check_contract,
+        mmap=mmap,
+    )

@@ -8,7 +8,7 @@ the three steps that touch the payload live here as small functions:
   ``index.json``) into the staging folder and returns each part's size and
   digest, taken *while* the bytes were written, never from a re-read;
 * :func:`build_manifest` turns those parts into the commit record;
-* :func:`verify_staged` optionally re-reads every part before publishing.
+* :func:`verify_staged` optionally checks every part before publishing.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from typing import Any
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 from ckpt_lesson.files.atomic import atomic_write_json, fsync_dir
 from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, save_checkpoint
+from ckpt_lesson.files.readback import check_written_part, verify_mode
 from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, MANIFEST_SCHEMA, current_env
 from ckpt_lesson.files.sharded import INDEX_NAME, save_sharded_checkpoint
 from ckpt_lesson.files.state_files import write_state_payload
 from ckpt_lesson.files.state_payload import PARTS_SCHEMA
-from ckpt_lesson.files.verify import verify_record
 from ckpt_lesson.runs.manager_config import ManagerConfig
 from ckpt_lesson.runs.scan import MANIFEST_NAME, inspect_save, read_manifest
 
@@ -79,6 +79,7 @@ def write_parts(
             data=data,
             rng=rng,
             algo=config.hash_algo,
+            zip_crc32=config.zip_crc32,
         )
         part = {"file": "checkpoint.pt", **digest.record()}
         emit("part_written", step=step, **part)
@@ -96,6 +97,7 @@ def write_parts(
         data=data,
         rng=rng,
         algo=config.hash_algo,
+        zip_crc32=config.zip_crc32,
     )
     fields = ("bytes", "algo", "digest")
     parts = [{"file": f["name"], **{k: f[k] for k in fields}} for f in [*result.files, result.meta]]
@@ -140,14 +142,14 @@ def build_manifest(
     return seal_record(manifest)
 
 
-def verify_staged(staging: Path, parts: list[dict[str, Any]]) -> None:
-    """Re-read every part and the manifest before publishing.
+def verify_staged(staging: Path, parts: list[dict[str, Any]], mode: str = "device") -> None:
+    """Check every part (``mode``: ``"writer"`` or ``"device"``, see ``files/readback.py``) and the manifest.
 
     Raises:
         CorruptCheckpointError: A part's bytes differ from what was written,
             or the manifest does not parse back (nothing is published then).
     """
-    problems = [verify_record(staging / p["file"], p) for p in parts]
+    problems = [check_written_part(staging / p["file"], p, mode) for p in parts]
     found = [p for p in problems if p]
     if found:
         raise CorruptCheckpointError(
@@ -203,9 +205,10 @@ def _finish_stage(
     atomic_write_json(manifest, staging / MANIFEST_NAME)
     fsync_dir(staging)
     emit("manifest_written", step=step, save_id=manifest["save_id"])
-    if config.verify_on_save:
-        verify_staged(staging, parts)
-        emit("verified", step=step, save_id=manifest["save_id"])
+    mode = verify_mode(config.verify_on_save)
+    if mode is not None:
+        verify_staged(staging, parts, mode)
+        emit("verified", step=step, save_id=manifest["save_id"], mode=mode)
     return manifest
 
 
@@ -220,11 +223,18 @@ def stage_payload_save(
     step = payload["step"]
     emit("part_begin", step=step, file="checkpoint.pt" if config.num_shards is None else "*")
     if config.num_shards is None:
-        written = write_state_payload(payload, staging / "checkpoint.pt", algo=config.hash_algo)
+        written = write_state_payload(
+            payload, staging / "checkpoint.pt", algo=config.hash_algo, zip_crc32=config.zip_crc32
+        )
         parts = [{"file": "checkpoint.pt", **written.record()}]
     else:
         result = write_state_payload(
-            payload, staging, num_shards=config.num_shards, layout=config.shard_layout, algo=config.hash_algo
+            payload,
+            staging,
+            num_shards=config.num_shards,
+            layout=config.shard_layout,
+            algo=config.hash_algo,
+            zip_crc32=config.zip_crc32,
         )
         fields = ("bytes", "algo", "digest")
         parts = [{"file": f["name"], **{k: f[k] for k in fields}} for f in [*result.files, result.meta]]

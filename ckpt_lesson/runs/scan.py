@@ -94,10 +94,13 @@ def step_dir_name(step: int) -> str:
 def published_steps(run_dir: Path) -> list[int]:
     """Steps of the ``step-XXXXXXXX`` folders in ``run_dir`` (no links), ascending. Nothing is read."""
     steps = []
-    for entry in run_dir.iterdir():
-        step = step_of(entry.name)
-        if step is not None and entry.is_dir() and not entry.is_symlink():
-            steps.append(step)
+    # scandir, not iterdir + is_dir: the kind of each entry comes with the listing (d_type), so
+    # 10,000 step folders cost one pass over the directory, not 20,000 stat calls.
+    with os.scandir(run_dir) as entries:
+        for entry in entries:
+            step = step_of(entry.name)
+            if step is not None and entry.is_dir(follow_symlinks=False):
+                steps.append(step)
     return sorted(steps)
 
 

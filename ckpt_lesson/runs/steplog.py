@@ -81,7 +81,11 @@ def log_step(step: int, loss: Any, sample_ids: Iterable[Any] | None = None, **me
     line = (json.dumps(record, separators=(",", ":")) + "\n").encode("utf-8")
     fd = _open_log.get(path)
     if fd is None:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # Imported here for the same reason as in _fail. open_beside follows no symlink and
+        # never blocks on a FIFO planted at the log's name (the script would hang before step 1).
+        from ckpt_lesson.files.side_files import open_beside
+
+        fd = open_beside(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         _open_log[path] = fd
     os.write(fd, line)
 

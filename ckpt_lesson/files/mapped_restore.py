@@ -1,0 +1,80 @@
+"""What a mapped restore may keep mapped, and what it must copy out first.
+
+``load_checkpoint(mmap=True)`` (the default) maps the verified file and lets
+``model.load_state_dict`` copy the weights straight from the page cache. A
+mapping is only as stable as the file under it: if another process truncates
+the file while pages are still mapped (a sync tool, a careless script, a
+retention job that truncates before unlinking), touching a page past the new
+end kills the process with SIGBUS, which Python cannot catch.
+
+So nothing mapped may outlive the restore:
+
+* every bucket but ``model`` is copied out at once (the optimizer would
+  otherwise keep its moments mapped: ``Optimizer.load_state_dict`` keeps a
+  tensor that already has the parameter's dtype and device);
+* in ``model``, parameters and buffers are *copied* by ``load_state_dict``
+  (``param.copy_(saved)``), but **extra state** (``*._extra_state``) is handed
+  to the module's ``set_extra_state`` as it is, and a module may keep it. It is
+  copied out here too.
+
+What remains is a window, not a leak: while ``load_state_dict`` copies the
+weights, a truncation of the file by another process still raises SIGBUS.
+``mmap=False`` (on ``load_checkpoint``, ``read_checkpoint`` as
+``mmap_model=False``, and ``CheckpointManager.restore_latest``) reads the file
+into memory instead and closes that window, at the cost measured in
+``benchmarks/`` (about 1.15x against 0.88-0.94x of a plain restore here).
+``tests/test_mapped_restore.py`` shows both: the window with ``mmap=True``,
+and its absence with ``mmap=False``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["EXTRA_STATE_SUFFIX", "copy_out", "keep_no_mapped_extra_state"]
+
+#: torch's suffix for a module's extra state in ``state_dict()`` (``_EXTRA_STATE_KEY_SUFFIX``).
+EXTRA_STATE_SUFFIX = "_extra_state"
+
+
+def copy_out(tree: Any) -> Any:
+    """``tree`` with every CPU tensor cloned into memory of its own (device tensors are copies already).
+
+    Example:
+        >>> copy_out({"t": [torch.zeros(2)]})["t"][0].sum().item()
+        0.0
+    """
+    if isinstance(tree, torch.Tensor):
+        return tree.clone() if tree.device.type == "cpu" else tree
+    if isinstance(tree, dict):
+        return {k: copy_out(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(copy_out(v) for v in tree)
+    return tree
+
+
+def keep_no_mapped_extra_state(payload: dict[str, Any]) -> dict[str, Any]:
+    """``payload`` with every ``*._extra_state`` entry of its ``model`` bucket copied out of the mapping.
+
+    Args:
+        payload: A loaded checkpoint payload (``{"model": state_dict, ...}``).
+
+    Returns:
+        The same payload; only the ``model`` bucket is replaced (a shallow copy).
+
+    Example:
+        >>> keep_no_mapped_extra_state({"model": {"w": torch.ones(1)}})["model"]["w"].item()
+        1.0
+    """
+    model = payload.get("model")
+    if not isinstance(model, dict) or not any(
+        isinstance(k, str) and k.endswith(EXTRA_STATE_SUFFIX) for k in model
+    ):
+        return payload
+    fixed = {
+        k: copy_out(v) if isinstance(k, str) and k.endswith(EXTRA_STATE_SUFFIX) else v
+        for k, v in model.items()
+    }
+    return {**payload, "model": fixed}

@@ -1,0 +1,39 @@
+"""Rank programs for the record-damage tests: save a small DDP run, then restore and report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ckpt_lesson import CheckpointError, TrainState
+from ckpt_lesson.cli.rank_programs import make_run, train_step, write_json
+from ckpt_lesson.distributed import DistributedCheckpointManager
+
+
+def w_save_steps(rank: int, world: int, run: str, steps: list[int]) -> None:
+    """Train a DDP run to max(steps), saving at each of ``steps``."""
+    model, opt, sched, sampler = make_run("ddp", world, rank)
+    mgr = DistributedCheckpointManager(run, keep_last=5, every_steps=2)
+    state = TrainState()
+    for step in range(1, max(steps) + 1):
+        state.losses.append(train_step(model, opt, sched, sampler))
+        state.step = step
+        if step in steps:
+            mgr.save(model, opt, sched, state)
+    mgr.close()
+
+
+def w_restore_report(rank: int, world: int, out: str, names: list[str]) -> None:
+    """Restore each run under ``out``; write what this rank got (step and skipped, or the error)."""
+    for name in names:
+        run = Path(out) / name
+        model, opt, sched, _ = make_run("ddp", world, rank)
+        mgr = DistributedCheckpointManager(run, keep_last=5, every_steps=2)
+        report: dict[str, Any]
+        try:
+            restored = mgr.restore_latest(model, opt, sched)
+            report = {"step": restored.step, "skipped": restored.skipped}
+        except CheckpointError as exc:
+            report = {"error": f"{type(exc).__name__}: {exc}"}
+        mgr.close()
+        write_json(Path(out) / f"{name}-rank{rank}.json", report)
