@@ -201,3 +201,32 @@ def test_a_timeout_names_the_kill_before_it():
 def test_steps_never_reported_after_a_restart_mean_it_skipped_work():
     v = judge(trial(killed(run(1, range(1, 7))), run(2, range(8, 13))))
     assert v.first_difference.what == "missing" and v.diagnosis.startswith("step(s) 7 were never reported")
+
+
+def with_metric(attempt, values):
+    attempt.records = [
+        StepRecord(r.step, r.loss, r.sample_ids, {"scale": values[r.step]}, r.t) for r in attempt.records
+    ]
+    return attempt
+
+
+def test_a_metric_back_at_its_first_step_value_after_resume_names_the_state_that_was_reset():
+    grown = {s: 2.0 ** (10 + s // 4) for s in range(1, 13)}  # a GradScaler's scale, growing
+    fresh = {**grown, 7: grown[1], 8: grown[1], 9: grown[1] * 2}
+    base = trajectory(with_metric(run(1, range(1, 13)), grown).records)
+    first, restart = with_metric(run(1, range(1, 7)), grown), with_metric(run(2, range(7, 13)), fresh)
+    v = judge(trial(killed(first), restart), base=base)
+    assert not v.ok and v.first_difference.what == "metric scale"
+    assert v.diagnosis.startswith("metric 'scale' is back at its first-step value (1024) at the first step")
+    assert "was reset, not restored" in v.diagnosis
+
+
+def test_a_metric_that_differs_without_returning_to_its_first_step_value_is_not_blamed():
+    values = {s: float(s) for s in range(1, 13)}
+    moved = {**values, 7: 99.0, 8: 98.0}
+    base = trajectory(with_metric(run(1, range(1, 13)), values).records)
+    v = judge(trial(killed(with_metric(run(1, range(1, 7)), values)),
+                    with_metric(run(2, range(7, 13), losses={7: 5.0}), moved)), base=base)  # fmt: skip
+    # Not blamed on the metric; with no RNG fingerprint logged the tool says it cannot tell (issue 21).
+    assert "metric 'scale'" not in v.diagnosis
+    assert v.diagnosis.startswith("diverges at the first step after resume, on the same samples: cannot tell")

@@ -7,7 +7,10 @@ The rules, in the order they are tried (the first that applies wins):
    last line of its stderr says why;
 2. a restart did not finish in time;
 3. a restart began at the first step although a save existed: no checkpoint was found;
-4. the first difference (see :mod:`resume_compare` for how its position
+4. a metric the script logs is back at its first-step value on the first
+   step after resume: the state behind it was rebuilt fresh (a zero hidden
+   state, a new GradScaler), and the metric's name says which;
+5. the first difference (see :mod:`resume_compare` for how its position
    points to RNG, data position, optimizer or accumulated state).
 
 The wording is deliberately "e.g.": a diagnosis is a strong hint from the
@@ -22,6 +25,7 @@ from typing import Any
 from ckpt_lesson.cli.resume_compare import (
     Difference,
     RestartStat,
+    close,
     compare,
     epoch_starts,
     find_repeat,
@@ -133,7 +137,7 @@ def judge_trial(
             verdict.kill_point, verdict.diagnosis = scratch
         elif diffs:
             verdict.kill_point, verdict.diagnosis = _explain(
-                diffs[0], diffs, trial, restarts, baseline, exact
+                diffs[0], diffs, trial, restarts, baseline, exact, atol=atol, rtol=rtol
             )
     verdict.ok = verdict.diagnosis is None and not diffs
     return verdict
@@ -184,6 +188,9 @@ def _explain(
     restarts: list[RestartStat],
     baseline: dict[int, StepRecord],
     exact: list[int],
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
 ) -> tuple[str | None, str]:
     if diff.what == "missing":
         gap = [d.step for d in diffs if d.what == "missing"]
@@ -216,6 +223,14 @@ def _explain(
     offset = len({r.step for r in attempt.records if r.step < diff.step})
     resumed = stat.resumed_from
     got = {r.step: r for r in attempt.records}[diff.step]
+    reset = _reset_metric(got, baseline, atol=atol, rtol=rtol) if offset == 0 else None
+    if reset is not None:
+        name, value = reset
+        return point, (
+            f"metric '{name}' is back at its first-step value ({value:g}) at the first step after resume: "
+            f"the state behind '{name}' was reset, not restored; put it in the saved state (e.g. an RNN's "
+            "hidden state carried across batches, a GradScaler)"
+        )
     if offset == 0:
         return point, _first_step(diff, got, trial.attempts[0], baseline)
     if diff.what == "sample_ids":
@@ -293,6 +308,23 @@ def _first_step(
     )
 
 
+def _reset_metric(
+    got: StepRecord, baseline: dict[int, StepRecord], *, atol: float, rtol: float
+) -> tuple[str, float] | None:
+    """A metric that differs at the first step after resume *and* equals its value at the run's start.
+
+    A value that starts over at a restart is state the script rebuilt fresh instead of restoring
+    (a zero hidden state, a new GradScaler's initial scale); a value the RNG moved would not land
+    exactly on the first step's number. The script's metric names then say which state it was.
+    """
+    base, first = baseline[got.step], baseline[min(baseline)]
+    for name in sorted(got.metrics.keys() & base.metrics.keys() & first.metrics.keys()):
+        value = got.metrics[name]
+        if not close(value, base.metrics[name], atol=atol, rtol=rtol) and value == first.metrics[name]:
+            return name, value
+    return None
+
+
 def _data(diff: Difference, offset: int, baseline: dict[int, StepRecord]) -> str:
     ids = tuple(diff.resumed)
     repeat = find_repeat(ids, diff.step, baseline)
@@ -309,5 +341,6 @@ def _data(diff: Difference, offset: int, baseline: dict[int, StepRecord]) -> str
         )
     return (
         f"sample ids differ {where}: the data order is not restored (e.g. a shuffle whose generator "
-        "is not seeded per epoch or not saved)"
+        "is not seeded per epoch or not saved, or an RNG saved after the next batch was already drawn: "
+        "capture it before the prefetch and pass it to save as rng=)"
     )

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpt_lesson.cli.proc_tree import ProcessTree
 from ckpt_lesson.cli.resume_damage import damage_after_kill
 from ckpt_lesson.cli.resume_machine import lose_machine, machine_for
 from ckpt_lesson.cli.resume_names import NameFilter
@@ -147,11 +148,16 @@ def _launch(spec: RunSpec, argv: list[str], env: dict[str, str], folder: Path) -
             raise CheckpointError(f"could not start {argv[0]!r}: {exc.strerror or exc}.") from None
 
 
-def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+def _signal_group(proc: subprocess.Popen[bytes], sig: int, tree: ProcessTree | None = None) -> None:
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+    # torchrun's workers live in sessions of their own: a KILL of the group misses them, but a machine
+    # that dies takes them too. A TERM is left to the launcher to pass on (torchrun does), as a
+    # platform's notice to the job would be; a second TERM would kill a worker that handles the first.
+    if tree is not None and sig == signal.SIGKILL:
+        tree.signal(sig)
 
 
 def run_attempt(
@@ -197,6 +203,7 @@ def run_attempt(
     trigger = KillTrigger(target, layout) if target is not None else None
     attempt = Attempt(index, folder, time.time())
     proc = _launch(spec, argv, env, folder)
+    tree = ProcessTree(proc.pid)
     deadline = time.monotonic() + spec.timeout
     term_sent: float | None = None
     saving = False  # a staging folder exists, or (generic folder) files changed since the last step
@@ -205,6 +212,7 @@ def run_attempt(
     bursts: list[tuple[int, set[str]]] = []  # generic folder: (step, files changed) of each save
     try:
         while True:
+            tree.refresh()
             events = watcher.poll()
             records = reader.poll()
             moved_in = _relative(waker.take_moved_in(), ckpt_dir)
@@ -234,7 +242,7 @@ def run_attempt(
             if trigger is not None and attempt.kill is None:
                 hit = trigger.check(events, records, step_now, saving=saving)
                 if hit is not None:
-                    _signal_group(proc, SIGNALS[spec.signal])
+                    _signal_group(proc, SIGNALS[spec.signal], tree)
                     term_sent = time.monotonic() if spec.signal == "TERM" else None
                     attempt.kill = Kill(
                         target.kind, target.step, hit.point, hit.mid_save,
@@ -247,11 +255,11 @@ def run_attempt(
             now = time.monotonic()
             if term_sent is not None and now - term_sent > spec.grace and attempt.kill is not None:
                 attempt.kill.forced = True
-                _signal_group(proc, signal.SIGKILL)
+                _signal_group(proc, signal.SIGKILL, tree)
                 term_sent = None
             if now > deadline and not attempt.timed_out:
                 attempt.timed_out = True
-                _signal_group(proc, signal.SIGKILL)
+                _signal_group(proc, signal.SIGKILL, tree)
             wait = TICK_SECONDS if trigger is None else min(TICK_SECONDS, trigger.seconds_until_due() or 1.0)
             waker.wait(wait)
     except Stopped as stop:  # the partial report shows this run too (the cleanup below still runs)
@@ -261,7 +269,7 @@ def run_attempt(
         with stop_later():  # a stop signal now would leave the command running: it waits
             killed = attempt.kill is not None or attempt.timed_out
             if proc.poll() is None:  # the tool itself is being stopped (a signal): leave nothing running
-                _signal_group(proc, signal.SIGKILL)
+                _signal_group(proc, signal.SIGKILL, tree)
                 proc.wait()
                 killed = True
             # Whatever is still running now was left behind by the command (a group we killed is only
