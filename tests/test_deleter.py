@@ -175,3 +175,16 @@ def test_the_scrub_finds_a_rotten_save_that_no_deletion_depended_on_yet(tmp_path
     mgr.close()
     assert scrubbed[1] is False
     assert 1 not in mgr._retention.known.verified
+
+
+def test_the_background_cleaner_spares_a_staging_folder_its_own_process_has_not_locked_yet(tmp_path):
+    # Between mkdir and flock a save's staging folder looks abandoned; a cleaner on another thread of
+    # the same process once probed its lock there, which made the save's own flock fail (EAGAIN).
+    from ckpt_lesson.runs.commit import LOCK_NAME, clean_stale, staging_name
+
+    mine = tmp_path / staging_name(7)
+    mine.mkdir()
+    (mine / LOCK_NAME).touch()  # created, not yet locked: exactly the window
+    assert clean_stale(tmp_path, spare_pid=os.getpid()) == []
+    assert mine.is_dir()
+    assert clean_stale(tmp_path) == [mine.name]  # without sparing, an unlocked lock means a dead writer

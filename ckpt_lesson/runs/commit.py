@@ -218,12 +218,17 @@ def _gone_is_fine(func: object, path: str, exc_info: tuple[type, BaseException, 
         raise exc_info[1]
 
 
-def clean_stale(run_dir: Path) -> list[str]:
+def clean_stale(run_dir: Path, *, spare_pid: int | None = None) -> list[str]:
     """Remove staging folders of dead writers and leftover ``.deleting-`` folders.
 
     A staging folder is stale only if its ``.lock`` can be locked (its writer
     is dead), or it has no ``.lock`` and is older than
     :data:`STALE_UNLOCKED_SECONDS`. A folder a live writer holds is never touched.
+
+    ``spare_pid``: skip staging folders that process made. A cleaner running on
+    a background thread passes its own pid: a save of its own process may have
+    created its staging folder and not yet locked it, and the cleaner's probe of
+    that lock would both make the save's own lock fail and call it abandoned.
 
     Returns:
         Names of the folders removed.
@@ -241,6 +246,10 @@ def clean_stale(run_dir: Path) -> list[str]:
         if entry.name.startswith(DELETING_PREFIX):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry.name)
+        elif (
+            spare_pid is not None and entry.name.startswith(STAGING_PREFIX) and f"-{spare_pid}-" in entry.name
+        ):
+            continue  # this process's own save, perhaps between mkdir and flock
         elif entry.name.startswith(STAGING_PREFIX) and writer_is_dead(entry):
             doomed = run_dir / f"{DELETING_PREFIX}{entry.name.lstrip('.')}"
             try:

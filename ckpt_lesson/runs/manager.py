@@ -170,7 +170,7 @@ class CheckpointManager:
             self.run_dir,
             self.config.policy,
             emit=self._emit,
-            after_pass=self.clean_stale,
+            after_pass=lambda: self.clean_stale(spare_own=True),
             scrub_bytes_per_s=scrub_bytes_per_s,
             background=background_retention,
         )
@@ -348,9 +348,13 @@ class CheckpointManager:
             self._retention.known.mark_hashed(step)
         return self._retention.run_now()
 
-    def clean_stale(self) -> list[str]:
-        """Remove staging folders of dead writers and ``.deleting-`` leftovers; see ``commit.clean_stale``."""
-        return clean_stale(self.run_dir)
+    def clean_stale(self, *, spare_own: bool = False) -> list[str]:
+        """Remove staging folders of dead writers and ``.deleting-`` leftovers; see ``commit.clean_stale``.
+
+        ``spare_own`` leaves this process's staging folders alone (the background pass, which may
+        run while a save of this process is starting).
+        """
+        return clean_stale(self.run_dir, spare_pid=os.getpid() if spare_own else None)
 
     # ------------------------------------------------------------------ restore
 

@@ -146,9 +146,9 @@ class StoreCheckpointManager(CheckpointManager):
             self.last_save["path"] = url
         return url
 
-    def clean_stale(self) -> list[str]:
+    def clean_stale(self, *, spare_own: bool = False) -> list[str]:
         """Local leftovers, then uploads in the store whose writer's lease has expired."""
-        return super().clean_stale() + clean_uncommitted(self.storage)
+        return super().clean_stale(spare_own=spare_own) + clean_uncommitted(self.storage)
 
     # ------------------------------------------------------------------ restore
 
