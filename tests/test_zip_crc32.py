@@ -53,7 +53,7 @@ def test_every_save_entry_point_with_zip_crc32_writes_files_that_pass_testzip(tm
 
 
 def test_by_default_the_crc32s_are_skipped_and_zip_tools_flag_the_files(tmp_path, tiny_run):
-    # The documented trade-off (README, safety section): torch.load never checks these CRCs.
+    # The documented trade-off (docs/guarantees.md, safety limits): torch.load never checks these CRCs.
     run = tiny_run(0)
     run.train(2)
     save_every_way(run, tmp_path, keep=False)
