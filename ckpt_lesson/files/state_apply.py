@@ -39,10 +39,11 @@ def check_part_names(
     missing = [n for n in saved if n not in given]
     extra = [n for n in given if n not in saved]
     if strict and (missing or extra):
+        sides = [f"the save holds parts {missing} that the state given to restore lacks"] if missing else []
+        sides += [f"the state given to restore has parts {extra} that the save lacks"] if extra else []
         raise StateMismatchError(
-            f"{source}: the save holds parts {missing} that the state given to restore lacks, and the "
-            f"state has {extra} that the save lacks. Pass the same part names as the saving run, or "
-            "restore with strict=False to ignore parts present on one side only."
+            f"{source}: {'; '.join(sides)}. Pass the same part names as the saving run, or restore with "
+            "strict=False to ignore parts present on one side only."
         )
     for name in saved:
         if name not in given:
