@@ -32,7 +32,14 @@ from typing import Any
 
 from ckpt_lesson.errors import CorruptCheckpointError
 
-__all__ = ["MAX_RECORD_BYTES", "check_regular_file", "parse_json_text", "read_json_file", "read_regular_file"]
+__all__ = [
+    "MAX_RECORD_BYTES",
+    "check_regular_file",
+    "file_kind",
+    "parse_json_text",
+    "read_json_file",
+    "read_regular_file",
+]
 
 #: Cap for a record file. A manifest of a 1,000-shard save is about 200 kB; 64 MiB is generous
 #: and still far from what it would take to hurt the machine.
@@ -63,7 +70,7 @@ def check_regular_file(path: str | os.PathLike[str], *, what: str = "file") -> o
     st = os.lstat(path)
     if not stat.S_ISREG(st.st_mode):
         raise CorruptCheckpointError(
-            f"{path}: the {what} is {_kind(st.st_mode)}, not a regular file; it was replaced by "
+            f"{path}: the {what} is {file_kind(st.st_mode)}, not a regular file; it was replaced by "
             "something else and is not read. Restore an older save or remove it."
         )
     return st
@@ -103,7 +110,9 @@ def read_regular_file(
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(f"{path}: the {what} is {_kind(st.st_mode)}, not a regular file.")
+            raise CorruptCheckpointError(
+                f"{path}: the {what} is {file_kind(st.st_mode)}, not a regular file."
+            )
         if st.st_size > limit:
             raise CorruptCheckpointError(
                 f"{path}: the {what} is {st.st_size} bytes, over the {limit}-byte cap for such a record; "
@@ -169,7 +178,8 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, in words, for messages (``a FIFO (named pipe)``, ``a symlink``, ...)."""
     if stat.S_ISLNK(mode):
         return "a symlink"
     if stat.S_ISDIR(mode):

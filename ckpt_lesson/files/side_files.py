@@ -34,24 +34,13 @@ import uuid
 from pathlib import Path
 
 from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.safe_read import file_kind
 
 __all__ = ["append_beside", "open_beside", "open_existing_lock", "replace_beside"]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-
-
-def _kind(mode: int) -> str:
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "not a regular file"
 
 
 def _refused(path: Path, what: str) -> CheckpointError:
@@ -99,7 +88,7 @@ def open_beside(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> 
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise _refused(path, f"is {_kind(st.st_mode)}")
+            raise _refused(path, f"is {file_kind(st.st_mode)}")
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_NONBLOCK)
     except BaseException:
         os.close(fd)

@@ -99,11 +99,17 @@ def write_parts(
         algo=config.hash_algo,
         zip_crc32=config.zip_crc32,
     )
+    parts = sharded_parts(result)
+    for part in parts:
+        emit("part_written", step=step, **part)
+    return parts
+
+
+def sharded_parts(result: Any) -> list[dict[str, Any]]:
+    """The manifest's part records of a sharded save: every shard, ``meta.pt``, then ``index.json``."""
     fields = ("bytes", "algo", "digest")
     parts = [{"file": f["name"], **{k: f[k] for k in fields}} for f in [*result.files, result.meta]]
     parts.append({"file": INDEX_NAME, **result.index.record()})
-    for part in parts:
-        emit("part_written", step=step, **part)
     return parts
 
 
@@ -236,9 +242,7 @@ def stage_payload_save(
             algo=config.hash_algo,
             zip_crc32=config.zip_crc32,
         )
-        fields = ("bytes", "algo", "digest")
-        parts = [{"file": f["name"], **{k: f[k] for k in fields}} for f in [*result.files, result.meta]]
-        parts.append({"file": INDEX_NAME, **result.index.record()})
+        parts = sharded_parts(result)
     for part in parts:
         emit("part_written", step=step, **part)
     return _finish_stage(staging, config, parts, step, emit, build_manifest(
