@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import tracemalloc
+import warnings
 from pathlib import Path
 
 import pytest
@@ -381,3 +382,52 @@ def test_an_async_lightning_run_writes_verified_checkpoints(tmp_path):
     assert result["global_step"] == 4
     loaded = VerifiedCheckpointIO().load_checkpoint(tmp_path / "ck" / "last.ckpt")
     assert loaded["global_step"] == 4
+
+
+MID_EPOCH = r"""
+import warnings
+import torch, lightning as L
+from torch.utils.data import DataLoader, TensorDataset
+from ckpt_lesson.integrations.lightning import VerifiedCheckpointIO
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    def training_step(self, batch, i):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+def run(ckdir, resume=None):
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
+    torch.manual_seed(0)
+    model = Tiny()
+    every = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=ckdir, filename="{step}", every_n_train_steps=2, save_top_k=-1
+    )
+    trainer = L.Trainer(max_steps=8, accelerator="cpu", plugins=[VerifiedCheckpointIO()], callbacks=[every],
+                        logger=False, enable_progress_bar=False, enable_model_summary=False)
+    # 4 batches of 4 per epoch and a save every 2 steps: step 2 is in the middle of epoch 0.
+    loader = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1))
+    trainer.fit(model, loader, ckpt_path=resume)
+    return [p.detach().clone() for p in model.parameters()]
+"""
+
+
+def test_lightning_resumes_mid_epoch_only_with_a_resumable_loader_the_documented_limit(tmp_path):
+    # The limit the docs state (Lightning 2.6, training_epoch_loop.py): resuming from a checkpoint
+    # taken inside an epoch with a plain DataLoader warns that the loader is not resumable, and the
+    # run then differs from an uninterrupted one; the RNG our plugin restores cannot fix the data order.
+    namespace: dict = {}
+    exec(MID_EPOCH, namespace)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        uninterrupted = namespace["run"](str(tmp_path / "a"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = namespace["run"](str(tmp_path / "b"), resume=str(tmp_path / "a" / "step=2.ckpt"))
+    assert any("not resumable" in str(w.message) for w in caught)
+    assert not all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed, strict=True))
