@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from ckpt_lesson.cli import resume_inotify, resume_watch
+from ckpt_lesson.resume_test import inotify as resume_inotify
+from ckpt_lesson.resume_test import watch as resume_watch
 from ckpt_lesson.resume_test.watch import FILES, MANAGER, NONE, FolderEvent, FolderWatcher, SaveBurst, Waker
 
 
