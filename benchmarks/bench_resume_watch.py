@@ -36,10 +36,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from ckpt_lesson.cli import resume_watch
-from ckpt_lesson.cli.resume_watch import FolderWatcher, Waker
+from ckpt_lesson.resume_test import watch as resume_watch
+from ckpt_lesson.resume_test.watch import FolderWatcher, Waker
 
-TICK = 0.02  # the runner's longest sleep (resume_runner.TICK_SECONDS)
+TICK = 0.02  # the runner's longest sleep (resume_test.runner.TICK_SECONDS)
 WRITER = """
 import sys, time
 path = sys.argv[1]

@@ -11,8 +11,6 @@ from ._version_check import check_torch_version
 check_torch_version()
 
 from .cli import main as run_command  # noqa: E402  (one `python -m ckpt_lesson` command, in-process)
-from .cli.chaos import CampaignResult, run_campaign  # noqa: E402
-from .cli.faults import KillPlan, RunConfig, compute_baseline, run_kill_sequence  # noqa: E402
 from .cli.lesson_demo import main, parse_args  # noqa: E402, F401 (course harness: COURSE_NAMES)
 from .cli.scan import format_table as format_scan_table  # noqa: E402
 from .course.accumulating import MicroStepRecord, train_accumulating  # noqa: E402, F401 (course harness: COURSE_NAMES)
@@ -47,6 +45,8 @@ from .errors import (  # noqa: E402
     StateMismatchError,
     UnsafeCheckpointError,
 )
+from .faults.campaign import CampaignResult, run_campaign  # noqa: E402
+from .faults.harness import KillPlan, RunConfig, compute_baseline, run_kill_sequence  # noqa: E402
 from .files.atomic import atomic_save, atomic_write_json, fsync_dir  # noqa: E402
 from .files.checkpoint import (  # noqa: E402
     BUCKETS,

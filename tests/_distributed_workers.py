@@ -1,7 +1,7 @@
 """Rank programs of the multi-rank tests that the package's fault campaign does not need.
 
 The launcher, the tiny model and the fault programs live in the package
-(:mod:`ckpt_lesson.cli.rank_launch`, :mod:`ckpt_lesson.cli.rank_programs`), so
+(:mod:`ckpt_lesson.faults.rank_launch`, :mod:`ckpt_lesson.faults.rank_programs`), so
 ``python -m ckpt_lesson chaos --ranks 2`` and these tests run the same code.
 What stays here trains a run uninterrupted and resumes it on other world sizes.
 """
@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from ckpt_lesson import CheckpointError, TrainState
-from ckpt_lesson.cli.rank_launch import launch
-from ckpt_lesson.cli.rank_programs import full_state, make_run, train_step, write_json
 from ckpt_lesson.distributed import DistributedCheckpointManager
+from ckpt_lesson.faults.rank_launch import launch
+from ckpt_lesson.faults.rank_programs import full_state, make_run, train_step, write_json
 
 __all__ = [
     "launch",

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_lesson import CheckpointError, TrainState
-from ckpt_lesson.cli.rank_programs import make_run, train_step, write_json
 from ckpt_lesson.distributed import DistributedCheckpointManager
+from ckpt_lesson.faults.rank_programs import make_run, train_step, write_json
 
 
 def w_save_steps(rank: int, world: int, run: str, steps: list[int]) -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from ckpt_lesson.cli.rank_programs import make_run, train_step
 from ckpt_lesson.distributed import DistributedCheckpointManager
+from ckpt_lesson.faults.rank_programs import make_run, train_step
 
 
 def w_state_api_train(rank: int, world: int, out: str, kind: str) -> None:

@@ -1,7 +1,7 @@
 """Fault injection on real ranks: SIGKILL one rank or all of them during a save, then restore.
 
 The campaign is the package's own (``python -m ckpt_lesson chaos --ranks 2``,
-:mod:`ckpt_lesson.cli.rank_chaos`): each named kill is one launch of 2 FSDP2
+:mod:`ckpt_lesson.faults.rank_chaos`): each named kill is one launch of 2 FSDP2
 ranks that saves step 2, then starts saving step 4 and SIGKILLs ranks at a
 chosen event of the manager (fired from inside DCP's writing and ``finish``,
 so also from the async save's background thread). The step to restore is
@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-import ckpt_lesson.cli.rank_chaos as rank_chaos
+import ckpt_lesson.faults.rank_chaos as rank_chaos
 from ckpt_lesson import cli
-from ckpt_lesson.cli.rank_chaos import (
+from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.faults.rank_chaos import (
     NAMED_KILLS,
     RankCampaignResult,
     RankKill,
@@ -27,7 +28,6 @@ from ckpt_lesson.cli.rank_chaos import (
     predict_rank_restore,
     run_rank_campaign,
 )
-from ckpt_lesson.errors import CheckpointError
 
 NAMES = [kill.name for kill in NAMED_KILLS]
 

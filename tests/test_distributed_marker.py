@@ -2,7 +2,7 @@
 
 Most checks run the manager as a world of one (no process group), which writes
 the same files; the kills are real SIGKILLs of 2 ranks through the package's
-fault campaign (:mod:`ckpt_lesson.cli.rank_chaos`).
+fault campaign (:mod:`ckpt_lesson.faults.rank_chaos`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 from _distributed_local import restore_locally, save_locally
 
 from ckpt_lesson import CheckpointError
-from ckpt_lesson.cli.rank_chaos import RankKill, run_rank_campaign
 from ckpt_lesson.distributed import DistributedCheckpointManager
+from ckpt_lesson.faults.rank_chaos import RankKill, run_rank_campaign
 from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.tagged_hash import hash_bytes
 from ckpt_lesson.runs.dcp_marker import COMMIT_MARKER, MARKER_LOCK, clean_unmarked, open_marker_folder

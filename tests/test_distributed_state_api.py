@@ -10,8 +10,8 @@ from _distributed_local import save_locally
 from _state_api_workers import w_state_api_resume, w_state_api_train
 
 import ckpt_lesson as cl
-from ckpt_lesson.cli.rank_launch import launch
 from ckpt_lesson.distributed import DistributedCheckpointManager
+from ckpt_lesson.faults.rank_launch import launch
 
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])

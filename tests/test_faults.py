@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from ckpt_lesson import cli
-from ckpt_lesson.cli.chaos import run_campaign
-from ckpt_lesson.cli.faults import (
+from ckpt_lesson.faults.campaign import run_campaign
+from ckpt_lesson.faults.harness import (
     POINTS,
     KillPlan,
     RunConfig,

@@ -1,4 +1,4 @@
-"""The package's layers import only downward: cli -> course -> runs -> files -> base.
+"""The package's layers import only downward: cli -> faults -> course/resume_test/bench -> ... -> base.
 
 The folder a module sits in says what it is for; this test keeps that true.
 It reads every module's source (nothing is imported), so a lazy import inside
@@ -22,7 +22,10 @@ LAYERS = {
     "distributed": 3,
     "integrations": 3,
     "course": 4,
-    "cli": 5,
+    "resume_test": 4,  # the resume-test tool (its command is cli/resume_test.py)
+    "bench": 4,  # benchmark cases and probes (its command is cli/bench.py)
+    "faults": 5,  # the fault-injection harness; it trains with course/ models
+    "cli": 6,
 }
 
 
@@ -79,6 +82,12 @@ def test_module_imports_only_its_own_layer_or_lower(path: Path) -> None:
 def test_every_subpackage_is_a_known_layer() -> None:
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))}
     assert folders <= set(LAYERS), f"unknown layer folders: {sorted(folders - set(LAYERS))}"
+
+
+def test_every_layer_names_a_folder_that_exists() -> None:
+    # A layer renamed or removed must leave the table too, or the table stops describing the code.
+    missing = [name for name in LAYERS if name != "base" and not (PACKAGE / name / "__init__.py").is_file()]
+    assert not missing, f"layers without a package folder: {missing}"
 
 
 def test_layer_check_catches_an_upward_import(tmp_path: Path) -> None:

@@ -74,7 +74,8 @@ def test_extra_state_a_module_keeps_is_a_copy_so_truncating_the_file_later_is_ha
 
 
 def test_the_remaining_window_a_truncation_during_a_mapped_apply_is_sigbus_and_mmap_false_closes_it(tmp_path):
-    # The documented window (docs/guarantees.md, safety limits): mapped weights are read while they are applied.
+    # The documented window (docs/guarantees.md, safety limits): mapped weights are read
+    # while they are applied.
     assert in_child(_truncate_during_apply, saved(tmp_path), True) == SIGBUS_EXIT
     assert in_child(_truncate_during_apply, saved(tmp_path), False) == 0
 

@@ -1,6 +1,6 @@
 """The notebooks use only public names: what a learner sees is what they will use.
 
-A notebook that imports ``ckpt_lesson.cli.faults`` or a ``_private`` helper teaches
+A notebook that imports ``ckpt_lesson.faults.harness`` or a ``_private`` helper teaches
 an API that may change without notice. These tests read the committed
 ``.ipynb`` files as JSON and look at every code cell; they execute nothing.
 """

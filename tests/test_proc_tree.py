@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from ckpt_lesson.cli.proc_tree import ProcessTree, descendants
+from ckpt_lesson.resume_test.proc_tree import ProcessTree, descendants
 
 # A parent that starts a child in a new session (as torchrun starts its workers), prints the
 # child's pid, and waits.

@@ -12,7 +12,7 @@ import pytest
 from _distributed_local import restore_locally, save_locally
 from _record_workers import w_restore_report, w_save_steps
 
-from ckpt_lesson.cli.rank_launch import launch
+from ckpt_lesson.faults.rank_launch import launch
 from ckpt_lesson.runs.folder_manifest import (
     FOLDER_MANIFEST_NAME,
     latest_verified_folder,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ckpt_lesson.cli.resume_compare import (
+from ckpt_lesson.resume_test.compare import (
     close,
     compare,
     epoch_starts,
@@ -14,8 +14,8 @@ from ckpt_lesson.cli.resume_compare import (
     stitch,
     trajectory,
 )
-from ckpt_lesson.cli.resume_runner import Attempt
-from ckpt_lesson.cli.resume_steps import StepRecord
+from ckpt_lesson.resume_test.runner import Attempt
+from ckpt_lesson.resume_test.steps import StepRecord
 
 
 def attempt(index, steps, losses=None, started=0.0, ids=None):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckpt_lesson.cli.resume_compare import trajectory
-from ckpt_lesson.cli.resume_diagnose import exact_resumes, judge_trial
-from ckpt_lesson.cli.resume_plan import TrialPlan
-from ckpt_lesson.cli.resume_runner import Attempt, Kill, TrialRun
-from ckpt_lesson.cli.resume_steps import StepRecord
-from ckpt_lesson.cli.resume_watch import FILES, MANAGER, NONE
+from ckpt_lesson.resume_test.compare import trajectory
+from ckpt_lesson.resume_test.diagnose import exact_resumes, judge_trial
+from ckpt_lesson.resume_test.plan import TrialPlan
+from ckpt_lesson.resume_test.runner import Attempt, Kill, TrialRun
+from ckpt_lesson.resume_test.steps import StepRecord
+from ckpt_lesson.resume_test.watch import FILES, MANAGER, NONE
 
 IDS = {s: (s % 4 * 2, s % 4 * 2 + 1) for s in range(1, 13)}  # epochs of 4 steps: 1-4, 5-8, 9-12
 #: log_step's RNG digests: a seeded torch generator drawn every step, and an unseeded ``random``.

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from ckpt_lesson import cli
-from ckpt_lesson.cli.resume_machine import FAILURE_DOMAIN, judge_lost_machine, machine_for
-from ckpt_lesson.cli.resume_runner import RunSpec
+from ckpt_lesson.resume_test.machine import FAILURE_DOMAIN, judge_lost_machine, machine_for
+from ckpt_lesson.resume_test.runner import RunSpec
 
 EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "resume_train.py")
 TRAIN = [sys.executable, EXAMPLE, "--steps", "20", "--ckpt-dir"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ckpt_lesson.cli.resume_names import NameFilter, looks_like_checkpoint
+from ckpt_lesson.resume_test.names import NameFilter, looks_like_checkpoint
 
 
 def test_checkpoint_like_names_include_temporary_suffixes_and_exclude_logs():

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ckpt_lesson.cli.resume_plan import KillTarget, KillTrigger, plan_trials
-from ckpt_lesson.cli.resume_steps import StepRecord
-from ckpt_lesson.cli.resume_watch import FILES, MANAGER, FolderEvent
+from ckpt_lesson.resume_test.plan import KillTarget, KillTrigger, plan_trials
+from ckpt_lesson.resume_test.steps import StepRecord
+from ckpt_lesson.resume_test.watch import FILES, MANAGER, FolderEvent
 
 STEPS = list(range(1, 41))
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_lesson.cli import main
-from ckpt_lesson.cli.resume_procs import (
+from ckpt_lesson.resume_test.procs import (
     ATTEMPT_ENV,
     Stopped,
     end_tagged,

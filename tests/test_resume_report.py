@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ckpt_lesson.cli.resume_compare import trajectory
-from ckpt_lesson.cli.resume_diagnose import judge_trial
-from ckpt_lesson.cli.resume_plan import TrialPlan
-from ckpt_lesson.cli.resume_report import build_report, format_text, write_json, write_plot
-from ckpt_lesson.cli.resume_runner import Attempt, Kill, TrialRun
-from ckpt_lesson.cli.resume_steps import StepRecord
-from ckpt_lesson.cli.resume_watch import MANAGER
+from ckpt_lesson.resume_test.compare import trajectory
+from ckpt_lesson.resume_test.diagnose import judge_trial
+from ckpt_lesson.resume_test.plan import TrialPlan
+from ckpt_lesson.resume_test.report import build_report, format_text, write_json, write_plot
+from ckpt_lesson.resume_test.runner import Attempt, Kill, TrialRun
+from ckpt_lesson.resume_test.steps import StepRecord
+from ckpt_lesson.resume_test.watch import MANAGER
 
 
 def run(index, steps, losses=None, started=0.0):

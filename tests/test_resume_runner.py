@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from ckpt_lesson import CheckpointError
-from ckpt_lesson.cli.resume_plan import KillTarget, TrialPlan
-from ckpt_lesson.cli.resume_runner import RunSpec, run_attempt, run_trial
-from ckpt_lesson.cli.resume_steps import StepPattern
-from ckpt_lesson.cli.resume_watch import FILES, MANAGER
+from ckpt_lesson.resume_test.plan import KillTarget, TrialPlan
+from ckpt_lesson.resume_test.runner import RunSpec, run_attempt, run_trial
+from ckpt_lesson.resume_test.steps import StepPattern
+from ckpt_lesson.resume_test.watch import FILES, MANAGER
 
 
 @pytest.fixture
@@ -130,7 +130,7 @@ def test_a_kill_inside_a_save_written_in_place_is_reported_as_possibly_incomplet
 
 
 def test_damage_in_a_folder_of_recorded_checkpoint_folders_is_judged_by_their_manifests(tmp_path):
-    from ckpt_lesson.cli.resume_damage import _recorded_damage
+    from ckpt_lesson.resume_test.damage import _recorded_damage
     from ckpt_lesson.runs.folder_manifest import write_folder_manifest
 
     for step in (4, 8):

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from ckpt_lesson import CheckpointError
-from ckpt_lesson.cli.resume_steps import LineTail, StepPattern, StepReader, parse_hook_line
+from ckpt_lesson.resume_test.steps import LineTail, StepPattern, StepReader, parse_hook_line
 
 
 def test_line_tail_hands_out_complete_lines_and_keeps_the_rest(tmp_path):

@@ -6,8 +6,9 @@ import os
 
 import pytest
 
-from ckpt_lesson.cli import resume_inotify, resume_watch
-from ckpt_lesson.cli.resume_watch import FILES, MANAGER, NONE, FolderEvent, FolderWatcher, SaveBurst, Waker
+from ckpt_lesson.resume_test import inotify as resume_inotify
+from ckpt_lesson.resume_test import watch as resume_watch
+from ckpt_lesson.resume_test.watch import FILES, MANAGER, NONE, FolderEvent, FolderWatcher, SaveBurst, Waker
 
 
 def test_a_missing_folder_is_watched_until_it_appears(tmp_path):

@@ -20,7 +20,7 @@ given. The verdict names the first differing step, the kill that caused it,
 and, where the shape of the failure tells, the likely mistake.
 
 A PASS needs more than equal trajectories: a kill after a published save and
-a restart that really resumed (see :mod:`resume_verdict`); matching runs
+a restart that really resumed (see :mod:`ckpt_lesson.resume_test.verdict`); matching runs
 without them are INCONCLUSIVE.
 
 Exit status: 0 PASS, 1 FAIL, 2 usage error (bad options, a command that
@@ -34,25 +34,11 @@ import argparse
 import math
 import os
 import shutil
-import sys
-import tempfile
 from pathlib import Path
-from typing import Any
 
-from tqdm import tqdm
-
-from ckpt_lesson.cli.resume_compare import trajectory
-from ckpt_lesson.cli.resume_diagnose import exact_resumes, judge_trial
-from ckpt_lesson.cli.resume_machine import format_failure_domain, judge_lost_machine
-from ckpt_lesson.cli.resume_plan import KINDS, plan_trials
-from ckpt_lesson.cli.resume_procs import ATTEMPT_ENV, Stopped, become_subreaper
-from ckpt_lesson.cli.resume_report import build_report, format_text, write_json, write_plot
-from ckpt_lesson.cli.resume_runner import Attempt, RunSpec, run_attempt, run_trial
-from ckpt_lesson.cli.resume_steps import StepPattern
-from ckpt_lesson.cli.resume_stop import StopSignals, left_running_notes, report_stop
-from ckpt_lesson.cli.resume_verdict import check_baseline, decide
-from ckpt_lesson.cli.resume_watch import NONE
 from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.resume_test.plan import KINDS
+from ckpt_lesson.resume_test.session import run_session
 from ckpt_lesson.runs.steplog import CKPT_DIR_ENV, STEP_LOG_ENV
 
 __all__ = ["configure", "run"]
@@ -188,45 +174,8 @@ def _check_options(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...]
     return command, kinds
 
 
-def prepare_workdir(path: str | None) -> Path:
-    """A new or empty folder for this run, checked writable before anything runs.
-
-    Raises:
-        CheckpointError: It cannot be created, is a file, is not writable, or
-            already holds a ``resume-test`` run (checkpoint folders must start empty).
-
-    Example:
-        >>> prepare_workdir(None).name.startswith("resume-test-")  # doctest: +SKIP
-        True
-    """
-    if path is None:
-        try:
-            return Path(tempfile.mkdtemp(prefix="resume-test-"))
-        except OSError as exc:
-            raise CheckpointError(
-                f"cannot create a temporary folder ({exc.strerror}); pass --workdir."
-            ) from exc
-    workdir = Path(path)
-    if workdir.exists() and not workdir.is_dir():
-        raise CheckpointError(f"--workdir {path}: is a file; pass a folder.")
-    try:
-        workdir.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=workdir, prefix=".probe-"):
-            pass
-    except OSError as exc:
-        raise CheckpointError(
-            f"--workdir {path}: not writable ({exc.strerror or exc}); pass a folder you can write."
-        ) from exc
-    if (workdir / "baseline").exists() or any(workdir.glob("trial-*")):
-        raise CheckpointError(
-            f"--workdir {path}: already holds a resume-test run; pass a new or empty folder "
-            "(every run needs a fresh checkpoint folder)."
-        )
-    return workdir
-
-
 def run(args: argparse.Namespace) -> int:
-    """Run the baseline and the trials, write the report, print the verdict.
+    """Check the options, then run the session (:func:`~ckpt_lesson.resume_test.session.run_session`).
 
     Args:
         args: The parsed options (see :func:`configure`).
@@ -244,107 +193,4 @@ def run(args: argparse.Namespace) -> int:
         0
     """
     command, kinds = _check_options(args)
-    pattern = StepPattern(args.step_pattern) if args.step_pattern else None
-    workdir = prepare_workdir(args.workdir)
-    env = {k: v for k, v in os.environ.items() if k not in (STEP_LOG_ENV, CKPT_DIR_ENV, ATTEMPT_ENV)}
-    spec = RunSpec(tuple(command), Path.cwd(), env, pattern, args.signal, args.grace, args.timeout,
-                   tuple(args.ckpt_glob), lose_machine=getattr(args, "lose_machine", False))  # fmt: skip
-    # Orphans of the command (a helper whose parent exited) are handed to this process, not to init:
-    # they stay findable and are reaped here (see resume_procs).
-    become_subreaper()
-    progress: dict[str, Any] = {"during": "the baseline run", "baseline": None, "trials": []}
-    with StopSignals():
-        try:
-            return _run(args, spec, command, kinds, workdir, progress)
-        except Stopped as stop:
-            return report_stop(stop, args, workdir, progress)
-
-
-def _run(
-    args: argparse.Namespace, spec: RunSpec, command: list[str], kinds: tuple[str, ...], workdir: Path,
-    progress: dict[str, Any],
-) -> int:  # fmt: skip
-    bar = tqdm(total=args.trials, unit="trial", file=sys.stderr, leave=False,
-               disable=not sys.stderr.isatty(), desc="baseline")  # fmt: skip
-    try:
-        baseline = run_attempt(
-            spec, workdir / "baseline" / "attempt-1", workdir / "baseline" / "ckpt", index=1
-        )
-        progress["baseline"] = baseline
-        check_baseline(baseline, timeout=args.timeout, step_pattern=args.step_pattern)
-        base = trajectory(baseline.records)
-        layout = baseline.layout
-        steps = [r.step for r in baseline.records]
-        seconds = _typical_step_seconds(baseline)
-        plans = plan_trials(steps=steps, save_steps=baseline.save_steps, trials=args.trials, kinds=kinds,
-                            kills=args.kills, seed=args.seed, step_seconds=seconds)  # fmt: skip
-        trials = progress["trials"]
-        for plan in plans:
-            progress["during"] = f"trial {plan.index} of {len(plans)}"
-            bar.set_description(f"trial {plan.index}/{len(plans)} ({plan.kind})")
-            trials.append(run_trial(spec, workdir / f"trial-{plan.index:02d}", plan, layout=layout))
-            bar.update(1)
-    finally:
-        bar.close()
-    exact = exact_resumes(trials, base, atol=args.atol, rtol=args.rtol)
-    verdicts = [
-        judge_trial(t, base, atol=args.atol, rtol=args.rtol, layout=layout, exact=exact, timeout=args.timeout)
-        for t in trials
-    ]
-    report = build_report(
-        command=command, workdir=workdir, settings=_settings(args, kinds), baseline=baseline,
-        layout=layout, trials=trials, verdicts=verdicts, notes=_notes(plans, baseline, trials, layout),
-    )  # fmt: skip
-    domain = judge_lost_machine(trials, baseline.records[0].step) if spec.lose_machine else None
-    store_resumed = domain is not None and domain["verdict"] == "PASS" and domain["store"] is not None
-    outcome = decide(baseline, trials, verdicts, layout, store_resumed=store_resumed)
-    report["verdict"], report["inconclusive"] = outcome.verdict, outcome.reasons
-    exit_code = outcome.exit_code
-    if domain is not None:  # the failure domain's verdict joins the trajectory's
-        report["failure_domain"] = domain
-        if domain["verdict"] == "FAIL":
-            report["verdict"], exit_code = "FAIL", 1
-    report["plot"] = write_plot(workdir / "report.png", baseline, trials, verdicts)
-    write_json(report, workdir / "report.json")
-    if args.json:
-        import json
-
-        print(json.dumps(report, indent=2, allow_nan=True))
-    else:
-        print(format_text(report))
-        if "failure_domain" in report:
-            print(format_failure_domain(report["failure_domain"]))
-    return exit_code
-
-
-def _typical_step_seconds(baseline: Attempt) -> float:
-    """The median time between two step reports (startup excluded: random kills land between steps)."""
-    times = [r.t for r in baseline.records]
-    gaps = sorted(b - a for a, b in zip(times[:-1], times[1:], strict=True) if b >= a)
-    return gaps[len(gaps) // 2] if gaps else 0.01
-
-
-def _settings(args: argparse.Namespace, kinds: tuple[str, ...]) -> dict[str, Any]:
-    return {
-        "trials": args.trials, "kills": args.kills, "kill_at": list(kinds), "signal": args.signal,
-        "grace": args.grace, "seed": args.seed, "timeout": args.timeout, "atol": args.atol,
-        "rtol": args.rtol, "step_pattern": args.step_pattern, "ckpt_glob": list(args.ckpt_glob),
-    }  # fmt: skip
-
-
-def _notes(plans: list[Any], baseline: Attempt, trials: list[Any], layout: str) -> list[str]:
-    notes = []
-    fallback = [p.index for p in plans if p.kind != p.requested]
-    if fallback and layout != NONE:
-        notes.append(f"trial(s) {fallback}: no save before the last step to aim at; killed at random instead")
-    warnings = {
-        a.watch_warning for a in [baseline, *(a for t in trials for a in t.attempts)] if a.watch_warning
-    }
-    notes += sorted(warnings)
-    left = [("baseline", baseline.left_running)]
-    left += [(f"trial {t.plan.index} run {a.index}", a.left_running) for t in trials for a in t.attempts]
-    notes += left_running_notes(left)
-    unkilled = [t.plan.index for t in trials if not any(a.kill for a in t.attempts)]
-    if unkilled:
-        notes.append(f"trial(s) {unkilled}: the planned kill point never came, so nothing was tested there")
-    return notes
+    return run_session(args, command, kinds)

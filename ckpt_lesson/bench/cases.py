@@ -18,8 +18,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ckpt_lesson.cli.bench_async import async_cases
-from ckpt_lesson.cli.bench_probes import (
+from ckpt_lesson.bench.async_cases import async_cases
+from ckpt_lesson.bench.probes import (
     drop_from_page_cache,
     peak_rss_reset,
     peak_rss_since_reset,

@@ -8,7 +8,7 @@ when a machine is taken away. With ``--signal TERM`` the group first gets
 grace period, ``SIGKILL``: that exercises the script's preemption path.
 
 While an attempt runs, one loop reads its step reports, watches its
-checkpoint folder, asks the :class:`~resume_plan.KillTrigger` whether this is
+checkpoint folder, asks the :class:`~plan.KillTrigger` whether this is
 the moment, and sleeps until something changes. Right after a kill it looks
 at what the dead process left behind: saves that do not verify, staging
 folders, files cut short.
@@ -24,16 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_lesson.cli.proc_tree import ProcessTree
-from ckpt_lesson.cli.resume_damage import damage_after_kill
-from ckpt_lesson.cli.resume_machine import lose_machine, machine_for
-from ckpt_lesson.cli.resume_names import NameFilter
-from ckpt_lesson.cli.resume_plan import KillTarget, KillTrigger, TrialPlan
-from ckpt_lesson.cli.resume_procs import ATTEMPT_ENV, Stopped, end_tagged, new_token, stop_later
-from ckpt_lesson.cli.resume_steps import StepPattern, StepReader, StepRecord
-from ckpt_lesson.cli.resume_watch import MANAGER, NONE, FolderWatcher, SaveBurst, Waker
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.side_files import open_beside
+from ckpt_lesson.resume_test.damage import damage_after_kill
+from ckpt_lesson.resume_test.machine import lose_machine, machine_for
+from ckpt_lesson.resume_test.names import NameFilter
+from ckpt_lesson.resume_test.plan import KillTarget, KillTrigger, TrialPlan
+from ckpt_lesson.resume_test.proc_tree import ProcessTree
+from ckpt_lesson.resume_test.procs import ATTEMPT_ENV, Stopped, end_tagged, new_token, stop_later
+from ckpt_lesson.resume_test.steps import StepPattern, StepReader, StepRecord
+from ckpt_lesson.resume_test.watch import MANAGER, NONE, FolderWatcher, SaveBurst, Waker
 from ckpt_lesson.runs.steplog import CKPT_DIR_ENV, STEP_LOG_ENV
 
 __all__ = ["Attempt", "Kill", "RunSpec", "TrialRun", "run_attempt", "run_trial"]
@@ -55,13 +55,13 @@ class RunSpec:
     grace: float = 10.0
     timeout: float = 300.0
     ckpt_globs: tuple[str, ...] = ()
-    #: ``--lose-machine``: each restart on a fresh "machine" (see resume_machine.py).
+    #: ``--lose-machine``: each restart on a fresh "machine" (see machine.py).
     lose_machine: bool = False
 
 
 @dataclass
 class Kill:
-    """One kill as it happened (see :class:`~resume_plan.KillTarget` for the plan)."""
+    """One kill as it happened (see :class:`~plan.KillTarget` for the plan)."""
 
     kind: str
     target_step: int
@@ -191,7 +191,7 @@ def run_attempt(
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     spec = machine_for(spec, folder, ckpt_dir, index)  # {run_id}; --lose-machine: a fresh machine
     steps_file = folder / "steps.jsonl"
-    token = new_token()  # marks every descendant, also those that leave the group (see resume_procs)
+    token = new_token()  # marks every descendant, also those that leave the group (see procs)
     env = {**spec.env, CKPT_DIR_ENV: str(ckpt_dir), STEP_LOG_ENV: str(steps_file), "PYTHONUNBUFFERED": "1",
            ATTEMPT_ENV: token}  # fmt: skip
     argv = [arg.replace("{ckpt_dir}", str(ckpt_dir)) for arg in spec.command]

@@ -2,10 +2,10 @@
 
 A tool that starts training processes must not leave them behind when it is
 stopped itself. SIGTERM (what CI runners and ``kill`` send), SIGHUP (a closed
-terminal) and SIGINT (Ctrl-C) all become one :class:`~resume_procs.Stopped`
+terminal) and SIGINT (Ctrl-C) all become one :class:`~procs.Stopped`
 exception, raised wherever the tool is waiting. On its way out, the run in
 progress ends every process of the command (its group, and by token those
-that left it: see :mod:`resume_procs`); then the tool prints what it learned
+that left it: see :mod:`procs`); then the tool prints what it learned
 so far and exits with 128 + the signal's number, as a shell would report it.
 A second signal while that happens is ignored: the cleanup finishes.
 """
@@ -20,10 +20,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ckpt_lesson.cli.resume_compare import trajectory
-from ckpt_lesson.cli.resume_diagnose import judge_trial
-from ckpt_lesson.cli.resume_procs import Stopped, stop_now_or_later
-from ckpt_lesson.cli.resume_runner import Attempt
+from ckpt_lesson.resume_test.compare import trajectory
+from ckpt_lesson.resume_test.diagnose import judge_trial
+from ckpt_lesson.resume_test.procs import Stopped, stop_now_or_later
+from ckpt_lesson.resume_test.runner import Attempt
 
 __all__ = ["StopSignals", "left_running_notes", "report_stop", "stopped_report"]
 

@@ -14,7 +14,7 @@ moments from the checkpoint folder alone, without any help from the script:
 Reaction time matters: a small checkpoint is written in a few milliseconds,
 and a kill meant for "the middle of a save" that lands after it is just a
 kill. Cost matters too: the tool must not take a core from the run it is
-testing. On Linux the watcher sleeps on ``inotify`` (see :mod:`resume_inotify`),
+testing. On Linux the watcher sleeps on ``inotify`` (see :mod:`inotify`),
 wakes the moment an entry changes, and updates only the entries the kernel
 named, so a quiet folder of 10,000 files costs nothing between saves.
 Elsewhere it walks the folder, but never for more than a fixed share of the
@@ -22,7 +22,7 @@ time. A folder beyond :data:`MAX_ENTRIES` entries or the watch limit is
 watched in part, and the report says so (:attr:`FolderWatcher.warning`).
 
 In a plain folder, only files that are the checkpoint count as a save (see
-:mod:`resume_names`: ``--ckpt-glob``, or names that look like checkpoints).
+:mod:`names`: ``--ckpt-glob``, or names that look like checkpoints).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_lesson.cli.resume_inotify import POLL_SECONDS, Waker
-from ckpt_lesson.cli.resume_names import NameFilter
+from ckpt_lesson.resume_test.inotify import POLL_SECONDS, Waker
+from ckpt_lesson.resume_test.names import NameFilter
 
 __all__ = ["FILES", "MANAGER", "NONE", "FolderEvent", "FolderWatcher", "SaveBurst", "Snapshot", "Waker"]
 

@@ -6,7 +6,7 @@ second), not a fresh interpreter importing torch per rank. The forkserver
 itself never runs a torch op, so no thread pool exists yet when it forks.
 Ranks meet through a ``FileStore`` (no ports) and report through files.
 
-The fault-injection campaign (:mod:`ckpt_lesson.cli.rank_chaos`) and the
+The fault-injection campaign (:mod:`ckpt_lesson.faults.rank_chaos`) and the
 multi-rank tests launch their rank programs through :func:`launch`.
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 __all__ = ["PRELOAD", "launch"]
 
 #: Imported by the forkserver before it forks any rank: torch, DCP and the rank programs.
-PRELOAD = "ckpt_lesson.cli.rank_programs"
+PRELOAD = "ckpt_lesson.faults.rank_programs"
 
 _CTX: Any = None
 

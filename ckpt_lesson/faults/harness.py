@@ -35,7 +35,7 @@ so the restorer must detect it and fall back); ``manifest_rot`` (the same, but
 the flipped byte is in the save's ``manifest.json``: the commit record's own
 checksum must call it damage, not a contract refusal). Which kills to make, many runs
 of them drawn from a seed, and the table that sums them up are
-:mod:`ckpt_lesson.cli.chaos`.
+:mod:`ckpt_lesson.faults.campaign`.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from ckpt_lesson.cli.kill_plan import POINTS, KillPlan, RunConfig, predict_restored_step
+from ckpt_lesson.faults.kill_plan import POINTS, KillPlan, RunConfig, predict_restored_step
 from ckpt_lesson.files.checkpoint import TrainState
 
 __all__ = [

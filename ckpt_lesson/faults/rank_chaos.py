@@ -1,7 +1,7 @@
 """The multi-rank chaos campaign: SIGKILL ranks during a distributed save, then check the restore.
 
 ``python -m ckpt_lesson chaos --ranks 2`` launches one tiny FSDP2 run per kill
-(:mod:`ckpt_lesson.cli.rank_programs`): it saves step 2, then, while saving
+(:mod:`ckpt_lesson.faults.rank_programs`): it saves step 2, then, while saving
 step 4, one rank or all of them are killed at a point of the commit protocol.
 The step a correct restore must pick is written down *before* the launch
 (:func:`predict_rank_restore`). Afterwards one launch of the same world size
@@ -94,7 +94,7 @@ class RankKill:
         return [r for r in range(world) if self.victims == "all" or r != self.at]
 
     def hook_spec(self, world: int) -> dict[str, Any]:
-        """What :func:`~ckpt_lesson.cli.rank_programs.w_fault` needs, as plain values."""
+        """What :func:`~ckpt_lesson.faults.rank_programs.w_fault` needs, as plain values."""
         return {
             "event": POINTS[self.point][0],
             "at": self.at,
@@ -281,8 +281,8 @@ def run_rank_campaign(
         >>> result = run_rank_campaign(draw_kills(10, world=2, seed=0))  # doctest: +SKIP
         >>> print(result.table())  # doctest: +SKIP
     """
-    from ckpt_lesson.cli.rank_launch import launch
-    from ckpt_lesson.cli.rank_programs import w_check, w_fault
+    from ckpt_lesson.faults.rank_launch import launch
+    from ckpt_lesson.faults.rank_programs import w_check, w_fault
 
     if world < 2:
         raise CheckpointError(f"a multi-rank campaign needs 2 or more ranks, got {world}.")

@@ -13,11 +13,11 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ckpt_lesson.cli.resume_compare import stitch, trajectory
-from ckpt_lesson.cli.resume_diagnose import TrialVerdict
-from ckpt_lesson.cli.resume_runner import Attempt, TrialRun
-from ckpt_lesson.cli.resume_watch import FILES, MANAGER
 from ckpt_lesson.files.side_files import replace_beside
+from ckpt_lesson.resume_test.compare import stitch, trajectory
+from ckpt_lesson.resume_test.diagnose import TrialVerdict
+from ckpt_lesson.resume_test.runner import Attempt, TrialRun
+from ckpt_lesson.resume_test.watch import FILES, MANAGER
 
 __all__ = ["build_report", "format_text", "write_plot"]
 

@@ -3,7 +3,7 @@
 A :class:`~ckpt_lesson.CheckpointManager` folder, and the integrations' saves (a folder manifest,
 a file footer), carry their own records and are judged exactly by ``scan_checkpoints``. A stock
 writer's plain folder has no record: the best evidence left is "this file was being written in
-place when the process was killed" (see :class:`~resume_watch.SaveBurst`).
+place when the process was killed" (see :class:`~watch.SaveBurst`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ckpt_lesson.cli.resume_watch import MANAGER, FolderWatcher, SaveBurst
 from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.resume_test.watch import MANAGER, FolderWatcher, SaveBurst
 from ckpt_lesson.runs.scan import scan_checkpoints
 
 __all__ = ["damage_after_kill"]

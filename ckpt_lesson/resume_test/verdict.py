@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ckpt_lesson.cli.resume_diagnose import TrialVerdict
-from ckpt_lesson.cli.resume_runner import Attempt, TrialRun
-from ckpt_lesson.cli.resume_watch import NONE
 from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.resume_test.diagnose import TrialVerdict
+from ckpt_lesson.resume_test.runner import Attempt, TrialRun
+from ckpt_lesson.resume_test.watch import NONE
 from ckpt_lesson.runs.steplog import CKPT_DIR_ENV
 
 __all__ = [

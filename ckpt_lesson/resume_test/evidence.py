@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckpt_lesson.cli.resume_runner import Attempt
-from ckpt_lesson.cli.resume_steps import StepRecord
+from ckpt_lesson.resume_test.runner import Attempt
+from ckpt_lesson.resume_test.steps import StepRecord
 
 __all__ = ["RngEvidence", "ids_one_batch_ahead", "rng_evidence"]
 

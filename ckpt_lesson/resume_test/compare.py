@@ -9,7 +9,7 @@ ended up with. It must equal the baseline's, within ``--atol``/``--rtol``
 must match exactly wherever both runs reported them.
 
 Where the first difference appears says what was lost, which is why the
-report can name a cause (see :mod:`resume_diagnose`):
+report can name a cause (see :mod:`diagnose`):
 
 * on the first step after resume, on the same samples: the forward pass saw
   the same weights and data, so the *randomness* differs (RNG not restored);
@@ -28,8 +28,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_lesson.cli.resume_runner import Attempt
-from ckpt_lesson.cli.resume_steps import StepRecord
+from ckpt_lesson.resume_test.runner import Attempt
+from ckpt_lesson.resume_test.steps import StepRecord
 
 __all__ = [
     "Difference",

@@ -10,7 +10,7 @@ The rules, in the order they are tried (the first that applies wins):
 4. a metric the script logs is back at its first-step value on the first
    step after resume: the state behind it was rebuilt fresh (a zero hidden
    state, a new GradScaler), and the metric's name says which;
-5. the first difference (see :mod:`resume_compare` for how its position
+5. the first difference (see :mod:`compare` for how its position
    points to RNG, data position, optimizer or accumulated state).
 
 The wording is deliberately "e.g.": a diagnosis is a strong hint from the
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt_lesson.cli.resume_compare import (
+from ckpt_lesson.resume_test.compare import (
     Difference,
     RestartStat,
     close,
@@ -33,10 +33,10 @@ from ckpt_lesson.cli.resume_compare import (
     restart_stats,
     stitch,
 )
-from ckpt_lesson.cli.resume_evidence import ids_one_batch_ahead, rng_evidence
-from ckpt_lesson.cli.resume_runner import Attempt, TrialRun
-from ckpt_lesson.cli.resume_steps import StepRecord
-from ckpt_lesson.cli.resume_watch import NONE
+from ckpt_lesson.resume_test.evidence import ids_one_batch_ahead, rng_evidence
+from ckpt_lesson.resume_test.runner import Attempt, TrialRun
+from ckpt_lesson.resume_test.steps import StepRecord
+from ckpt_lesson.resume_test.watch import NONE
 
 __all__ = ["TrialVerdict", "exact_resumes", "judge_trial"]
 
@@ -255,7 +255,7 @@ def _first_step(
     diff: Difference, got: StepRecord, first_run: Attempt, baseline: dict[int, StepRecord]
 ) -> str:
     """The first step after resume differs: tell RNG not restored, RNG drawn in another order,
-    data position lost and other state missing apart (see :mod:`resume_evidence`)."""
+    data position lost and other state missing apart (see :mod:`evidence`)."""
     rng = rng_evidence(diff.step, got, first_run, baseline)
     if rng.status == "one step ahead" or ids_one_batch_ahead(diff.step, got, baseline):
         what = (

@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ckpt_lesson.cli.resume_steps import StepRecord
-from ckpt_lesson.cli.resume_watch import MANAGER, FolderEvent
+from ckpt_lesson.resume_test.steps import StepRecord
+from ckpt_lesson.resume_test.watch import MANAGER, FolderEvent
 
 __all__ = ["KINDS", "KillPoint", "KillTarget", "KillTrigger", "TrialPlan", "plan_trials"]
 
@@ -133,7 +133,7 @@ class KillTrigger:
 
     Args:
         target: The planned kill.
-        layout: What the checkpoint folder is (:data:`~resume_watch.MANAGER` or not).
+        layout: What the checkpoint folder is (:data:`~watch.MANAGER` or not).
         clock: Monotonic clock (tests pass a fake one).
 
     Example:
