@@ -12,8 +12,7 @@ manager does that with a commit protocol borrowed from databases:
 4. check the parts (``verify_on_save``: sizes, or a read-back from the device);
 5. publish: ``os.replace`` the staging folder to ``RUN_DIR/step-XXXXXXXX``
    and fsync ``RUN_DIR``: one atomic rename makes the whole save visible;
-6. release the lock; retention then runs *behind* the save, on its own thread
-   (:mod:`~ckpt_lesson.runs.deleter`), by the rule of :mod:`~ckpt_lesson.runs.reverify`.
+6. release the lock; retention runs *behind* the save, on its own thread (runs/deleter.py).
 
 A crash before step 5 leaves only a staging folder, which nobody mistakes for
 a save; a crash after it leaves a complete, verifiable save. Discovery trusts
@@ -25,11 +24,9 @@ owner dies, even by ``SIGKILL``, so "can I take the lock?" is an exact test of
 "is the writer dead?". A pid can be reused; a lock cannot lie. One writer per
 run directory (readers, scans and restores may be many).
 
-This class reads as the protocol; each step is a small function elsewhere:
-the folder moves (stage, publish, delete) in :mod:`~ckpt_lesson.runs.commit`,
-writing and describing the parts in :mod:`~ckpt_lesson.runs.save_parts`, the
-settings in :mod:`~ckpt_lesson.runs.manager_config`, and the checks a restore
-runs on each candidate in :mod:`~ckpt_lesson.runs.restore`.
+This class reads as the protocol; each step is a small function elsewhere: folder moves in
+:mod:`~ckpt_lesson.runs.commit`, parts in :mod:`~ckpt_lesson.runs.save_parts`, settings in
+:mod:`~ckpt_lesson.runs.manager_config`, restore checks in :mod:`~ckpt_lesson.runs.restore`.
 """
 
 from __future__ import annotations
@@ -110,8 +107,7 @@ class CheckpointManager:
     """
 
     def __new__(cls, run_dir: Any = None, *args: Any, **kwargs: Any) -> CheckpointManager:
-        # A URL (s3://bucket/prefix) is a run whose durable copy lives in an object store:
-        # same API, plus the store's commit protocol (see runs/store_manager.py).
+        # A URL (s3://bucket/prefix): same API, plus an object store's commit (runs/store_manager.py).
         if cls is CheckpointManager and is_store_url(run_dir):
             from ckpt_lesson.runs.store_manager import StoreCheckpointManager
 
@@ -202,9 +198,7 @@ class CheckpointManager:
         """Wait until the background retention pass (if any) is done; returns every step deleted so far.
 
         Example:
-            >>> mgr.save(model, opt, sched, state)  # doctest: +SKIP
-            >>> mgr.wait_retention()  # doctest: +SKIP
-            [10, 20]
+            >>> deleted = mgr.wait_retention()  # doctest: +SKIP
         """
         self._retention.wait()
         return list(self._retention.deleted)
@@ -265,14 +259,10 @@ class CheckpointManager:
 
         Two forms:
 
-        * ``save(step, state, *, rng=True)``: the state API. ``state`` maps names
-          to objects with ``state_dict()``/``load_state_dict()`` or plain values
-          (see :mod:`~ckpt_lesson.files.state_payload`). ``rng``: ``True``
-          captures the generators now, ``False`` saves none, a dict from
-          :func:`~ckpt_lesson.files.rng.capture_rng_state` taken earlier (before
-          a prefetch drew the next batch) is saved as given.
-        * ``save(model, optimizer, scheduler, state, *, extras=None, rng=None)``:
-          the positional form, with a :class:`TrainState` whose ``step`` names the save.
+        * ``save(step, state, *, rng=True)``: the state API (:mod:`~ckpt_lesson.files.state_payload`);
+          ``rng=False`` saves no generators, a dict from ``capture_rng_state()`` taken earlier
+          (before a prefetch) is saved as given.
+        * ``save(model, optimizer, scheduler, train_state, *, extras=None, rng=None)``: positional.
 
         Returns:
             The published ``step-XXXXXXXX`` folder.
@@ -290,9 +280,7 @@ class CheckpointManager:
         if is_state_call(args):
             step, state = args
             if extras is not None:
-                raise CheckpointError(
-                    "extras= belongs to the positional form; put values in the state mapping."
-                )
+                raise CheckpointError("extras= is for the positional form; put values in the state.")
             return self._save_payload(build_state_payload(step, state, rng=rng, data=self.config.data))
         model, optimizer, scheduler, state = positional_save_args(args)
         step = state.step
@@ -365,26 +353,20 @@ class CheckpointManager:
 
         Two forms:
 
-        * ``restore_latest(state, *, strict=True)``: the state API. Objects in
-          ``state`` are restored in place, the RNG is restored, and a
-          :class:`~ckpt_lesson.files.state_payload.Restored` comes back (``step``,
-          ``values``, ``rng``, ``path``). ``strict=False`` ignores parts present
-          on one side only. Positional single-file saves restore this way too.
+        * ``restore_latest(state, *, strict=True)``: the state API; objects restored in place,
+          the RNG too, a :class:`~ckpt_lesson.files.state_payload.Restored` returned.
+          ``strict=False`` ignores parts present on one side only.
         * ``restore_latest(model, optimizer, scheduler)``: returns the :class:`TrainState`.
 
-        ``mmap=False`` reads each file into memory instead of copying the
-        weights from a mapping of it: slower, but immune to another process
-        truncating the file during the restore (which kills a mapped restore
-        with SIGBUS; see the README's safety section).
+        ``mmap=False`` reads files into memory instead of mapping them: slower, but immune to
+        another process truncating a file mid-restore (SIGBUS; docs/guarantees.md, safety limits).
 
         Returns:
             The result above, or ``None`` when the run directory holds no save at all (a fresh start).
 
         Raises:
-            CheckpointError: Saves exist but none is usable; the message lists
-                each one's reason. Errors that are not damage (a state that does
-                not fit, an unknown schema, an unsafe file) are raised at once,
-                not skipped: an older save would not fix them.
+            CheckpointError: Saves exist but none is usable (each reason listed); errors that
+                are not damage (a state that does not fit, an unsafe file) are raised at once.
 
         Example:
             >>> restored = mgr.restore_latest({"model": model, "best": None})  # doctest: +SKIP
