@@ -215,3 +215,30 @@ def test_async_positional_save_takes_rng_and_extras(tmp_path):
 def test_course_names_stay_importable_but_out_of_the_library_listing():
     for name in cl.COURSE_NAMES:
         assert hasattr(cl, name) and name not in cl.__all__
+
+
+def test_a_mapped_restore_keeps_no_tensor_mapped_except_what_modules_copy(tmp_path):
+    # Module weights may be read from the file mapping (load_state_dict copies them); optimizer
+    # moments and plain values are kept by the caller, so they must be private copies.
+    from ckpt_lesson.files.state_files import read_state_payload
+
+    model, opt = _build()
+    _train(model, opt)
+    cl.save_state(tmp_path / "s.pt", 3, {"model": model, "optimizer": opt, "h": torch.ones(4)})
+    payload = read_state_payload(tmp_path / "s.pt", mmap=True)
+    assert payload["modules"] == ["model"]
+    plain = read_state_payload(tmp_path / "s.pt", mmap=False)
+    moment = payload["objects"]["optimizer"]["state"][0]["exp_avg"]
+    assert torch.equal(moment, plain["objects"]["optimizer"]["state"][0]["exp_avg"])
+    size = (tmp_path / "s.pt").stat().st_size
+    with open(tmp_path / "s.pt", "r+b") as f:  # rewritten in place: a mapped tensor would now read zeros
+        f.write(b"\0" * size)
+    assert torch.equal(moment, plain["objects"]["optimizer"]["state"][0]["exp_avg"])
+    assert payload["values"]["h"].tolist() == [1.0] * 4
+
+
+def test_a_module_part_refuses_to_restore_into_something_else(tmp_path):
+    model, opt = _build()
+    cl.save_state(tmp_path / "s.pt", 1, {"model": model})
+    with pytest.raises(cl.StateMismatchError, match=r"part 'model'.*torch.nn.Module"):
+        cl.load_state(tmp_path / "s.pt", {"model": torch.optim.lr_scheduler.StepLR(opt, 2)})

@@ -112,9 +112,15 @@ def apply_state_payload(
     names = live_modules.get("model") if view["schema"] == SCHEMA_V2 else Names(live_modules)
     module_sds: dict[str, Any] = {}
     optimizer_sds: dict[str, Any] = {}
+    saved_modules = view.get("modules") if isinstance(view.get("modules"), list) else []
     for name in wanted:
         part, saved = state[name], objects[name]
         where = f"{source} part {name!r}"
+        if name in saved_modules and not isinstance(part, torch.nn.Module):
+            raise StateMismatchError(
+                f"{where}: was saved from a torch.nn.Module but the state given to restore holds a "
+                f"{type(part).__name__}; pass the module, built as in the saving run."
+            )
         if isinstance(part, torch.nn.Module):
             sd = canonical_saved_keys(saved, model_state(part).keys()) if isinstance(saved, dict) else saved
             check_model_state(sd, part, source=where, allow_dtype_cast=allow_dtype_cast)

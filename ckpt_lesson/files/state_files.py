@@ -25,6 +25,7 @@ from ckpt_lesson.files.atomic import atomic_save, atomic_write_json, make_dirs
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.files.integrity import FileDigest, part_digest
 from ckpt_lesson.files.loading import load_verified_file
+from ckpt_lesson.files.mapped_restore import keep_no_mapped_extra_state
 from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.shard_index import (
     INDEX_NAME,
@@ -188,7 +189,7 @@ def read_state_payload(
             path, map_location=map_location, expected_digest=expected_digest, algo=algo, mmap=mmap
         )
         if mmap:
-            payload = _private(payload)
+            payload = _private_except_modules(payload)
         return payload
     root = path.resolve()
     index = read_shard_index(root)
@@ -220,6 +221,25 @@ def read_state_payload(
     if used != set(tensors):
         raise _bad(root, f"the shards hold {len(tensors) - len(used)} tensor(s) that {META_NAME} never uses")
     return payload
+
+
+def _private_except_modules(payload: Any) -> Any:
+    """Copy every mapped tensor out of the mapping except module parts' (``load_state_dict`` copies those).
+
+    Optimizer moments, plain values and the RNG would otherwise stay mapped after the restore (an
+    optimizer keeps a state tensor that already has its parameter's dtype and device).
+    """
+    if not isinstance(payload, dict) or not isinstance(payload.get("objects"), dict):
+        return _private(payload)
+    modules = payload.get("modules")
+    modules = {m for m in modules if isinstance(m, str)} if isinstance(modules, list) else set()
+    objects = {
+        # A module's extra state is handed to set_extra_state, which may keep it: copied out too.
+        k: keep_no_mapped_extra_state({"model": v})["model"] if k in modules else _private(v)
+        for k, v in payload["objects"].items()
+    }
+    rest = {k: _private(v) for k, v in payload.items() if k != "objects"}
+    return {**rest, "objects": objects}
 
 
 def _private(tree: Any) -> Any:

@@ -177,6 +177,9 @@ def build_state_payload(
         "schema": PARTS_SCHEMA,
         "step": step,
         "kinds": kinds,
+        # Module parts: a mapped restore may leave their tensors in the file mapping, because
+        # loading a module copies them (see state_files.read_state_payload).
+        "modules": sorted(module_parts(live)),
         "objects": objects,
         "values": values,
         "rng": rng_state,
