@@ -212,6 +212,9 @@ def run_attempt(
     bursts: list[tuple[int, set[str]]] = []  # generic folder: (step, files changed) of each save
     try:
         while True:
+            # Read before polling: the iteration that sees the command gone still polls once more,
+            # so a save it published right before exiting (a final save) is counted, not dropped.
+            done = proc.poll() is not None
             tree.refresh()
             events = watcher.poll()
             records = reader.poll()
@@ -239,7 +242,7 @@ def run_attempt(
             burst.renamed |= moved_in
             events = [e for e in events if e.kind != "activity" or e.name in activity]
             saving = watcher.staging_present() if watcher.layout == MANAGER else bool(burst.names)
-            if trigger is not None and attempt.kill is None:
+            if trigger is not None and attempt.kill is None and not done:
                 hit = trigger.check(events, records, step_now, saving=saving)
                 if hit is not None:
                     _signal_group(proc, SIGNALS[spec.signal], tree)
@@ -250,7 +253,7 @@ def run_attempt(
                     )  # fmt: skip
             attempt.records.extend(records)
             last_step = step_now
-            if proc.poll() is not None:
+            if done:
                 break
             now = time.monotonic()
             if term_sent is not None and now - term_sent > spec.grace and attempt.kill is not None:
