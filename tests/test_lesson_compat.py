@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 import ckpt_lesson as ckpt
-from ckpt_lesson.cli import lesson_demo
 from ckpt_lesson.cli import main as cli_main
 
 #: Every public name of the lesson's main.py except HERE and OUT_DIR (paths of its own folder).
@@ -374,7 +373,9 @@ def test_main_reports_a_drifted_resume_as_exit_1_not_a_traceback(tmp_path: Path,
     def drifted(**kwargs: object) -> dict:
         return {"max_loss_diff_after_resume": 0.5, "interrupt_at": 3, "total_steps": 6, "full_losses": []}
 
-    monkeypatch.setattr(lesson_demo, "run_resume_demo", drifted)
+    import ckpt_lesson.course.lesson_run as lesson_run  # the demo's logic; cli/lesson_demo parses flags
+
+    monkeypatch.setattr(lesson_run, "run_resume_demo", drifted)
     assert ckpt.main(["--out", str(tmp_path)]) == 1
     assert "FAILED single: loss drifted after resume" in capsys.readouterr().err
 

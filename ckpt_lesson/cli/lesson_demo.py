@@ -19,22 +19,18 @@ variants always run.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from ckpt_lesson.course.demo import DEFAULT_OUT, RESUME_TOLERANCE, run_resume_demo
+from ckpt_lesson.course.demo import DEFAULT_OUT
+from ckpt_lesson.course.lesson_run import LESSON_SUMMARY_SCHEMA, run_lesson_demo
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.atomic import atomic_write_json
 
 __all__ = ["LESSON_OUT", "LESSON_SUMMARY_SCHEMA", "configure", "main", "parse_args", "run"]
 
 #: Where the summary goes unless ``--out`` says otherwise.
 LESSON_OUT = DEFAULT_OUT / "lesson"
-#: The ``schema`` field of the summary, the lesson's.
-LESSON_SUMMARY_SCHEMA = "resume-demo.v1"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -66,35 +62,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run both variants, print each result, write the summary; 1 if a resume drifted, else 0.
+    """Run both variants (:func:`~ckpt_lesson.course.lesson_run.run_lesson_demo`); 1 if a resume drifted.
 
     Raises:
         CheckpointError: Bad flags (e.g. ``--interrupt-at`` outside the run) or a failed child.
     """
-    results = {}
-    with tempfile.TemporaryDirectory(prefix="ckpt-demo-") as scratch:
-        for name, sharded in (("single", False), ("sharded", True)):
-            print(f"running resume demo ({'sharded' if sharded else 'single file'} checkpoint)")
-            r = run_resume_demo(
-                total_steps=args.total_steps,
-                interrupt_at=args.interrupt_at,
-                ckpt_dir=Path(scratch) / name,
-                sharded=sharded,
-                num_shards=args.num_shards,
-                seed=args.seed,
-            )
-            # The lesson prints everything but the loss lists; ours has more lists (ids) and a temp path.
-            shown = {k: v for k, v in r.items() if not isinstance(v, list) and k != "checkpoint"}
-            print(json.dumps(shown, indent=2))
-            results[name] = r
-    summary: dict = {"schema": LESSON_SUMMARY_SCHEMA}
-    for name, r in results.items():
-        summary[name] = {k: r[k] for k in ("max_loss_diff_after_resume", "interrupt_at", "total_steps")}
-    summary["sharded"]["num_shards"] = args.num_shards
-    path = Path(args.out) / "resume-demo.json"
-    atomic_write_json(summary, path)
+    results, path, drifted = run_lesson_demo(
+        total_steps=args.total_steps, interrupt_at=args.interrupt_at, num_shards=args.num_shards,
+        seed=args.seed, out=args.out,
+    )  # fmt: skip
     print(f"wrote {path}")
-    drifted = [n for n, r in results.items() if not r["max_loss_diff_after_resume"] < RESUME_TOLERANCE]
     for name in drifted:
         diff = results[name]["max_loss_diff_after_resume"]
         print(f"FAILED {name}: loss drifted after resume (max |diff| {diff:.3g})", file=sys.stderr)
