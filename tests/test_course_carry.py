@@ -151,7 +151,10 @@ def test_a_kept_file_reached_through_a_symlink_is_not_followed(tmp_path, capsys)
     elsewhere.write_text("def atomic_save(payload, path):\n    return 'from elsewhere'\n")
     (folder / "atomic_save.py").symlink_to(elsewhere)
     assert yours("atomic_save", folder=folder) is cl.atomic_save
-    assert "is not usable" in capsys.readouterr().out
+    assert capsys.readouterr().out == (
+        f"using the package's atomic_save: {folder.as_posix()}/atomic_save.py is not a plain file keep() "
+        "wrote; delete it, solve exercise 02 again\n"
+    )
 
 
 def test_a_pair_is_used_together_or_not_at_all(tmp_path, capsys):

@@ -134,8 +134,9 @@ def yours(*names: str, folder: Path = YOURS_DIR) -> Any:
         except FileNotFoundError:
             problem = f"exercise {lessons} not solved yet"
             break
-        except CheckpointError as exc:
-            problem = f"{path.as_posix()} is not usable ({exc}); solve exercise {lessons} again"
+        except CheckpointError:  # a symlink, a FIFO, a huge file: not something keep() wrote
+            problem = f"{path.as_posix()} is not a plain file keep() wrote; delete it, "
+            problem += f"solve exercise {lessons} again"
             break
         try:
             chosen.append(_load_text(data.decode("utf-8"), name, path.as_posix()))
