@@ -20,7 +20,10 @@ by round (ours, baseline, ours, ...), each writing fresh files:
 * ``async stall``: ``AsyncCheckpointer.save_async`` (the training thread's
   share) against the synchronous managed save; once with the background
   deletion of the previous save finished before each save (as the training
-  steps between two saves allow), once back to back.
+  steps between two saves allow), once back to back. With ``overlap_copy=True``
+  the parameters and moments are copied while the next step's forward and
+  backward run, and its row charges ``save_async`` plus the time the next
+  real training step's optimizer step waited for the copies.
 * ``restore + first step``, warm and cold: ``restore_latest`` then one AdamW
   step, against ``torch.load(weights_only=True)`` + ``load_state_dict`` + one
   step. Cold drops the files' cached pages first (``posix_fadvise(DONTNEED)``).
@@ -75,6 +78,7 @@ from ckpt_lesson.runs.reverify import KnownGood, retention_pass  # noqa: E402
 from ckpt_lesson.runs.scan import scan_checkpoints  # noqa: E402
 
 WIDTH = 2048  # one Linear(2048, 2048) holds 4.2M parameters
+BATCH = 16  # rows per training step in the overlap_copy row (forward and backward of the stack)
 
 
 def build(mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -101,6 +105,13 @@ def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad(set_to_none=False)
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e-3) if p.grad is None else p.grad.fill_(1e-3)
+    opt.step()
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> None:
+    """One real step: forward and backward of ``batch``, then AdamW."""
+    opt.zero_grad(set_to_none=False)
+    model(batch).square().mean().backward()
     opt.step()
 
 
@@ -271,6 +282,38 @@ def rows_for_size(mb: int, rounds: int, work: Path) -> list[tuple[str, str, floa
         ours, base = paired(rounds, lambda i, s=settle: stall(i, s), lambda i, s=settle: sync(i, s))
         rows.append((f"async stall ({what}), {label}", "synchronous managed save", ours, base, ""))
     ckpt.close()
+
+    # overlap_copy=True: parameters and moments are copied on the writer thread while the next
+    # forward and backward run, and the next optimizer step waits at a gate until they are copied.
+    # The training thread's stall is then save_async's own time plus that wait (step_wait_s),
+    # measured around one real training step (forward and backward of a batch, then AdamW).
+    overlapped = AsyncCheckpointer(mgr, overlap_copy=True)
+    batch = torch.randn(BATCH, WIDTH)
+
+    def overlap_stall(i: int) -> float:
+        overlapped.wait()
+        mgr.wait_retention()
+        waited = overlapped.step_wait_s
+        seconds = timed(lambda: overlapped.save_async(model, opt, None, TrainState(step=next(ids))))
+        train_step(model, opt, batch)
+        return seconds + overlapped.step_wait_s - waited
+
+    def sync_settled(i: int) -> float:
+        overlapped.wait()
+        mgr.wait_retention()
+        return timed(lambda: mgr.save(model, opt, None, TrainState(step=next(ids))))
+
+    ours, base = paired(rounds, overlap_stall, sync_settled)
+    overlapped.close()
+    rows.append(
+        (
+            f"async stall, overlap_copy=True (+ the next step's wait), {label}",
+            "synchronous managed save",
+            ours,
+            base,
+            "",
+        )
+    )
 
     # Restore + first optimizer step, warm and cold.
     mgr.wait_retention()
