@@ -109,3 +109,13 @@ def w_zombie(rank: int, world: int, url: str, options: dict[str, Any], out: str)
         report["error"] = {"type": type(exc).__name__, "message": str(exc)}
     mgr.close()
     write_json(Path(out) / f"zombie-rank{rank}.json", report)
+
+
+def w_open(rank: int, world: int, url: str, options: dict[str, Any], out: str) -> None:
+    """Open a manager on ``url``; record the error each rank gets."""
+    report: dict[str, Any] = {"error": None}
+    try:
+        DistributedCheckpointManager(url, storage_options=options, every_steps=2).close()
+    except CheckpointError as exc:
+        report["error"] = {"type": type(exc).__name__, "message": str(exc)}
+    write_json(Path(out) / f"open-rank{rank}.json", report)

@@ -9,6 +9,8 @@ s3fs speaks HTTP to moto, DCP's fsspec writer and reader do the I/O.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -19,7 +21,7 @@ import pytest
 import torch
 from _distributed_workers import launch, make_run, train_step
 from _s3_server import Bucket, options_for
-from _store_dcp_workers import w_restore, w_save_and_restore, w_zombie
+from _store_dcp_workers import w_open, w_restore, w_save_and_restore, w_zombie
 
 from ckpt_lesson import CheckpointError
 from ckpt_lesson.distributed import DistributedCheckpointManager
@@ -145,3 +147,56 @@ def test_a_missing_bucket_is_a_load_environment_error_naming_it(s3_bucket: Bucke
         DistributedCheckpointManager(
             "s3://no-such-bucket-23/run", storage_options=s3_bucket.options, every_steps=2
         )
+
+
+def test_wrong_credentials_are_the_same_load_environment_error_on_both_ranks_naming_the_bucket(
+    s3_bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import moto.settings
+
+    # moto checks signatures only when asked to; then an unknown access key is refused like on S3.
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+    bad = options_for(s3_bucket.endpoint, key="AKIAWRONGWRONGWRONG0", secret="wrong")
+    assert launch(w_open, 2, tmp_path, s3_bucket.url(), bad, str(tmp_path)) == [0, 0]
+    for report in _reports(tmp_path, "open"):
+        assert report["error"]["type"] == "LoadEnvironmentError"  # rank 1 gets rank 0's error, type and all
+        assert f"bucket '{s3_bucket.name}'" in report["error"]["message"]
+        assert "damaged" not in report["error"]["message"]
+
+
+def test_a_url_without_the_s3_extra_is_one_line_naming_the_extra() -> None:
+    code = (
+        "import sys; sys.modules['s3fs'] = None\n"
+        "from ckpt_lesson.distributed import DistributedCheckpointManager\n"
+        "DistributedCheckpointManager('s3://bucket/run', every_steps=1)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode != 0 and "pip install ckpt_lesson[s3]" in last
+    assert last.startswith("ckpt_lesson.errors.CheckpointError: s3://bucket/run:")
+
+
+def test_retention_on_the_store_keeps_the_newest_and_leaves_nothing_of_a_dropped_save(
+    s3_bucket: Bucket,
+) -> None:
+    # One process (a world of one) is enough here: retention runs on rank 0 alone, after the commit.
+    events: list[tuple[str, Any]] = []
+    model, opt, sched, sampler = make_run("plain", 1, 0)
+    mgr = DistributedCheckpointManager(
+        s3_bucket.url(),
+        storage_options=s3_bucket.options,
+        keep_last=2,
+        every_steps=2,
+        on_event=lambda name, info: events.append((name, info.get("step"))),
+    )
+    with mgr:
+        for step in (2, 4, 6):
+            train_step(model, opt, sched, sampler)
+            mgr.save(step, {"model": model, "optimizer": opt})
+    store = FsspecStorage(s3_bucket.url(), s3_bucket.options)
+    assert [k.split("/")[0] for k in store.list_keys() if k.endswith("/COMMIT")] == [
+        "step-00000004",
+        "step-00000006",
+    ]
+    assert store.list_keys("step-00000002") == []
+    assert ("retention_delete", 2) in events
