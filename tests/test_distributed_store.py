@@ -138,8 +138,9 @@ def test_a_zombie_writer_stalled_before_its_marker_is_refused_on_both_ranks_and_
 
 
 def test_publish_by_rename_is_refused_for_a_url(s3_bucket: Bucket) -> None:
+    options = s3_bucket.options
     with pytest.raises(CheckpointError, match=r"publish='rename' needs a POSIX file system"):
-        DistributedCheckpointManager(s3_bucket.url(), storage_options=s3_bucket.options, publish="rename")
+        DistributedCheckpointManager(run_dir=s3_bucket.url(), storage_options=options, publish="rename")
 
 
 def test_a_missing_bucket_is_a_load_environment_error_naming_it(s3_bucket: Bucket) -> None:

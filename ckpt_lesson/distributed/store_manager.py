@@ -101,7 +101,7 @@ class StoreDistributedCheckpointManager(DistributedCheckpointManager):
     environment, ``AWS_ENDPOINT_URL`` and friends, or ``storage_options``).
 
     Args:
-        url: The run's prefix, e.g. ``s3://bucket/runs/exp1`` (any fsspec URL).
+        run_dir: The run's URL, e.g. ``s3://bucket/runs/exp1`` (any fsspec URL).
         storage_options: fsspec options (``key``, ``secret``, ``client_kwargs``);
             ``None`` reads them from the environment, as boto3 does.
         lease_seconds: How long a silent writer's upload counts as alive; a dead
@@ -125,7 +125,7 @@ class StoreDistributedCheckpointManager(DistributedCheckpointManager):
 
     def __init__(
         self,
-        url: str,
+        run_dir: str,
         *,
         storage_options: Mapping[str, Any] | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
@@ -134,13 +134,13 @@ class StoreDistributedCheckpointManager(DistributedCheckpointManager):
     ) -> None:
         if publish == "rename":
             raise CheckpointError(
-                f"{url}: publish='rename' needs a POSIX file system; on an object store a rename is a copy "
-                "and a delete, never atomic. A URL run publishes by its conditional COMMIT marker: leave "
-                "publish unset (or pass publish='marker')."
+                f"{run_dir}: publish='rename' needs a POSIX file system; on an object store a rename is a "
+                "copy and a delete, never atomic. A URL run publishes by its conditional COMMIT marker: "
+                "leave publish unset (or pass publish='marker')."
             )
         if not lease_seconds > 0:
             raise CheckpointError(f"lease_seconds must be > 0, got {lease_seconds!r}.")
-        self.url = str(url).rstrip("/")
+        self.url = str(run_dir).rstrip("/")
         self.storage_options = dict(storage_options or {})
         self.storage = open_storage(self.url, self.storage_options)  # no request yet: rank 0 checks below
         self.lease_seconds = float(lease_seconds)
