@@ -142,7 +142,12 @@ class CampaignResult:
             ),
             ("corrupt saves skipped", str(sum(o.skipped for o in self.outcomes))),
             ("incomplete saves found", str(sum(o.incomplete_found for o in self.outcomes))),
-            ("steps redone", f"{sum(redone)} total, max {max(redone, default=0)} per restore"),
+            (
+                "steps redone",
+                f"{sum(redone)} total, max {max(redone, default=0)} per restore"
+                if redone or not self.recoveries
+                else "unknown (the heartbeat is local: it went with the machine)",
+            ),
             (
                 "recovery time",
                 f"median {statistics.median(secs):.3f} s, max {max(secs):.3f} s" if secs else "n/a",
