@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.storage import is_store_url
 from ckpt_lesson.files.tagged_hash import DEFAULT_ALGO
+from ckpt_lesson.runs.async_report import forget_failure, note_failure_of
 from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale
 from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, clean_unmarked
@@ -40,7 +41,7 @@ from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
 from ckpt_lesson.runs.scan import step_dir_name
 from ckpt_lesson.runs.state_args import positional_restore_args
 
-from .comm import Comm, new_checkpoint_group, quiet_single_process, release_groups
+from .comm import Comm, failure_summary, new_checkpoint_group, quiet_single_process, release_groups
 from .restore import WORLD_SIZE_POLICIES, DistributedRestore, restore_newest
 from .saving import Retention, SaveJob, fail_save, prepare_save
 from .state_api import apply_rank_parts, as_restored, save_args, split_state
@@ -256,6 +257,7 @@ class DistributedCheckpointManager:
             )
         except BaseException as exc:
             fail_save(job, exc, self.rank)
+        note_failure_of(future, job.step, explain=failure_summary)  # no wait() before exit: reported then
         self._pending = (job, future)
 
     def wait(self) -> Path | None:
@@ -274,6 +276,7 @@ class DistributedCheckpointManager:
         try:
             future.result()
         except BaseException as exc:
+            forget_failure(future)  # raised just below: the exit report has nothing left to say
             fail_save(job, exc, self.rank)
         return self._end(job)
 
