@@ -18,7 +18,12 @@ by round (ours, baseline, ours, ...), each writing fresh files:
 * ``keep_last=1``: the managed save against ``torch.save`` + fsync of file and
   folder (and ``os.remove`` of the previous file, so both keep one on disk).
 * ``async stall``: ``AsyncCheckpointer.save_async`` (the training thread's
-  share) against the synchronous managed save.
+  share) against the synchronous managed save; once with the background
+  deletion of the previous save finished before each save (as the training
+  steps between two saves allow), once back to back. With ``overlap_copy=True``
+  the parameters and moments are copied while the next step's forward and
+  backward run, and its row charges ``save_async`` plus the time the next
+  real training step's optimizer step waited for the copies.
 * ``restore + first step``, warm and cold: ``restore_latest`` then one AdamW
   step, against ``torch.load(weights_only=True)`` + ``load_state_dict`` + one
   step. Cold drops the files' cached pages first (``posix_fadvise(DONTNEED)``).
@@ -73,6 +78,7 @@ from ckpt_lesson.runs.reverify import KnownGood, retention_pass  # noqa: E402
 from ckpt_lesson.runs.scan import scan_checkpoints  # noqa: E402
 
 WIDTH = 2048  # one Linear(2048, 2048) holds 4.2M parameters
+BATCH = 16  # rows per training step in the overlap_copy row (forward and backward of the stack)
 
 
 def build(mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -99,6 +105,13 @@ def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad(set_to_none=False)
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e-3) if p.grad is None else p.grad.fill_(1e-3)
+    opt.step()
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> None:
+    """One real step: forward and backward of ``batch``, then AdamW."""
+    opt.zero_grad(set_to_none=False)
+    model(batch).square().mean().backward()
     opt.step()
 
 
@@ -248,19 +261,59 @@ def rows_for_size(mb: int, rounds: int, work: Path) -> list[tuple[str, str, floa
         shutil.rmtree(other.run_dir)
 
     # Async stall: the training thread's share of save_async, against a synchronous managed save.
+    # In training, steps run between two saves and the background deletion of the previous save
+    # finishes there; back to back, that deletion (unlinking a file of this size frees its cached
+    # pages, kernel work on one of the two cores) competes with the snapshot copy. Both are rows.
     ckpt = AsyncCheckpointer(mgr)
 
-    def stall(i: int) -> float:
+    def stall(i: int, settle: bool) -> float:
         ckpt.wait()
+        if settle:
+            mgr.wait_retention()
         return timed(lambda: ckpt.save_async(model, opt, None, TrainState(step=next(ids))))
 
-    def sync(i: int) -> float:
+    def sync(i: int, settle: bool) -> float:
         ckpt.wait()
+        if settle:
+            mgr.wait_retention()
         return timed(lambda: mgr.save(model, opt, None, TrainState(step=next(ids))))
 
-    ours, base = paired(rounds, stall, sync)
+    for settle, what in ((True, "deletion done between saves"), (False, "back to back")):
+        ours, base = paired(rounds, lambda i, s=settle: stall(i, s), lambda i, s=settle: sync(i, s))
+        rows.append((f"async stall ({what}), {label}", "synchronous managed save", ours, base, ""))
     ckpt.close()
-    rows.append((f"async stall, {label}", "synchronous managed save", ours, base, ""))
+
+    # overlap_copy=True: parameters and moments are copied on the writer thread while the next
+    # forward and backward run, and the next optimizer step waits at a gate until they are copied.
+    # The training thread's stall is then save_async's own time plus that wait (step_wait_s),
+    # measured around one real training step (forward and backward of a batch, then AdamW).
+    overlapped = AsyncCheckpointer(mgr, overlap_copy=True)
+    batch = torch.randn(BATCH, WIDTH)
+
+    def overlap_stall(i: int) -> float:
+        overlapped.wait()
+        mgr.wait_retention()
+        waited = overlapped.step_wait_s
+        seconds = timed(lambda: overlapped.save_async(model, opt, None, TrainState(step=next(ids))))
+        train_step(model, opt, batch)
+        return seconds + overlapped.step_wait_s - waited
+
+    def sync_settled(i: int) -> float:
+        overlapped.wait()
+        mgr.wait_retention()
+        return timed(lambda: mgr.save(model, opt, None, TrainState(step=next(ids))))
+
+    ours, base = paired(rounds, overlap_stall, sync_settled)
+    overlapped.close()
+    rows.append(
+        (
+            f"async stall, overlap_copy=True (+ the next step's wait), {label}",
+            "synchronous managed save",
+            ours,
+            base,
+            "",
+        )
+    )
 
     # Restore + first optimizer step, warm and cold.
     mgr.wait_retention()
@@ -357,14 +410,25 @@ def folder_rows(count: int, rounds: int, work: Path) -> list[tuple[str, str, flo
     keep_all = CheckpointManager(big, keep_last=count * 10, every_steps=1)
     lone = CheckpointManager(small, keep_last=count * 10, every_steps=1)
     nums = iter(range(last + 1, last + 1000))
-    ours, base = paired(
-        rounds,
-        lambda i: timed(lambda: keep_all.save(model, opt, None, TrainState(step=next(nums)))),
-        lambda i: timed(lambda: lone.save(model, opt, None, TrainState(step=next(nums)))),
-    )
-    rows.append(
-        (f"save with {count:,} folders (keep all)", "save with 1 folder", ours, base, "training thread")
-    )
+
+    def settled_save(mgr: CheckpointManager, settle: bool) -> float:
+        if settle:  # as in training: the steps between two saves give the background pass its time
+            mgr.wait_retention()
+        return timed(lambda: mgr.save(model, opt, None, TrainState(step=next(nums))))
+
+    for settle, what in ((True, "pass done between saves"), (False, "back to back")):
+        ours, base = paired(
+            rounds, lambda i, s=settle: settled_save(keep_all, s), lambda i, s=settle: settled_save(lone, s)
+        )
+        rows.append(
+            (
+                f"save with {count:,} folders, keep all ({what})",
+                "save with 1 folder",
+                ours,
+                base,
+                "training thread",
+            )
+        )
     keep_all.close()
     lone.close()
 

@@ -8,9 +8,12 @@ Run from the repository root::
 A local moto S3 server (``python -m moto.server`` on 127.0.0.1, its own process) serves both sides,
 so the network is the loopback and the ratio isolates our overhead: lease,
 hashing while streaming, digest check, manifest and the conditional ``COMMIT``
-on the way up; marker and manifest checks, hashing and the write to the local
-cache on the way down. The baseline is ``fs.put_file`` / ``fs.cat_file`` of the
-same ``checkpoint.pt``. Each round runs both, in alternating order, on fresh
+on the way up; marker and manifest checks, concurrent ranged GETs hashed in
+order, and either the write to a local cache folder (``fetch_verified``, what
+a restore through the manager does) or nothing but memory (``read_verified``)
+on the way down. The baseline is ``fs.put_file`` / ``fs.cat_file`` of the
+same ``checkpoint.pt`` (``cat_file`` already fetches a large object as
+concurrent ranges). Each round runs every case, in rotating order, on fresh
 keys. Prints a markdown table with the machine and the load average.
 """
 
@@ -35,7 +38,7 @@ import torch
 from ckpt_lesson.files.storage_fsspec import FsspecStorage
 from ckpt_lesson.runs.manager import CheckpointManager
 from ckpt_lesson.runs.store_commit import upload_save
-from ckpt_lesson.runs.store_restore import fetch_verified
+from ckpt_lesson.runs.store_restore import fetch_verified, read_verified
 
 
 def _stage(folder: Path, mib: int) -> Path:
@@ -87,7 +90,7 @@ def main() -> None:
         local = _stage(work / "run", args.mib)
         part = local / "checkpoint.pt"
         size = part.stat().st_size
-        names = ("put_file", "upload+commit", "cat_file", "fetch+verify")
+        names = ("put_file", "upload+commit", "cat_file", "fetch+verify", "read_verified")
         times: dict[str, list[float]] = {k: [] for k in names}
         for round_ in range(args.rounds):
             prefix = f"bench/r{round_}-{uuid.uuid4().hex[:8]}"
@@ -105,10 +108,14 @@ def main() -> None:
             def plain_down(prefix: str = prefix) -> None:
                 fs.cat_file(f"{prefix}/plain/checkpoint.pt")
 
-            pairs = [(("upload+commit", ours_up), ("put_file", plain_up)),
-                     (("fetch+verify", ours_down), ("cat_file", plain_down))]  # fmt: skip
-            for pair in pairs:
-                for name, fn in pair if round_ % 2 == 0 else reversed(pair):  # interleaved, alternating
+            def ours_memory(store: FsspecStorage = store) -> None:
+                read_verified(store, 1)
+
+            down = [("fetch+verify", ours_down), ("cat_file", plain_down), ("read_verified", ours_memory)]
+            groups = [[("upload+commit", ours_up), ("put_file", plain_up)], down]
+            for group in groups:
+                shift = round_ % len(group)
+                for name, fn in group[shift:] + group[:shift]:  # interleaved, rotating order
                     start = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - start)
@@ -119,7 +126,9 @@ def main() -> None:
         print(f"checkpoint.pt: {size / 2**20:.1f} MiB; {args.rounds} interleaved rounds; medians\n")
         print("| direction | plain s3fs | ours | ratio |")
         print("|---|---|---|---|")
-        for label, plain, ours in (("up", "put_file", "upload+commit"), ("down", "cat_file", "fetch+verify")):
+        rows = (("up", "put_file", "upload+commit"), ("down, to a cache folder", "cat_file", "fetch+verify"),
+                ("down, into memory", "cat_file", "read_verified"))  # fmt: skip
+        for label, plain, ours in rows:
             ratio = med[ours] / med[plain]
             print(f"| {label} | {med[plain]:.3f} s ({plain}) | {med[ours]:.3f} s ({ours}) | {ratio:.2f}x |")
     finally:

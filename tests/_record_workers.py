@@ -1,7 +1,9 @@
-"""Rank programs for the record-damage tests: save a small DDP run, then restore and report."""
+"""Rank programs for the record-damage tests: save a DDP run, restore, report; EIO on one rank."""
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 from typing import Any
 
@@ -37,3 +39,28 @@ def w_restore_report(rank: int, world: int, out: str, names: list[str]) -> None:
             report = {"error": f"{type(exc).__name__}: {exc}"}
         mgr.close()
         write_json(Path(out) / f"{name}-rank{rank}.json", report)
+
+
+def w_restore_report_with_eio(rank: int, world: int, out: str, cases: list[tuple[str, int, str]]) -> None:
+    """As :func:`w_restore_report`, but reading ``step-00000004/<file>`` fails with EIO on one rank.
+
+    Each case is ``(run name, victim rank, file)``. On the victim rank only, ``os.read`` of that
+    one file raises a real ``OSError(EIO)`` (a bad sector seen by one node: no disk fails on cue);
+    everything above it, the bounded reader, verification and the ranks' agreement, is the real
+    code. The other rank reads the file normally.
+    """
+    real_read = os.read
+    for name, victim_rank, victim in cases:
+        target = os.path.realpath(Path(out) / name / "step-00000004" / victim)
+
+        def failing_read(fd: int, n: int, target: str = target) -> bytes:
+            if os.readlink(f"/proc/self/fd/{fd}") == target:
+                raise OSError(errno.EIO, "Input/output error")
+            return real_read(fd, n)
+
+        if rank == victim_rank:
+            os.read = failing_read
+        try:
+            w_restore_report(rank, world, out, [name])
+        finally:
+            os.read = real_read

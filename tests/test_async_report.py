@@ -39,10 +39,37 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def run_script(tmp_path: Path, mode: str) -> subprocess.CompletedProcess[str]:
+# The multi-rank manager (here a world of one) writes and commits in DCP's executor thread; the
+# hook fails its commit there, after every file was written.
+DCP_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from ckpt_lesson.distributed import DistributedCheckpointManager
+    from ckpt_lesson.files.checkpoint import TrainState
+
+    def broken(name, info):
+        if name == "finish_begin":
+            raise OSError(28, "No space left on device (test)")
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mgr = DistributedCheckpointManager(sys.argv[1], every_steps=1, on_event=broken)
+    mgr.save_async(model, opt, None, TrainState(step=3))
+    if sys.argv[2] == "wait":
+        try:
+            mgr.wait()
+        except Exception as exc:
+            print("caught", type(exc).__name__)
+    # otherwise the script simply ends
+    """
+)
+
+
+def run_script(tmp_path: Path, mode: str, script: str = SCRIPT) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     return subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path / "run"), mode],
+        [sys.executable, "-c", script, str(tmp_path / "run"), mode],
         capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
 
@@ -78,3 +105,16 @@ def test_a_writer_nice_that_cannot_be_applied_warns_and_the_save_still_runs(
         assert ckpt.wait() == tmp_path / "step-00000002"
     assert "writer_nice=5 could not be applied" in caplog.text
     assert unreported_failures() == []
+
+
+def test_a_failed_last_multi_rank_async_save_is_reported_on_stderr_at_exit_naming_the_step(tmp_path):
+    done = run_script(tmp_path, "end", DCP_SCRIPT)
+    assert "asynchronous save of step 3 failed" in done.stderr, done.stderr[-2000:]
+    assert "No space left on device (test)" in done.stderr
+    assert not list((tmp_path / "run").glob("step-*"))
+
+
+def test_a_multi_rank_async_failure_raised_by_wait_is_not_reported_again_at_exit(tmp_path):
+    done = run_script(tmp_path, "wait", DCP_SCRIPT)
+    assert done.returncode == 0 and "caught CheckpointError" in done.stdout, done.stderr[-2000:]
+    assert "asynchronous save of step" not in done.stderr

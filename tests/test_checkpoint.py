@@ -394,7 +394,7 @@ sys.path.insert(0, {tests!r})
 from conftest import build_tiny_run
 import ckpt_lesson.files.checkpoint as checkpoint
 if sys.argv[1] == "keep-mapped":  # the control: without the private copies, the moments stay mapped
-    checkpoint._private = lambda tree: tree
+    checkpoint.copy_out = lambda tree: tree
 run = build_tiny_run(0)
 state = checkpoint.load_checkpoint({path!r}, run.model, run.optimizer, run.scheduler, mmap=True)
 open({path!r}, "r+b").truncate(0)  # a mapping that outlived the load would now fault (SIGBUS)
@@ -444,9 +444,9 @@ def test_a_file_system_that_cannot_map_falls_back_to_reading_the_file(saved, tin
 
 
 def test_the_private_copy_after_a_mapped_load_copies_cpu_tensors_and_leaves_device_tensors_alone():
-    from ckpt_lesson.files.checkpoint import _private
+    from ckpt_lesson.files.mapped_restore import copy_out
 
     cpu, meta = torch.ones(3), torch.empty(3, device="meta")  # "meta" stands in for a CUDA tensor here
-    out = _private({"moments": [cpu, (meta, 1)], "step": 3})
+    out = copy_out({"moments": [cpu, (meta, 1)], "step": 3})
     assert out["moments"][0] is not cpu and torch.equal(out["moments"][0], cpu)
     assert out["moments"][1][0] is meta and out["step"] == 3

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from _distributed_local import restore_locally, save_locally
-from _record_workers import w_restore_report, w_save_steps
+from _record_workers import w_restore_report, w_restore_report_with_eio, w_save_steps
 
 from ckpt_lesson.faults.rank_launch import launch
 from ckpt_lesson.runs.folder_manifest import (
@@ -75,3 +75,29 @@ def test_two_ranks_agree_on_damaged_records_and_fall_back_together(tmp_path: Pat
         reports = [json.loads((tmp_path / f"{name}-rank{r}.json").read_text()) for r in (0, 1)]
         assert reports[0] == reports[1], name  # the same verdict on every rank
         assert reports[0]["step"] == step and [s["step"] for s in reports[0]["skipped"]] == [skipped]
+
+
+def test_eio_on_a_dcp_record_on_one_rank_only_is_damage_and_both_ranks_fall_back_together(
+    tmp_path: Path,
+) -> None:
+    good = tmp_path / "good"
+    assert launch(w_save_steps, 2, tmp_path, str(good), [2, 4]) == [0, 0]
+    cases = [
+        ("manifest-r1", 1, "manifest.json"),
+        ("metadata-r1", 1, ".metadata"),
+        ("metadata-r0", 0, ".metadata"),
+    ]
+    for name, _, _ in cases:
+        shutil.copytree(good, tmp_path / name)
+    # Without agreement the rank that hit EIO would raise (or skip) alone and the other would wait
+    # in a collective until gloo gave up: the job would end with a nonzero exit code on both ranks.
+    assert launch(w_restore_report_with_eio, 2, tmp_path, str(tmp_path), cases) == [0, 0]
+    for name, victim_rank, victim in cases:
+        reports = [json.loads((tmp_path / f"{name}-rank{r}.json").read_text()) for r in (0, 1)]
+        assert reports[0] == reports[1], name  # the same verdict, from the same gathered findings
+        assert reports[0]["step"] == 2, reports[0]
+        (skipped,) = reports[0]["skipped"]
+        assert skipped["step"] == 4 and skipped["status"] == "corrupt", skipped
+        reason = skipped["reason"]
+        assert victim in reason and "Input/output error" in reason, reason
+        assert f"rank {victim_rank}: " in reason and f"rank {1 - victim_rank}: " not in reason, reason

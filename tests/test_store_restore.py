@@ -111,3 +111,37 @@ def test_when_every_committed_save_is_damaged_the_restore_lists_each_reason(tiny
         fs.rm(_part_path(s3_bucket, step))
     with pytest.raises(CheckpointError, match=r"2 committed save\(s\) found but none is usable"):
         _restore(tiny_run, s3_bucket)
+
+
+def test_a_damaged_committed_save_does_not_block_saving_its_step_again(tiny_run, s3_bucket):
+    _saved_run(tiny_run, s3_bucket)
+    fs, path = s3_bucket.fs(), _part_path(s3_bucket, 4)
+    data = bytearray(fs.cat_file(path))
+    data[len(data) // 2] ^= 0x01
+    fs.pipe_file(path, bytes(data))
+    fresh, state, _ = _restore(tiny_run, s3_bucket)
+    assert state.step == 2
+    fresh.train(until_step=4)
+    events = []
+    with CheckpointManager(
+        s3_bucket.url(),
+        every_steps=2,
+        storage_options=s3_bucket.options,
+        on_event=lambda n, i: events.append(n),
+    ) as mgr:
+        # The damaged step-4 save's marker is removed (it fails verification), and this save commits.
+        mgr.save(fresh.model, fresh.optimizer, fresh.scheduler, fresh.state)
+        assert "quarantined" in events and mgr.latest_step() == 4
+    again, state, skipped = _restore(tiny_run, s3_bucket)
+    assert state.step == 4 and skipped == [] and _same(again.model, fresh.model.state_dict())
+
+
+def test_a_whole_committed_save_still_refuses_a_second_writer_of_its_step(tiny_run, s3_bucket):
+    from ckpt_lesson.runs.store_commit import CommitConflictError
+
+    _saved_run(tiny_run, s3_bucket)
+    other = tiny_run(seed=8)
+    other.train(until_step=4)
+    with CheckpointManager(s3_bucket.url(), every_steps=2, storage_options=s3_bucket.options) as mgr:
+        with pytest.raises(CommitConflictError, match="already committed"):
+            mgr.save(other.model, other.optimizer, other.scheduler, other.state)

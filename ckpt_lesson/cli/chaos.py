@@ -14,6 +14,7 @@ from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.faults.campaign import MAX_RANKS, run_campaign
+from ckpt_lesson.files.storage import is_store_url, open_storage
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +40,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default=None, help="folder for run directories (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the run directories")
     parser.add_argument("--random-only", action="store_true", help="skip the named-point kills")
+    parser.add_argument(
+        "--store",
+        default=None,
+        metavar="URL",
+        help="save every run to this bucket prefix (s3://BUCKET/PREFIX; credentials and endpoint from the "
+        "AWS_* environment) and kill at the object store's points: mid-upload, before and after the "
+        "commit marker, during retention; single-process runs only",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
         raise CheckpointError(f"--kills must be >= 1, got {args.kills}.")
     if args.workdir is not None and Path(args.workdir).exists() and not Path(args.workdir).is_dir():
         raise CheckpointError(f"--workdir {args.workdir}: is a file, not a folder; pick another --workdir.")
+    if args.store is not None:
+        if args.ranks > 1:
+            raise CheckpointError("--store runs single-process kills; drop --ranks (or --store).")
+        check_store(args.store)
     started = time.perf_counter()
     if args.ranks > 1:
         from ckpt_lesson.faults.rank_chaos import NAMED_KILLS, draw_kills, run_rank_campaign
@@ -69,7 +82,27 @@ def run(args: argparse.Namespace) -> int:
             workdir=args.workdir,
             named_points=not args.random_only,
             keep=args.keep,
+            store=args.store,
         )
     print(result.table())
     print(f"{'wall time':<24}{time.perf_counter() - started:.1f} s")
     return 0 if result.ok else 1
+
+
+def check_store(url: str) -> None:
+    """Refuse a ``--store`` that is not a reachable bucket with conditional writes, naming the flag.
+
+    Raises:
+        CheckpointError: Not a URL, the client is not installed (``pip install
+            ckpt_lesson[s3]``), the bucket cannot be reached or lacks conditional writes.
+    """
+    if not is_store_url(url):
+        raise CheckpointError(
+            f"--store {url}: not a bucket URL; write it as s3://BUCKET/PREFIX (a local folder is --workdir)."
+        )
+    try:
+        storage = open_storage(url)
+        storage.list_keys()  # reachable, bucket exists, credentials accepted
+        storage.check_conditional_writes()
+    except CheckpointError as exc:
+        raise type(exc)(f"--store: {exc}") from None

@@ -5,15 +5,24 @@ from __future__ import annotations
 import argparse
 
 from ckpt_lesson.files.migrate import DEFAULT_BACKUP_SUFFIX, migrate_file
+from ckpt_lesson.files.storage import is_store_url
+from ckpt_lesson.files.store_migrate import migrate_store_object
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the ``migrate`` command's arguments."""
     parser.description = (
         "Rewrite an old checkpoint file in the current schema, adding its integrity footer. "
-        "The original bytes are kept as PATH + SUFFIX; a file already current is left alone."
+        "The original bytes are kept as PATH + SUFFIX; a file already current is left alone. "
+        "In a bucket the backup object is written (If-None-Match) and read back before the "
+        "object is replaced (If-Match on the ETag read first)."
     )
-    parser.add_argument("path", metavar="PATH", help="checkpoint file to migrate (e.g. runs/old/last.pt)")
+    parser.add_argument(
+        "path",
+        metavar="PATH",
+        help="checkpoint file to migrate (e.g. runs/old/last.pt), or an object in a bucket "
+        "(s3://BUCKET/PREFIX/last.pt; credentials and endpoint from the AWS_* environment)",
+    )
     parser.add_argument(
         "--backup-suffix",
         default=DEFAULT_BACKUP_SUFFIX,
@@ -24,6 +33,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``migrate``; returns 0 (migrated or already current). Errors raise CheckpointError."""
+    if is_store_url(args.path):
+        return _run_store(args)
     result = migrate_file(args.path, backup_suffix=args.backup_suffix)
     if result.changed:
         print(
@@ -32,4 +43,16 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         print(f"already current: {result.path} is {result.to_schema}; nothing changed")
+    return 0
+
+
+def _run_store(args: argparse.Namespace) -> int:
+    result = migrate_store_object(args.path, backup_suffix=args.backup_suffix)
+    if result.changed:
+        print(
+            f"migrated {result.url}: {result.from_schema} -> {result.to_schema}, integrity footer added; "
+            f"original kept as {result.backup}"
+        )
+    else:
+        print(f"already current: {result.url} is {result.to_schema}; nothing changed")
     return 0

@@ -28,6 +28,7 @@ from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 
 __all__ = [
     "Comm",
+    "failure_summary",
     "new_checkpoint_group",
     "quiet_single_process",
     "raise_from_checkpoint_exception",
@@ -157,11 +158,26 @@ def raise_from_checkpoint_exception(
         inner = failures[rank][0]
         if isinstance(inner, CheckpointError):
             raise inner from exc
-    summary = "; ".join(
-        f"rank {rank}: {type(failures[rank][0]).__name__}: {failures[rank][0]}" for rank in sorted(failures)
-    )
+    summary = failure_summary(exc)
     if reading and any(isinstance(failures[rank][0], OSError) for rank in failures):
         # EIO while reading a part: damage to this copy, so callers fall back to an older save.
         # (While writing, an OSError such as a full disk is no verdict on any save.)
         raise CorruptCheckpointError(f"{what} failed ({summary}).") from exc
     raise CheckpointError(f"{what} failed ({summary}).") from exc
+
+
+def failure_summary(exc: BaseException) -> str:
+    """``rank N: Type: message`` for each rank of DCP's ``CheckpointException``; ``Type: message`` else.
+
+    One line, without the tracebacks ``CheckpointException`` carries in its message.
+
+    Example:
+        >>> failure_summary(OSError(28, "No space left on device"))
+        'OSError: [Errno 28] No space left on device'
+    """
+    failures = exc.failures if isinstance(exc, CheckpointException) else None
+    if not failures:
+        return f"{type(exc).__name__}: {exc}"
+    return "; ".join(
+        f"rank {rank}: {type(failures[rank][0]).__name__}: {failures[rank][0]}" for rank in sorted(failures)
+    )

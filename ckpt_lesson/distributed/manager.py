@@ -7,15 +7,14 @@ The life of one save of step 40 by two ranks::
     rank 0: CommitWriter.finish: every item written? .metadata, manifest.json, fsync,
             rename to step-00000040/, fsync RUN_DIR, retention      (DCP calls it after all ranks wrote)
 
-``save_async`` runs the same ``dcp`` save through ``dcp.async_save``: the state
-is copied to CPU on the calling thread, and the writing *and the commit* run in
-DCP's background thread; :meth:`wait` (or the next save) collects the result.
+``save_async`` runs the same save through ``dcp.async_save``: the state is copied
+to CPU on the calling thread; writing *and commit* run in DCP's background thread.
+A URL (``s3://bucket/run``) builds the object-store manager of :mod:`.store_manager`.
 
 Every call here is **collective**: all ranks call ``save``, ``save_async``,
-``wait``, ``should_save`` and ``restore_latest`` in the same order, like any
-``torch.distributed`` operation. Decisions that could differ between ranks (the
-wall-clock cadence, the staging folder, which save to restore) are made once
-and shared, never computed per rank.
+``wait``, ``should_save`` and ``restore_latest`` in the same order. Decisions that
+could differ between ranks (wall-clock cadence, staging folder, which save to
+restore) are made once and shared, never computed per rank.
 """
 
 from __future__ import annotations
@@ -32,7 +31,9 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.storage import is_store_url
 from ckpt_lesson.files.tagged_hash import DEFAULT_ALGO
+from ckpt_lesson.runs.async_report import forget_failure, note_failure_of
 from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale
 from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, clean_unmarked
@@ -40,7 +41,7 @@ from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
 from ckpt_lesson.runs.scan import step_dir_name
 from ckpt_lesson.runs.state_args import positional_restore_args
 
-from .comm import Comm, new_checkpoint_group, quiet_single_process, release_groups
+from .comm import Comm, failure_summary, new_checkpoint_group, quiet_single_process, release_groups
 from .restore import WORLD_SIZE_POLICIES, DistributedRestore, restore_newest
 from .saving import Retention, SaveJob, fail_save, prepare_save
 from .state_api import apply_rank_parts, as_restored, save_args, split_state
@@ -54,7 +55,7 @@ class DistributedCheckpointManager:
     """Save, purge and restore the DCP checkpoints of a multi-rank run.
 
     Args:
-        run_dir: The run's folder on a file system every rank shares.
+        run_dir: The run's folder on a file system every rank shares, or an fsspec URL.
         keep_last: How many verified saves retention keeps (ignored when ``retention`` is given).
         every_steps: Save every this many steps (with ``every_seconds``, at least one is set).
         every_seconds: Save when this many seconds passed since the last save; the time rule
@@ -123,20 +124,30 @@ class DistributedCheckpointManager:
         self._pending: tuple[SaveJob, Future[Any]] | None = None
         self._closed = False
         self.last_restore: DistributedRestore | None = None
-        problem = None
+        problem: CheckpointError | None = None
         if self.rank == 0:
             try:
-                if self.run_dir.exists() and not self.run_dir.is_dir():
-                    raise CheckpointError(
-                        f"{self.run_dir}: exists and is not a directory; pass a run directory."
-                    )
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                self._clean()  # staging or unmarked folders of writers killed earlier (their flock is gone)
-            except (CheckpointError, OSError) as exc:
-                problem = str(exc)
+                self._open_run()
+            except CheckpointError as exc:
+                problem = exc  # the type travels too: a LoadEnvironmentError stays one on every rank
+            except OSError as exc:
+                problem = CheckpointError(str(exc))
         problem = self._ctl.broadcast(problem)
-        if problem:
-            raise CheckpointError(problem)
+        if problem is not None:
+            raise problem
+
+    def __new__(cls, run_dir: Any = None, *args: Any, **kwargs: Any) -> DistributedCheckpointManager:
+        if cls is DistributedCheckpointManager and is_store_url(run_dir):  # s3://bucket/prefix
+            from .store_manager import StoreDistributedCheckpointManager
+
+            return super().__new__(StoreDistributedCheckpointManager)
+        return super().__new__(cls)
+
+    def _open_run(self) -> None:  # rank 0, once
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise CheckpointError(f"{self.run_dir}: exists and is not a directory; pass a run directory.")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._clean()  # staging or unmarked folders of writers killed earlier (their flock is gone)
 
     # ------------------------------------------------------------------ basics
 
@@ -193,18 +204,16 @@ class DistributedCheckpointManager:
         """Save one step from every rank and commit it; collective.
 
         Two forms, as :class:`~ckpt_lesson.CheckpointManager`: ``save(step, state, *, rng=True)``
-        (the state API; see :mod:`.state_api` for how the parts are split) and
-        ``save(model, optimizer, scheduler, state, *, data_state=None)``, where
-        ``data_state`` is this rank's data position (plain values/tensors).
+        (the state API, see :mod:`.state_api`) and ``save(model, optimizer, scheduler, state, *,
+        data_state=None)`` (``data_state``: this rank's data position, plain values/tensors).
         ``rng`` may be this rank's generators captured earlier (before a prefetch).
 
         Returns:
             The published ``step-XXXXXXXX`` folder.
 
         Raises:
-            CheckpointError: Invalid input on any rank, a good save of this step
-                exists, or the save failed (nothing is published then; the
-                previous save stays the latest).
+            CheckpointError: Invalid input on any rank, a good save of this step exists, or
+                the save failed (nothing is published; the previous save stays the latest).
 
         Example:
             >>> mgr.save(40, {"model": model, "optimizer": opt, "loader": loader})  # doctest: +SKIP
@@ -248,6 +257,7 @@ class DistributedCheckpointManager:
             )
         except BaseException as exc:
             fail_save(job, exc, self.rank)
+        note_failure_of(future, job.step, explain=failure_summary)  # no wait() before exit: reported then
         self._pending = (job, future)
 
     def wait(self) -> Path | None:
@@ -266,6 +276,7 @@ class DistributedCheckpointManager:
         try:
             future.result()
         except BaseException as exc:
+            forget_failure(future)  # raised just below: the exit report has nothing left to say
             fail_save(job, exc, self.rank)
         return self._end(job)
 
@@ -282,12 +293,9 @@ class DistributedCheckpointManager:
             scheduler=scheduler,
             state=state,
             data_state=data_state,
-            writer_options={
-                "algo": self.algo,
-                "thread_count": self.thread_count,
-                "metadata": self.metadata,
-                "publish": self.publish,
-            },
+            writer_options=dict(
+                algo=self.algo, thread_count=self.thread_count, metadata=self.metadata, publish=self.publish
+            ),
             emit=self._emit,
             after_publish=self._retention.after_publish,
             rng=rng,
@@ -313,10 +321,9 @@ class DistributedCheckpointManager:
     ) -> Any:
         """Restore the newest save every rank agrees is intact; collective.
 
-        Damaged newer saves (a flipped byte, a missing file) are skipped and
-        logged. A crafted file (:class:`~ckpt_lesson.UnsafeCheckpointError`) and
-        a save that does not fit (world size under ``"refuse"``, scheduler) are
-        raised at once: an older save of the same run would not fix them.
+        Damaged newer saves (a flipped byte, a missing file) are skipped and logged. A crafted
+        file (:class:`~ckpt_lesson.UnsafeCheckpointError`) and a save that does not fit (world
+        size under ``"refuse"``, scheduler) are raised at once: an older save would not fix them.
 
         Two forms: ``restore_latest(state, *, strict=True)`` (the state API: returns a
         :class:`~ckpt_lesson.Restored`) and ``restore_latest(model, optimizer, scheduler=None)``.
@@ -351,16 +358,10 @@ class DistributedCheckpointManager:
                 (*args, None)[:3] if len(args) == 2 else args
             )
         steps = self._ctl.broadcast(self._retention.published() if self.rank == 0 else None)
-        restored = restore_newest(
-            [self.step_dir(step) for step in steps],
-            ctl=self._ctl,
-            io_group=self._io_group,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            on_world_size_change=on_world_size_change,
-            reseed_base=reseed_base,
-        )
+        restored = self._restore_newest(
+            steps, ctl=self._ctl, io_group=self._io_group, model=model, optimizer=optimizer,
+            scheduler=scheduler, on_world_size_change=on_world_size_change, reseed_base=reseed_base,
+        )  # fmt: skip
         if restored is not None:
             self._retention.mark_good(restored.step)
             self._cadence.mark_saved(restored.step)
@@ -369,3 +370,6 @@ class DistributedCheckpointManager:
             return restored
         values = apply_rank_parts(restored.data_state, state, source=str(restored.path), strict=strict)
         return as_restored(restored, values, restored.rng)
+
+    def _restore_newest(self, steps: list[int], **options: Any) -> DistributedRestore | None:
+        return restore_newest([self.step_dir(step) for step in steps], **options)

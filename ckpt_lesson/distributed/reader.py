@@ -78,8 +78,8 @@ def _local_findings(folder: Path, comm: Comm) -> tuple[dict[str, Any], Any]:
     except UnsafeCheckpointError as exc:
         findings["unsafe"] = str(exc)
         return findings, None
-    except CheckpointError as exc:
-        findings["problems"] = [str(exc)]
+    except CheckpointError as exc:  # EIO, deep JSON, a FIFO: damage, reported by this rank
+        findings["problems"] = [_on_rank(comm, str(exc))]
         return findings, None
     findings["manifest"] = hash_bytes(raw)["digest"]
     parts = {p["file"]: p for p in manifest["parts"]}
@@ -88,9 +88,9 @@ def _local_findings(folder: Path, comm: Comm) -> tuple[dict[str, Any], Any]:
     metadata = None
     problem = check_dcp_part(folder, meta_part, hash_it=False)  # stat + size; the digest is of the bytes read
     if problem is None:
-        data = _read_metadata_file(folder, meta_part["bytes"])
+        data, why = _read_metadata_file(folder, meta_part["bytes"])
         if data is None:
-            problem = f"{METADATA_FILE}: unreadable (an I/O error or a swapped file)"
+            problem = _on_rank(comm, f"{METADATA_FILE}: unreadable ({why})")
         elif (
             len(data) != meta_part["bytes"]
             or hash_bytes(data, meta_part["algo"])["digest"] != meta_part["digest"]
@@ -112,13 +112,20 @@ def _local_findings(folder: Path, comm: Comm) -> tuple[dict[str, Any], Any]:
     return findings, (manifest, metadata)
 
 
-def _read_metadata_file(folder: Path, size: int) -> bytes | None:
+def _read_metadata_file(folder: Path, size: int) -> tuple[bytes | None, str]:
     # Through the one bounded reader: EIO (a bad sector) is damage to this copy, not a crash on
-    # one rank while the others wait in a collective.
+    # one rank while the others wait in a collective. The reason drops the path (the caller's
+    # message names the folder).
+    path = folder / METADATA_FILE
     try:
-        return read_regular_file(folder / METADATA_FILE, limit=size, what="DCP .metadata")
-    except (OSError, CheckpointError):
-        return None
+        return read_regular_file(path, limit=size, what="DCP .metadata"), ""
+    except (OSError, CheckpointError) as exc:
+        return None, str(exc).replace(f"{path}: ", "")[:200]
+
+
+def _on_rank(comm: Comm, problem: str) -> str:
+    # Which rank saw it: EIO may hit one node only, and every rank reports the gathered finding.
+    return f"rank {comm.rank}: {problem}" if comm.world_size > 1 else problem
 
 
 def _safe_local_findings(folder: Path, comm: Comm) -> tuple[dict[str, Any], Any]:

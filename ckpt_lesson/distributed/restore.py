@@ -23,6 +23,7 @@ counters, gives every rank a fresh reproducible stream, and says so in the log.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,7 @@ class DistributedRestore:
         resharded: True when the saved world size differs from this one.
         saved_world_size: Ranks that wrote the save.
         world_size: Ranks that restored it.
-        path: The save folder.
+        path: The save folder (its URL for a save in an object store).
         save_id: The manifest's save id.
         reseed: The seed each generator got when resharded, else ``None``.
         skipped: Newer saves skipped as damaged: ``{"step", "status", "reason"}``.
@@ -78,7 +79,7 @@ class DistributedRestore:
     resharded: bool
     saved_world_size: int
     world_size: int
-    path: Path
+    path: Path | str
     save_id: str
     reseed: int | None = None
     skipped: list[dict[str, Any]] = field(default_factory=list)
@@ -106,6 +107,8 @@ def restore_save(
     scheduler: Any,
     on_world_size_change: str,
     reseed_base: int,
+    verify: Callable[[Path, Comm], Any] = verify_save,
+    make_reader: Callable[[Any], Any] = VerifyingReader,
 ) -> DistributedRestore:
     """Verify, load and apply one save on every rank; collective over ``ctl``.
 
@@ -116,6 +119,9 @@ def restore_save(
         model, optimizer, scheduler: Restored in place; ``scheduler`` may be ``None``.
         on_world_size_change: ``"refuse"`` or ``"reseed"`` (see the module doc).
         reseed_base: Base seed for ``"reseed"``.
+        verify: ``verify(folder, ctl)`` checks every file on every rank together and returns
+            what ``make_reader`` takes (an object store's save has its own; see :mod:`.store_reader`).
+        make_reader: Builds DCP's storage reader from the verified save.
 
     Returns:
         The restore's record on this rank.
@@ -129,7 +135,7 @@ def restore_save(
         >>> restored = restore_save(run / "step-00000040", ctl=Comm(), io_group=None,  # doctest: +SKIP
         ...     model=m, optimizer=opt, scheduler=None, on_world_size_change="refuse", reseed_base=0)
     """
-    verified = verify_save(folder, ctl)
+    verified = verify(folder, ctl)
     manifest = verified.manifest
     saved_world, now = manifest["world_size"], ctl.world_size
     resharded = saved_world != now
@@ -151,7 +157,7 @@ def restore_save(
         with quiet_single_process(not ctl.enabled):
             dcp.load(
                 template,
-                storage_reader=VerifyingReader(verified),
+                storage_reader=make_reader(verified),
                 planner=WeightsOnlyLoadPlanner(),
                 process_group=io_group,
                 no_dist=not ctl.enabled,
@@ -201,11 +207,14 @@ def restore_save(
     )
 
 
-def restore_newest(folders: list[Path], **options: Any) -> DistributedRestore | None:
+def restore_newest(
+    folders: list[Path], *, where: str | None = None, **options: Any
+) -> DistributedRestore | None:
     """Try ``folders`` newest first with :func:`restore_save`; skip damaged ones; collective.
 
     Args:
         folders: The published saves, oldest first (the same list on every rank).
+        where: The run, for the message when none is usable (default: the folders' parent).
         options: The keyword arguments of :func:`restore_save`.
 
     Returns:
@@ -233,4 +242,6 @@ def restore_newest(folders: list[Path], **options: Any) -> DistributedRestore | 
     if not folders:
         return None
     lines = "; ".join(f"step {s['step']}: {s['status']}: {s['reason']}" for s in skipped)
-    raise CheckpointError(f"{folders[0].parent}: {len(skipped)} save(s) found but none is usable: {lines}")
+    raise CheckpointError(
+        f"{where or folders[0].parent}: {len(skipped)} save(s) found but none is usable: {lines}"
+    )

@@ -42,7 +42,7 @@ from .reader import verify_save
 from .state import build_save_state, encode_rank_state, rank_key
 from .writer import CommitWriter
 
-__all__ = ["Retention", "SaveJob", "fail_save", "prepare_save"]
+__all__ = ["Retention", "SaveJob", "check_inputs", "fail_save", "manifest_fields", "prepare_save"]
 
 log = logging.getLogger("ckpt_lesson.distributed")
 
@@ -54,8 +54,8 @@ class SaveJob:
     """One save between preparation and its end: what to hand DCP, and how to clean up."""
 
     step: int
-    final: Path
-    writer: CommitWriter
+    final: Path | str  # a folder, or a save's URL on an object store
+    writer: Any  # CommitWriter, or StoreCommitWriter for an object store
     state_dict: dict[str, Any]
     stack: ExitStack  # rank 0: holds the staging folder's lock; closing with an error removes the folder
 
@@ -100,19 +100,16 @@ def prepare_save(
         ...     scheduler=None, state=state, data_state=None, writer_options=opts, emit=emit,
         ...     after_publish=hook)
     """
-    error, state_dict, step = None, {}, getattr(state, "step", None)
-    try:  # everything local first; a rank that fails must not leave the others inside a collective
-        blob = encode_rank_state(state, capture_rng_state() if rng is None else rng, data_state)
-        state_dict = build_save_state(model, optimizer, scheduler, rank=ctl.rank, blob=blob)
-    except CheckpointError as exc:
-        error = str(exc)
-    views = ctl.all_gather((step, scheduler is not None, error))
-    errors = [f"rank {r}: {v[2]}" for r, v in enumerate(views) if v[2]]
-    if errors:
-        raise CheckpointError(f"save refused before writing anything: {errors[0]}")
-    if len({v[:2] for v in views}) != 1:
-        raise CheckpointError(f"ranks disagree on (step, has scheduler): {[v[:2] for v in views]}.")
-    emit("save_begin", step=step)
+    step, state_dict, covers = check_inputs(
+        ctl=ctl,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        state=state,
+        data_state=data_state,
+        rng=rng,
+        emit=emit,
+    )
     final, stack, staging, refusal = run_dir / step_dir_name(step), ExitStack(), None, None
     if ctl.rank == 0:
         try:
@@ -126,14 +123,7 @@ def prepare_save(
     staging, refusal = ctl.broadcast((staging, refusal))
     if refusal:
         raise CheckpointError(refusal)
-    covers = ["model", "optimizer", *(["scheduler"] if scheduler is not None else []), "rng", "data"]
-    fields = {
-        "world_size": ctl.world_size,
-        "per_rank_keys": [rank_key(r) for r in range(ctl.world_size)],
-        "state": {"step": step, "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch},
-        "covers": covers,
-        "metadata": writer_options["metadata"],
-    }
+    fields = manifest_fields(ctl, state, covers, writer_options["metadata"])
     writer = CommitWriter(
         run_dir / staging,
         final,
@@ -146,6 +136,57 @@ def prepare_save(
         publish=writer_options["publish"],
     )
     return SaveJob(step, final, writer, state_dict, stack)
+
+
+def check_inputs(
+    *,
+    ctl: Comm,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    state: Any,
+    data_state: Any,
+    rng: Any,
+    emit: Emit,
+) -> tuple[int, dict[str, Any], list[str]]:
+    """Every rank checks and encodes its own input, then all agree; collective.
+
+    Returns:
+        ``(step, state dict for DCP, covered buckets)``, the same step on every rank.
+
+    Raises:
+        CheckpointError: On every rank alike: some rank's input is invalid, or the ranks disagree.
+
+    Example:
+        >>> step, state_dict, covers = check_inputs(ctl=Comm(), model=m, optimizer=opt,  # doctest: +SKIP
+        ...     scheduler=None, state=state, data_state=None, rng=None, emit=emit)
+    """
+    error, state_dict, step = None, {}, getattr(state, "step", None)
+    try:  # everything local first; a rank that fails must not leave the others inside a collective
+        blob = encode_rank_state(state, capture_rng_state() if rng is None else rng, data_state)
+        state_dict = build_save_state(model, optimizer, scheduler, rank=ctl.rank, blob=blob)
+    except CheckpointError as exc:
+        error = str(exc)
+    views = ctl.all_gather((step, scheduler is not None, error))
+    errors = [f"rank {r}: {v[2]}" for r, v in enumerate(views) if v[2]]
+    if errors:
+        raise CheckpointError(f"save refused before writing anything: {errors[0]}")
+    if len({v[:2] for v in views}) != 1:
+        raise CheckpointError(f"ranks disagree on (step, has scheduler): {[v[:2] for v in views]}.")
+    emit("save_begin", step=step)
+    covers = ["model", "optimizer", *(["scheduler"] if scheduler is not None else []), "rng", "data"]
+    return step, state_dict, covers
+
+
+def manifest_fields(ctl: Comm, state: Any, covers: list[str], metadata: dict[str, Any]) -> dict[str, Any]:
+    """The manifest fields every writer records besides its parts (rank 0's counters, per-rank keys)."""
+    return {
+        "world_size": ctl.world_size,
+        "per_rank_keys": [rank_key(r) for r in range(ctl.world_size)],
+        "state": {"step": state.step, "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch},
+        "covers": covers,
+        "metadata": metadata,
+    }
 
 
 def clear_target(run_dir: Path, final: Path, emit: Emit) -> None:

@@ -54,7 +54,7 @@ from ckpt_lesson.runs.dcp_manifest import METADATA_FILE, build_manifest
 from ckpt_lesson.runs.dcp_marker import write_commit_marker
 from ckpt_lesson.runs.scan import MANIFEST_NAME
 
-__all__ = ["CommitWriter", "HashingFileSystem"]
+__all__ = ["CommitWriter", "Digested", "HashingFileSystem", "HashingStream", "check_and_unwrap"]
 
 #: ``emit(name, **info)``: the manager's event hook (tests kill ranks from it).
 Emit = Callable[..., None]
@@ -64,7 +64,7 @@ def _no_event(name: str, **info: Any) -> None:
     pass
 
 
-class _HashingStream:
+class HashingStream:
     """A write-only file wrapper: every byte written also goes through the hasher."""
 
     def __init__(self, raw: Any, algo: str, on_first_write: Callable[[], None]) -> None:
@@ -137,7 +137,7 @@ class HashingFileSystem(FileSystem):
         name = path.name
         self.emit("file_begin", file=name)
         with path.open(mode.replace("w", "x")) as raw:
-            stream = _HashingStream(raw, self.algo, lambda: self.emit("file_partial", file=name))
+            stream = HashingStream(raw, self.algo, lambda: self.emit("file_partial", file=name))
             yield stream
         # Reached only when DCP's block finished without an error: a file that failed halfway
         # gets no record, so it can never be listed in a manifest.
@@ -154,7 +154,7 @@ class HashingFileSystem(FileSystem):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Digested:
+class Digested:
     """DCP's per-item storage info plus the size and digest of the file it lives in.
 
     Exists only between ``write_data`` and ``finish``; ``finish`` unwraps it, so
@@ -240,7 +240,7 @@ class CommitWriter(FileSystemWriter):
             size, record = records[name]
             used.add(name)
             wrapped.append(
-                dataclasses.replace(result, storage_data=_Digested(result.storage_data, name, size, record))
+                dataclasses.replace(result, storage_data=Digested(result.storage_data, name, size, record))
             )
         for name, (size, _) in records.items():
             if name not in used and size == 0:  # a rank with nothing to write still opens one file
@@ -252,7 +252,7 @@ class CommitWriter(FileSystemWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         self.emit("finish_begin", step=self.step)
-        plain, parts = self._unwrap(results)
+        plain, parts = check_and_unwrap(results, self._planned, where=self.staging.name)
         super().finish(metadata, plain)  # .metadata.tmp through our stream, fsync, rename
         if METADATA_FILE not in self.fs.records:
             raise CheckpointError(f"{self.staging.name}: DCP wrote no {METADATA_FILE}; nothing published.")
@@ -282,32 +282,49 @@ class CommitWriter(FileSystemWriter):
         if self.after_publish is not None:
             self.after_publish(self.final, manifest)
 
-    def _unwrap(self, results: list[list[WriteResult]]) -> tuple[list[list[WriteResult]], dict[str, Any]]:
-        """Check completeness, strip digests from the results, and collect one part per file."""
-        written = {r.index for rank_results in results for r in rank_results}
-        missing = (self._planned or set()) - written
-        if self._planned is None or missing:
-            names = sorted({index.fqn for index in missing})[:5]
-            raise IncompleteCheckpointError(
-                f"{self.staging.name}: {len(missing)} planned item(s) were not written (e.g. {names}); "
-                "a writer thread or rank failed. Nothing was published; the previous save stays the latest."
-            )
-        plain: list[list[WriteResult]] = []
-        parts: dict[str, dict[str, Any]] = {}
-        for rank_results in results:
-            row = []
-            for result in rank_results:
-                digested = result.storage_data
-                if not isinstance(digested, _Digested):
-                    raise CheckpointError(f"{self.staging.name}: a rank wrote without CommitWriter.")
-                info = digested.info
-                if info.offset + info.length > digested.size:
-                    raise CheckpointError(
-                        f"{digested.file}: an item ends past the file's {digested.size} bytes."
-                    )
-                part = {"file": digested.file, "bytes": digested.size, **digested.record}
-                if parts.setdefault(digested.file, part) != part:
-                    raise CheckpointError(f"{digested.file}: two ranks reported different contents.")
-                row.append(dataclasses.replace(result, storage_data=info))
-            plain.append(row)
-        return plain, parts
+
+def check_and_unwrap(
+    results: list[list[WriteResult]], planned: set[Any] | None, *, where: str
+) -> tuple[list[list[WriteResult]], dict[str, Any]]:
+    """Check every planned item was written, strip digests from the results, and collect one part per file.
+
+    Shared by :class:`CommitWriter` and the object-store writer (:mod:`.store_writer`).
+
+    Args:
+        results: What DCP gathered to rank 0's ``finish``.
+        planned: Every item index of the global plan (``None``: no plan was seen, a failure).
+        where: The save, for messages.
+
+    Returns:
+        ``(results as DCP wrote them, {file: part record})``.
+
+    Raises:
+        IncompleteCheckpointError: Planned items are missing (a writer thread or rank failed).
+        CheckpointError: A result without a digest, an item past its file's end, or two ranks
+            that disagree on one file.
+    """
+    written = {r.index for rank_results in results for r in rank_results}
+    missing = (planned or set()) - written
+    if planned is None or missing:
+        names = sorted({index.fqn for index in missing})[:5]
+        raise IncompleteCheckpointError(
+            f"{where}: {len(missing)} planned item(s) were not written (e.g. {names}); "
+            "a writer thread or rank failed. Nothing was published; the previous save stays the latest."
+        )
+    plain: list[list[WriteResult]] = []
+    parts: dict[str, dict[str, Any]] = {}
+    for rank_results in results:
+        row = []
+        for result in rank_results:
+            digested = result.storage_data
+            if not isinstance(digested, Digested):
+                raise CheckpointError(f"{where}: a rank wrote without a hashing writer.")
+            info = digested.info
+            if info.offset + info.length > digested.size:
+                raise CheckpointError(f"{digested.file}: an item ends past the file's {digested.size} bytes.")
+            part = {"file": digested.file, "bytes": digested.size, **digested.record}
+            if parts.setdefault(digested.file, part) != part:
+                raise CheckpointError(f"{digested.file}: two ranks reported different contents.")
+            row.append(dataclasses.replace(result, storage_data=info))
+        plain.append(row)
+    return plain, parts

@@ -24,6 +24,7 @@ import random
 import shutil
 import statistics
 import tempfile
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,15 @@ from ckpt_lesson.faults.harness import (
     compute_baseline,
     run_kill_sequence,
 )
-from ckpt_lesson.faults.kill_plan import POINTS, SHARDED_ONLY, KillPlan, RunConfig, predict_restored_step
+from ckpt_lesson.faults.kill_plan import (
+    POINTS,
+    SHARDED_ONLY,
+    STORE_POINTS,
+    KillPlan,
+    RunConfig,
+    predict_restored_step,
+)
+from ckpt_lesson.faults.store_kills import StoreTarget
 from ckpt_lesson.runs.report import read_recovery_log
 
 __all__ = ["MAX_RANKS", "CampaignResult", "run_campaign"]
@@ -63,6 +72,9 @@ def _plan_run(
             # deletes only once it knows keep_last + 1 of them.
             need = k + 1 - (1 if restored else 0)
             candidates = saves[need - 1 :]
+        elif point == "store_retention":
+            # Retention deletes once the bucket holds keep_last + 1 committed saves: from this step on.
+            candidates = [s for s in saves if s >= (k + 1) * e]
         elif point in ("bitrot", "manifest_rot"):
             candidates = [s for s in saves if s >= 2 * e]  # an older save must exist to fall back to
         else:
@@ -73,8 +85,8 @@ def _plan_run(
         arg = 0
         if point == "mid_part":
             arg = rng.randrange(1, 12_000)  # bytes into the save; the tiny model's payload is larger
-        elif point == "after_shards":
-            arg = rng.randrange(1, (cfg.num_shards or 1) + 1)
+        elif point in ("after_shards", "mid_upload"):
+            arg = rng.randrange(1, (cfg.num_shards or 1) + 1)  # shards (or the one file), then the rest
         plan = KillPlan(step, point, arg)
         plans.append(plan)
         restored = predict_restored_step(plan, e)
@@ -91,6 +103,8 @@ class CampaignResult:
     unfinished_runs: int = 0
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     seed: int = 0
+    #: ``scheme://bucket`` when the runs saved to an object store (``chaos --store``).
+    store: str | None = None
 
     @property
     def wrong_choices(self) -> int:
@@ -120,11 +134,20 @@ class CampaignResult:
         secs = [r["recovery_seconds"] for r in self.recoveries if r.get("recovery_seconds") is not None]
         rows = [
             ("kills", f"{len(self.outcomes)} over {self.runs} runs (seed {self.seed})"),
+            *([("saves went to", f"{self.store} (local folders were scratch)")] if self.store else []),
             ("  by point", ", ".join(f"{p} {n}" for p, n in sorted(by_point.items()))),
-            ("fallbacks", f"{sum(not POINTS[o.plan.point] for o in self.outcomes)} (interrupted save lost)"),
+            (
+                "fallbacks",
+                f"{sum(not _SURVIVES[o.plan.point] for o in self.outcomes)} (interrupted save lost)",
+            ),
             ("corrupt saves skipped", str(sum(o.skipped for o in self.outcomes))),
             ("incomplete saves found", str(sum(o.incomplete_found for o in self.outcomes))),
-            ("steps redone", f"{sum(redone)} total, max {max(redone, default=0)} per restore"),
+            (
+                "steps redone",
+                f"{sum(redone)} total, max {max(redone, default=0)} per restore"
+                if redone or not self.recoveries
+                else "unknown (the heartbeat is local: it went with the machine)",
+            ),
             (
                 "recovery time",
                 f"median {statistics.median(secs):.3f} s, max {max(secs):.3f} s" if secs else "n/a",
@@ -140,6 +163,15 @@ class CampaignResult:
         return "\n".join(f"{k:<24}{v}" for k, v in rows)
 
 
+_SURVIVES = {**STORE_POINTS, **POINTS}
+#: The named store kills, in three runs (single file twice, then sharded).
+_STORE_NAMED: list[tuple[bool, list[str]]] = [
+    (False, ["mid_upload", "committed", "store_retention", "bitrot", "manifest_uploaded"]),
+    (False, ["staged", "uploaded", "manifest_rot", "between_saves", "mid_part"]),
+    (True, ["mid_upload", "manifest_uploaded", "committed"]),
+]
+
+
 def run_campaign(
     kills: int = 20,
     *,
@@ -148,6 +180,7 @@ def run_campaign(
     named_points: bool = True,
     kills_per_run: int = 4,
     keep: bool = False,
+    store: str | None = None,
 ) -> CampaignResult:
     """Kill ``kills`` training processes and check every restore (see the module docstring).
 
@@ -158,7 +191,12 @@ def run_campaign(
         named_points: Start with one kill at every named point (single-file
             and sharded), then random ones.
         kills_per_run: Kills before a run is allowed to finish.
-        keep: Keep the run directories for inspection.
+        keep: Keep the run directories for inspection (and, with ``store``, the objects).
+        store: A bucket URL (``s3://BUCKET/PREFIX``): every run saves under
+            ``PREFIX/chaos-.../run-NNNN`` there, through ``CheckpointManager(URL)``,
+            and is killed at the store's points (:data:`STORE_POINTS`); the local
+            run folders hold only each process's scratch. Credentials and endpoint
+            come from the environment.
 
     Returns:
         A :class:`CampaignResult`; ``result.ok`` is the verdict.
@@ -173,12 +211,16 @@ def run_campaign(
     single, sharded = RunConfig(), RunConfig(num_shards=3)
     base = compute_baseline(single)  # the layout does not change the trajectory
     queue: list[tuple[RunConfig, list[str]]] = []
-    if named_points:
+    table = STORE_POINTS if store else POINTS
+    if named_points and store:
+        queue += [(sharded if shards else single, points) for shards, points in _STORE_NAMED]
+    elif named_points:
         named = [p for p in POINTS if p not in SHARDED_ONLY]
         queue.append((single, named[: len(named) // 2]))
         queue.append((single, named[len(named) // 2 :]))
         queue.append((sharded, ["after_shards", "mid_part", "manifest_written", "published"]))
-    result = CampaignResult(seed=seed)
+    result = CampaignResult(seed=seed, store=_bucket_of(store) if store else None)
+    campaign_id = uuid.uuid4().hex[:8]
     left = kills
     run_no = 0
     while left > 0:
@@ -188,7 +230,7 @@ def run_campaign(
             points = points[:left]
         else:
             cfg = sharded if run_no % 3 == 2 else single
-            pool = [p for p in POINTS if cfg.num_shards or p not in SHARDED_ONLY]
+            pool = [p for p in table if cfg.num_shards or p not in SHARDED_ONLY]
             points = [rng.choice(pool) for _ in range(min(kills_per_run, left))]
         plans = _plan_run(rng, cfg, points, early=early)
         if not plans:
@@ -196,16 +238,26 @@ def run_campaign(
         run_dir = root / f"run-{run_no:04d}"
         if run_dir.exists():
             shutil.rmtree(run_dir)
-        outcomes, diffs, finished = run_kill_sequence(run_dir, cfg, plans, base)
+        target = None
+        if store:
+            target = StoreTarget(f"{store.rstrip('/')}/chaos-{seed}-{campaign_id}/run-{run_no:04d}")
+        outcomes, diffs, finished = run_kill_sequence(run_dir, cfg, plans, base, store=target)
         result.outcomes += outcomes
         result.trajectory_differences += diffs
         result.unfinished_runs += int(not finished)
-        result.recoveries += read_recovery_log(run_dir)
+        result.recoveries += read_recovery_log(run_dir) if target is None else target.recoveries()
         result.runs += 1
         left -= len(outcomes)
         run_no += 1
         if not keep:
             shutil.rmtree(run_dir, ignore_errors=True)
+            if target is not None:
+                target.remove()
     if not keep and workdir is None:
         shutil.rmtree(root, ignore_errors=True)
     return result
+
+
+def _bucket_of(url: str) -> str:
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{rest.split('/', 1)[0]}"

@@ -170,8 +170,12 @@ def _arm(plan: KillPlan | None) -> Any:
     return hook
 
 
-def _life(run_dir: Path, cfg: RunConfig, plan: KillPlan | None, conn: Any) -> None:
-    """One training process: ``run_managed_training`` with its kill trigger armed."""
+def _life(run_dir: Path, cfg: RunConfig, plan: KillPlan | None, conn: Any, store: Any = None) -> None:
+    """One training process: ``run_managed_training`` with its kill trigger armed.
+
+    ``store``: a :class:`~ckpt_lesson.faults.store_kills.StoreTarget` when the run saves to a bucket
+    (then ``run_dir`` holds only this machine's scratch, and the bucket is the run).
+    """
     try:
         from ckpt_lesson.course.managed import run_managed_training
 
@@ -179,11 +183,13 @@ def _life(run_dir: Path, cfg: RunConfig, plan: KillPlan | None, conn: Any) -> No
         quiet = logging.getLogger("ckpt_lesson")
         quiet.addHandler(logging.NullHandler())
         quiet.propagate = False
-        hook = _arm(plan)
+        hook = _arm(plan) if store is None else store.arm(plan, run_dir)
+        location: Any = run_dir if store is None else store.url
+        restored_losses = _restored_losses if store is None else store.restored_losses
 
         def on_restore(model: torch.nn.Module, info: dict[str, Any] | None) -> None:
             info = info or {}
-            losses = _restored_losses(info)
+            losses = restored_losses(info)
             skipped = len(info.get("skipped", []))
             conn.send(("restored", info.get("step"), skipped, _weights_hash(model), losses))
 
@@ -193,7 +199,7 @@ def _life(run_dir: Path, cfg: RunConfig, plan: KillPlan | None, conn: Any) -> No
                 _suicide()
 
         out = run_managed_training(
-            run_dir, total_steps=cfg.total_steps, seed=cfg.seed, every_steps=cfg.every_steps,
+            location, total_steps=cfg.total_steps, seed=cfg.seed, every_steps=cfg.every_steps,
             keep_last=cfg.keep_last, num_shards=cfg.num_shards, batch_size=cfg.batch_size,
             on_event=hook, after_step=after, on_restore=on_restore,
         )  # fmt: skip
@@ -249,10 +255,12 @@ class KillOutcome:
     error: str | None = None
 
 
-def _spawn(run_dir: Path, cfg: RunConfig, plan: KillPlan | None) -> tuple[list[tuple[Any, ...]], int | None]:
+def _spawn(
+    run_dir: Path, cfg: RunConfig, plan: KillPlan | None, store: Any = None
+) -> tuple[list[tuple[Any, ...]], int | None]:
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_life, args=(run_dir, cfg, plan, child))
+    proc = ctx.Process(target=_life, args=(run_dir, cfg, plan, child, store))
     proc.start()
     child.close()
     messages = []
@@ -278,9 +286,12 @@ def _check_restore(msg: tuple[Any, ...], base: Baseline) -> bool:
 
 
 def run_kill_sequence(
-    run_dir: Path, cfg: RunConfig, plans: list[KillPlan], base: Baseline
+    run_dir: Path, cfg: RunConfig, plans: list[KillPlan], base: Baseline, store: Any = None
 ) -> tuple[list[KillOutcome], int, bool]:
     """Kill one process per plan, then finish the run in a last process.
+
+    ``store`` (a :class:`~ckpt_lesson.faults.store_kills.StoreTarget`): the processes save to its
+    bucket prefix instead of ``run_dir``; damage is done to the objects there.
 
     Returns:
         ``(outcomes, trajectory_differences, finished_equal)``.
@@ -292,9 +303,11 @@ def run_kill_sequence(
     finished_equal = False
     pending: KillOutcome | None = None
     for plan in [*plans, None]:
-        if pending is not None and run_dir.exists():
+        if pending is not None and store is not None:
+            pending.incomplete_found = store.incomplete_found()
+        elif pending is not None and run_dir.exists():
             pending.incomplete_found = sum(1 for r in scan_checkpoints(run_dir) if r.status == "incomplete")
-        messages, code = _spawn(run_dir, cfg, plan)
+        messages, code = _spawn(run_dir, cfg, plan, store)
         life_error = None
         for msg in messages:
             if msg[0] == "restored" and pending is not None:
@@ -320,7 +333,9 @@ def run_kill_sequence(
         if not outcome.killed:
             outcome.error = outcome.error or f"kill point {plan.point} at step {plan.step} was never reached"
             return outcomes, diffs, finished_equal
-        if plan.point == "bitrot":
+        if store is not None:
+            store.damage(plan)
+        elif plan.point == "bitrot":
             _flip_byte_of_newest(run_dir, plan.step)
         elif plan.point == "manifest_rot":
             _flip_byte_of_manifest(run_dir, plan.step)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["POINTS", "SHARDED_ONLY", "KillPlan", "RunConfig", "predict_restored_step"]
+__all__ = ["POINTS", "SHARDED_ONLY", "STORE_POINTS", "KillPlan", "RunConfig", "predict_restored_step"]
 
 #: Kill point -> whether the interrupted save survives (is complete and published).
 POINTS: dict[str, bool] = {
@@ -28,6 +28,24 @@ POINTS: dict[str, bool] = {
 }
 #: Kill points that exist only in the sharded layout.
 SHARDED_ONLY = {"after_shards"}
+#: Kill points of a run that saves to a bucket (``chaos --store``), with the same meaning.
+#: The local save is only staging there: killed once it is published locally ("staged"), the
+#: save is lost like one killed mid-part. "mid_upload": every block of a part is up, the
+#: multipart upload not completed; "manifest_uploaded": before the conditional marker;
+#: "committed": right after it; "uploaded": lease removed, local copy not yet;
+#: "store_retention": an old save's marker deleted by retention, its parts not yet.
+STORE_POINTS: dict[str, bool] = {
+    "mid_part": False,
+    "staged": False,
+    "mid_upload": False,
+    "manifest_uploaded": False,
+    "committed": True,
+    "uploaded": True,
+    "store_retention": True,
+    "between_saves": True,
+    "bitrot": False,
+    "manifest_rot": False,
+}
 
 
 @dataclass(frozen=True)
@@ -61,7 +79,7 @@ def predict_restored_step(plan: KillPlan, every_steps: int) -> int | None:
     the steps after the one it restored), so the newest good save is the killed
     save itself when it was complete, else the save step just below it.
     """
-    survives = POINTS[plan.point]
+    survives = POINTS[plan.point] if plan.point in POINTS else STORE_POINTS[plan.point]
     if plan.point == "between_saves":
         newest = plan.step - plan.step % every_steps
     else:

@@ -35,7 +35,7 @@ from ckpt_lesson.files.atomic import atomic_save
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.files.integrity import FileDigest
 from ckpt_lesson.files.loading import load_verified_file
-from ckpt_lesson.files.mapped_restore import keep_no_mapped_extra_state
+from ckpt_lesson.files.mapped_restore import copy_out, keep_no_mapped_extra_state
 from ckpt_lesson.files.modules import model_state
 from ckpt_lesson.files.payload import (
     check_model_state,
@@ -217,7 +217,7 @@ def read_checkpoint(
     if mmap_model and isinstance(payload, dict):
         # Optimizer moments would otherwise stay mapped: Optimizer.load_state_dict keeps a tensor
         # that already has the parameter's dtype and device instead of copying it.
-        payload = {k: v if k == "model" else _private(v) for k, v in payload.items()}
+        payload = {k: v if k == "model" else copy_out(v) for k, v in payload.items()}
         # Extra state is handed to set_extra_state as it is, and a module may keep it: copy it
         # out too, or a kept tensor would keep the file mapped (SIGBUS if it is truncated later).
         payload = keep_no_mapped_extra_state(payload)
@@ -239,21 +239,6 @@ def read_checkpoint(
             "warm_start_from() to start a new experiment from the weights."
         )
     return payload
-
-
-def _private(tree: Any) -> Any:
-    """``tree`` with every CPU tensor copied into memory of its own (out of a file mapping).
-
-    Tensors that ``map_location`` already moved to a device are copies; cloning
-    them again would only double, for a moment, the device memory they take.
-    """
-    if isinstance(tree, torch.Tensor):
-        return tree.clone() if tree.device.type == "cpu" else tree
-    if isinstance(tree, dict):
-        return {k: _private(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_private(v) for v in tree)
-    return tree
 
 
 def load_checkpoint(

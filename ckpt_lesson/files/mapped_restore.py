@@ -29,6 +29,7 @@ and its absence with ``mmap=False``.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -42,6 +43,12 @@ EXTRA_STATE_SUFFIX = "_extra_state"
 def copy_out(tree: Any) -> Any:
     """``tree`` with every CPU tensor cloned into memory of its own (device tensors are copies already).
 
+    Every mapped restore calls this on what it keeps: a tensor still backed by the
+    file's mapping would die with SIGBUS if the file were truncated later. Tensors
+    that ``map_location`` already moved to a device are copies; cloning them again
+    would only double, for a moment, the device memory they take. A dict keeps its
+    type when it is an ``OrderedDict`` (state dicts are).
+
     Example:
         >>> copy_out({"t": [torch.zeros(2)]})["t"][0].sum().item()
         0.0
@@ -49,7 +56,8 @@ def copy_out(tree: Any) -> Any:
     if isinstance(tree, torch.Tensor):
         return tree.clone() if tree.device.type == "cpu" else tree
     if isinstance(tree, dict):
-        return {k: copy_out(v) for k, v in tree.items()}
+        kind = OrderedDict if isinstance(tree, OrderedDict) else dict
+        return kind((k, copy_out(v)) for k, v in tree.items())
     if isinstance(tree, (list, tuple)):
         return type(tree)(copy_out(v) for v in tree)
     return tree

@@ -20,6 +20,11 @@ and the open cannot block us), checked again on the open descriptor, and read
 with a size cap. :func:`read_json_file` then parses it and turns a parse
 failure of *any* kind into :class:`~ckpt_lesson.errors.CorruptCheckpointError`,
 so the caller treats the save as damaged and falls back to an older one.
+
+A record inside a file too large to read whole (the ``data.pkl`` of a
+Lightning ``.ckpt``) is read the same way: :func:`open_regular_file` opens
+the file with the same checks, and :func:`read_exact_at` takes the piece,
+capped, with a short read or an I/O error reported as damage.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import errno
 import json
 import os
 import stat
-from typing import Any
+from typing import Any, BinaryIO
 
 from ckpt_lesson.errors import CorruptCheckpointError
 
@@ -36,7 +41,9 @@ __all__ = [
     "MAX_RECORD_BYTES",
     "check_regular_file",
     "file_kind",
+    "open_regular_file",
     "parse_json_text",
+    "read_exact_at",
     "read_json_file",
     "read_regular_file",
 ]
@@ -47,6 +54,7 @@ MAX_RECORD_BYTES = 64 << 20
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def check_regular_file(path: str | os.PathLike[str], *, what: str = "file") -> os.stat_result:
@@ -76,6 +84,81 @@ def check_regular_file(path: str | os.PathLike[str], *, what: str = "file") -> o
     return st
 
 
+def open_regular_file(path: str | os.PathLike[str], *, what: str = "file") -> BinaryIO:
+    """Open a file for reading the way every record is opened: a regular file itself, or nothing.
+
+    For files too large to read whole (a Lightning ``.ckpt``): the caller reads
+    from the returned file, and takes any bounded piece of it with
+    :func:`read_exact_at`. The same checks as :func:`read_regular_file`:
+    ``lstat`` first (a symlink is refused, never followed), then
+    ``O_NOFOLLOW | O_NONBLOCK`` (a symlink or FIFO swapped in after the check
+    neither redirects nor blocks the open), then ``fstat`` on the descriptor.
+
+    Args:
+        path: The file.
+        what: How messages call the file.
+
+    Returns:
+        The file, open for binary reading (close it, or use ``with``).
+
+    Raises:
+        FileNotFoundError: The file does not exist.
+        CorruptCheckpointError: Not a regular file, or it cannot be opened.
+
+    Example:
+        >>> with open_regular_file("checkpoints/last.ckpt", what="checkpoint") as f:  # doctest: +SKIP
+        ...     head = read_exact_at(f, 0, 4, where="last.ckpt", what="zip signature")
+    """
+    fd, _ = _open_checked(path, what)
+    return os.fdopen(fd, "rb")
+
+
+def read_exact_at(
+    f: BinaryIO, offset: int, size: int, *, where: str, what: str = "record", limit: int = MAX_RECORD_BYTES
+) -> bytes:
+    """Exactly ``size`` bytes of ``f`` from ``offset``: a bounded read where any failure is damage.
+
+    Args:
+        f: A file opened with :func:`open_regular_file`.
+        offset: Where the piece starts.
+        size: How many bytes it has (as a record inside the file declares it).
+        where: The file's name, for messages.
+        what: How messages call the piece (``"data.pkl record"``).
+        limit: The most bytes accepted; a larger declared size is damage, never read.
+
+    Returns:
+        The bytes.
+
+    Raises:
+        CorruptCheckpointError: A size that is negative or over ``limit``, an
+            offset outside the file, an I/O error, or fewer bytes than declared.
+
+    Example:
+        >>> import io
+        >>> read_exact_at(io.BytesIO(b"head:body"), 5, 4, where="a.ckpt")
+        b'body'
+    """
+    if size < 0 or offset < 0 or size > limit:
+        raise CorruptCheckpointError(
+            f"{where}: its {what} declares {size} bytes at offset {offset}, over the {limit}-byte cap "
+            "for such a record (or negative); it is damaged or crafted and is not read."
+        )
+    try:
+        f.seek(offset)
+        data = f.read(size)
+    except (OSError, ValueError) as exc:
+        raise CorruptCheckpointError(
+            f"{where}: I/O error reading its {what} ({getattr(exc, 'strerror', None) or exc}); "
+            "this copy is damaged."
+        ) from exc
+    if len(data) != size:
+        raise CorruptCheckpointError(
+            f"{where}: its {what} is cut short ({len(data)} of {size} bytes); the file is truncated "
+            "or damaged."
+        )
+    return data
+
+
 def read_regular_file(
     path: str | os.PathLike[str], *, limit: int = MAX_RECORD_BYTES, what: str = "file"
 ) -> bytes:
@@ -98,21 +181,8 @@ def read_regular_file(
         >>> read_regular_file("run/progress.json", limit=1 << 20)  # doctest: +SKIP
         b'{"step": 12, ...}'
     """
-    check_regular_file(path, what=what)
+    fd, st = _open_checked(path, what)
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # swapped for a symlink after the check
-            raise CorruptCheckpointError(f"{path}: the {what} became a symlink; not following it.") from exc
-        raise CorruptCheckpointError(f"{path}: cannot open the {what} ({exc.strerror or exc}).") from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(
-                f"{path}: the {what} is {file_kind(st.st_mode)}, not a regular file."
-            )
         if st.st_size > limit:
             raise CorruptCheckpointError(
                 f"{path}: the {what} is {st.st_size} bytes, over the {limit}-byte cap for such a record; "
@@ -134,6 +204,28 @@ def read_regular_file(
         ) from exc
     finally:
         os.close(fd)
+
+
+def _open_checked(path: str | os.PathLike[str], what: str) -> tuple[int, os.stat_result]:
+    """The one way a record is opened: lstat, open without following or blocking, fstat."""
+    check_regular_file(path, what=what)
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # swapped for a symlink after the check
+            raise CorruptCheckpointError(f"{path}: the {what} became a symlink; not following it.") from exc
+        raise CorruptCheckpointError(f"{path}: cannot open the {what} ({exc.strerror or exc}).") from exc
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        os.close(fd)
+        raise CorruptCheckpointError(f"{path}: cannot stat the {what} ({exc.strerror or exc}).") from exc
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(f"{path}: the {what} is {file_kind(st.st_mode)}, not a regular file.")
+    return fd, st
 
 
 def parse_json_text(data: bytes, *, where: str) -> Any:

@@ -25,7 +25,7 @@ from ckpt_lesson.files.atomic import atomic_save, atomic_write_json, make_dirs
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.files.integrity import FileDigest, part_digest
 from ckpt_lesson.files.loading import load_verified_file
-from ckpt_lesson.files.mapped_restore import keep_no_mapped_extra_state
+from ckpt_lesson.files.mapped_restore import copy_out, keep_no_mapped_extra_state
 from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.shard_index import (
     INDEX_NAME,
@@ -230,27 +230,16 @@ def _private_except_modules(payload: Any) -> Any:
     optimizer keeps a state tensor that already has its parameter's dtype and device).
     """
     if not isinstance(payload, dict) or not isinstance(payload.get("objects"), dict):
-        return _private(payload)
+        return copy_out(payload)
     modules = payload.get("modules")
     modules = {m for m in modules if isinstance(m, str)} if isinstance(modules, list) else set()
     objects = {
         # A module's extra state is handed to set_extra_state, which may keep it: copied out too.
-        k: keep_no_mapped_extra_state({"model": v})["model"] if k in modules else _private(v)
+        k: keep_no_mapped_extra_state({"model": v})["model"] if k in modules else copy_out(v)
         for k, v in payload["objects"].items()
     }
-    rest = {k: _private(v) for k, v in payload.items() if k != "objects"}
+    rest = {k: copy_out(v) for k, v in payload.items() if k != "objects"}
     return {**rest, "objects": objects}
-
-
-def _private(tree: Any) -> Any:
-    # Copy mapped CPU tensors out of the file mapping: a restore must keep nothing mapped.
-    if isinstance(tree, torch.Tensor):
-        return tree.clone() if tree.device.type == "cpu" else tree
-    if isinstance(tree, dict):
-        return type(tree)((k, _private(v)) for k, v in tree.items())
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_private(v) for v in tree)
-    return tree
 
 
 def load_state(

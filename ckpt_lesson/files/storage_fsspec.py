@@ -31,17 +31,23 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, LoadEnvironmentError
-from ckpt_lesson.files.hashing import DEFAULT_ALGO, new_hasher
+from ckpt_lesson.files.hashing import DEFAULT_ALGO, digest_bytes, new_hasher
 from ckpt_lesson.files.storage import CHUNK_BYTES, Storage, check_key
+from ckpt_lesson.files.storage_transfer import (
+    DOWNLOAD_CONCURRENCY,
+    UPLOAD_BLOCK_BYTES,
+    UPLOAD_CONCURRENCY,
+    is_async,
+    iter_ranges,
+    multipart_upload,
+)
 
 __all__ = ["FsspecStorage", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install ckpt_lesson[s3]"
 #: Parts below this size go up in one PUT, as s3fs's own put_file does (below 2 x 50 MiB);
-#: larger ones as a multipart upload.
+#: larger ones as a parallel multipart upload (files/storage_transfer.py).
 SINGLE_PUT_BYTES = 100 << 20
-#: Multipart block, and download range, for large parts (s3fs's default put chunk is 50 MiB).
-UPLOAD_BLOCK_BYTES = 64 << 20
 
 
 def _filesystem(url: str, options: Mapping[str, Any]) -> tuple[Any, str]:
@@ -66,6 +72,12 @@ def _filesystem(url: str, options: Mapping[str, Any]) -> tuple[Any, str]:
     return fs, root
 
 
+def _precondition_failed(exc: BaseException) -> bool:
+    """True when s3fs's error came from S3's 412 PreconditionFailed (it arrives as a plain OSError)."""
+    response = getattr(exc.__cause__, "response", None) or {}
+    return response.get("Error", {}).get("Code") in ("PreconditionFailed", "412")
+
+
 class FsspecStorage(Storage):
     """A prefix in an object store, reached through fsspec.
 
@@ -88,6 +100,8 @@ class FsspecStorage(Storage):
         self.url = url.rstrip("/")
         self.fs, self.root = _filesystem(url, storage_options or {})
         self.bucket = self.root.split("/", 1)[0]
+        #: Multipart block for large parts (S3's minimum is 5 MiB); tests lower it.
+        self.upload_block_bytes = UPLOAD_BLOCK_BYTES
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.url!r})"
@@ -117,29 +131,87 @@ class FsspecStorage(Storage):
                 f"{self.url}: access to bucket '{self.bucket}' denied while {what} ({exc}); check the "
                 "credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or storage_options)."
             ) from None
-        except Exception as exc:  # botocore / aiohttp / OSError: the network or the service, not the save
-            raise LoadEnvironmentError(
-                f"{self.url}: could not reach bucket '{self.bucket}' while {what} "
-                f"({type(exc).__name__}: {exc}); check AWS_ENDPOINT_URL, the network and the bucket name."
-            ) from None
+        except OSError as exc:
+            if _precondition_failed(exc):  # If-Match / If-None-Match refused: the object is not as expected
+                raise FileExistsError(f"{self.where('')}: precondition failed while {what}") from None
+            raise self._unreachable(what, exc) from None
+        except Exception as exc:  # botocore / aiohttp: the network or the service, not the save
+            raise self._unreachable(what, exc) from None
+
+    def _unreachable(self, what: str, exc: BaseException) -> LoadEnvironmentError:
+        return LoadEnvironmentError(
+            f"{self.url}: could not reach bucket '{self.bucket}' while {what} "
+            f"({type(exc).__name__}: {exc}); check AWS_ENDPOINT_URL, the network and the bucket name."
+        )
 
     def put_file(self, key: str, local: Path, *, algo: str = DEFAULT_ALGO) -> tuple[int, str]:
-        hasher, total = new_hasher(algo), 0
+        return self._put_file(key, local, algo=algo)
+
+    def _put_file(
+        self, key: str, local: Path, *, algo: str = DEFAULT_ALGO, condition: dict[str, str] | None = None
+    ) -> tuple[int, str]:
+        """Upload ``local``; ``condition`` (``IfMatch``/``IfNoneMatch``) rides on the publishing request."""
+        path = self._path(key)
         with self._reaching(f"uploading {key}", writing=True), open(local, "rb") as src:
-            if os.fstat(src.fileno()).st_size < SINGLE_PUT_BYTES:
-                # One PUT, as plain s3fs does: the bytes hashed are exactly the bytes sent.
-                data = src.read()
-                hasher.update(data)
-                self.fs.pipe_file(self._path(key), data)
-                return len(data), hasher.hexdigest()
-            # Larger: a multipart upload, hashed chunk by chunk; the object appears only when
-            # close() completes the upload, never half an object.
-            with self.fs.open(self._path(key), "wb", block_size=UPLOAD_BLOCK_BYTES) as dst:
-                while chunk := src.read(UPLOAD_BLOCK_BYTES):
-                    hasher.update(chunk)
-                    dst.write(chunk)
-                    total += len(chunk)
-        return total, hasher.hexdigest()
+            size = os.fstat(src.fileno()).st_size
+            if size >= SINGLE_PUT_BYTES and getattr(self.fs, "call_s3", None) and is_async(self.fs):
+                # Large: a parallel multipart upload, hashed block by block in order; the object
+                # appears only when the upload completes, never half an object.
+                bucket, _, object_key = path.partition("/")
+                return multipart_upload(
+                    self.fs, bucket, object_key, local, algo=algo, block=self.upload_block_bytes,
+                    concurrency=UPLOAD_CONCURRENCY, condition=condition,
+                )  # fmt: skip
+            if size >= SINGLE_PUT_BYTES and condition is None:
+                hasher, total = new_hasher(algo), 0
+                with self.fs.open(path, "wb", block_size=self.upload_block_bytes) as dst:
+                    while chunk := src.read(self.upload_block_bytes):
+                        hasher.update(chunk)
+                        dst.write(chunk)
+                        total += len(chunk)
+                return total, hasher.hexdigest()
+            # One PUT, as plain s3fs does: the bytes hashed are exactly the bytes sent.
+            data = src.read()
+            extra = {"mode": "create"} if condition == {"IfNoneMatch": "*"} else dict(condition or {})
+            self.fs.pipe_file(path, data, **extra)
+            return len(data), digest_bytes(data, algo)
+
+    def replace_if_match(
+        self, key: str, local: Path, etag: str, *, algo: str = DEFAULT_ALGO
+    ) -> tuple[int, str]:
+        """Overwrite ``key`` with ``local`` only while its ETag is still ``etag`` (``If-Match``).
+
+        Raises:
+            FileExistsError: The object changed (or vanished) since ``etag`` was read.
+            LoadEnvironmentError: The store cannot be reached.
+        """
+        if not self.exists(key):
+            raise FileExistsError(f"{self.where(key)}: vanished")
+        return self._put_file(key, local, algo=algo, condition={"IfMatch": etag})
+
+    def create_file_if_absent(
+        self, key: str, local: Path, *, algo: str = DEFAULT_ALGO
+    ) -> tuple[int, str] | None:
+        """Upload ``local`` to ``key`` only if nothing is there (``If-None-Match: *``); ``None`` if it was."""
+        try:
+            return self._put_file(key, local, algo=algo, condition={"IfNoneMatch": "*"})
+        except FileExistsError:
+            return None
+
+    def exists(self, key: str) -> bool:
+        """True when ``key`` is an object in the store now."""
+        try:
+            self.stat(key)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def stat(self, key: str) -> tuple[int, str]:
+        """``(size, etag)`` of ``key``, fresh from the store. ``FileNotFoundError`` if missing."""
+        with self._reaching(f"reading {key}"):
+            self.fs.invalidate_cache(self._path(key))
+            info = self.fs.info(self._path(key))
+        return int(info["size"]), str(info.get("ETag") or info.get("etag") or "").strip('"')
 
     def put_bytes(self, key: str, data: bytes) -> None:
         with self._reaching(f"writing {key}", writing=True):
@@ -187,15 +259,30 @@ class FsspecStorage(Storage):
         return data
 
     def iter_chunks(self, key: str, *, chunk: int = CHUNK_BYTES, size: int | None = None) -> Iterator[bytes]:
-        size = self._size(key) if size is None else size + 1  # + 1: a longer object shows itself
-        for start in range(0, max(size, 1), chunk):
-            # Ranged GETs: memory stays at one chunk, and a deletion mid-way is a FileNotFoundError.
+        size = self._size(key) if size is None else size
+        if is_async(self.fs):
+            # Concurrent ranged GETs, handed over in order: the caller hashes block i while
+            # the next ones are on the wire. A deletion mid-way is a FileNotFoundError.
+            blocks = iter_ranges(
+                self.fs, self._path(key), size, chunk=chunk, concurrency=DOWNLOAD_CONCURRENCY
+            )
+            try:
+                while True:
+                    with self._reaching(f"reading {key}"):
+                        block = next(blocks, None)
+                    if block is None:
+                        return
+                    yield block
+            finally:
+                blocks.close()  # a caller that stops early cancels the GETs still in flight
+        end = size + 1  # + 1: a longer object shows itself
+        for start in range(0, end, chunk):
             with self._reaching(f"reading {key}"):
-                block = self.fs.cat_file(self._path(key), start=start, end=min(start + chunk, size))
+                block = self.fs.cat_file(self._path(key), start=start, end=min(start + chunk, end))
             if not block:
                 return
             yield block
-            if len(block) < min(chunk, size - start):
+            if len(block) < min(chunk, end - start):
                 return  # the object ended early (shorter than expected)
 
     def list_keys(self, prefix: str = "") -> list[str]:
@@ -230,6 +317,23 @@ class FsspecStorage(Storage):
                 self.fs.rm(paths)
             except FileNotFoundError:
                 pass
+
+    def delete_if_match(self, key: str, etag: str) -> bool:
+        """Delete ``key`` only while its ETag is ``etag`` (S3 ``If-Match``); False if it changed meanwhile.
+
+        Outside S3 the delete is unconditional (fsspec has no conditional delete).
+        """
+        call = getattr(self.fs, "call_s3", None)
+        if call is None:
+            self.delete([key])
+            return True
+        try:
+            with self._reaching(f"deleting {key}"):
+                call("delete_object", Bucket=self.bucket, Key=self._path(key).split("/", 1)[1], IfMatch=etag)
+        except (FileExistsError, FileNotFoundError):
+            return False
+        self.fs.invalidate_cache(self._path(key))
+        return True
 
     def abort_uploads(self, prefix: str) -> int:
         call = getattr(self.fs, "call_s3", None)

@@ -105,12 +105,12 @@ class ProcessTree:
         fields = _stat_fields(self.proc_root, pid)
         return fields[19] if fields and len(fields) > 19 else None
 
-    def refresh(self) -> None:
-        """Walk ``/proc`` again if ``every`` seconds have passed since the last walk."""
-        now = self.clock()
-        if now < self._next:
+    def refresh(self, *, now: bool = False) -> None:
+        """Walk ``/proc`` again if ``every`` seconds have passed since the last walk (or ``now``)."""
+        clock = self.clock()
+        if clock < self._next and not now:
             return
-        self._next = now + self.every
+        self._next = clock + self.every
         known = {}
         for p in descendants(self.pid, proc_root=self.proc_root):
             try:

@@ -272,6 +272,9 @@ def run_attempt(
         with stop_later():  # a stop signal now would leave the command running: it waits
             killed = attempt.kill is not None or attempt.timed_out
             if proc.poll() is None:  # the tool itself is being stopped (a signal): leave nothing running
+                # Everything the command started goes with it, as on a machine that dies: walk /proc
+                # now, so a process started since the last walk is part of the job, not "left behind".
+                tree.refresh(now=True)
                 _signal_group(proc, signal.SIGKILL, tree)
                 proc.wait()
                 killed = True

@@ -70,12 +70,14 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.state_payload import build_state_payload
 from ckpt_lesson.runs.async_report import forget_failure, lower_writer_priority, note_failure
+from ckpt_lesson.runs.deferred_copy import DeferredCopies, StepGate, stepped_storages
 from ckpt_lesson.runs.manager import CheckpointManager
 from ckpt_lesson.runs.snapshot import TrainingSnapshot, snapshot_payload
 from ckpt_lesson.runs.state_args import is_state_call, positional_save_args
@@ -104,9 +106,17 @@ class AsyncCheckpointer:
             next one is due (``save_async`` then waits). 0 (the default) keeps
             the writer's priority; raise it when saves are rare and the CPU is
             the bottleneck, as in CPU training.
+        overlap_copy: Copy the large parameter and optimizer-moment tensors on
+            the writer thread, while the next forward and backward run; every
+            optimizer's next ``step()`` waits until they are copied (see
+            :mod:`~ckpt_lesson.runs.deferred_copy`). The stall then shrinks to
+            the copy of everything else. Safe only when nothing but optimizer
+            steps changes parameters and optimizer state in place between
+            saves (true of ordinary loops); off by default.
 
     Raises:
-        CheckpointError: ``writer_nice`` is not an int from 0 to 19.
+        CheckpointError: ``writer_nice`` is not an int from 0 to 19, or
+            ``overlap_copy`` is not a bool.
 
     Example:
         >>> ckpt = AsyncCheckpointer(mgr)  # doctest: +SKIP
@@ -115,11 +125,18 @@ class AsyncCheckpointer:
         'step-00000240'
     """
 
-    def __init__(self, manager: CheckpointManager, *, writer_nice: int = 0) -> None:
+    def __init__(
+        self, manager: CheckpointManager, *, writer_nice: int = 0, overlap_copy: bool = False
+    ) -> None:
         if isinstance(writer_nice, bool) or not isinstance(writer_nice, int) or not 0 <= writer_nice <= 19:
             raise CheckpointError(f"writer_nice must be an int from 0 to 19, got {writer_nice!r}.")
+        if not isinstance(overlap_copy, bool):
+            raise CheckpointError(f"overlap_copy must be True or False, got {overlap_copy!r}.")
         self.manager = manager
         self.writer_nice = writer_nice
+        self.overlap_copy = overlap_copy
+        self._gate: StepGate | None = None  # registered at the first overlapped save, removed by close()
+        self._waited_before = 0.0  # step_wait_s of gates already removed
         self._lock = threading.Lock()  # serializes callers; the writer never takes it
         self._thread: threading.Thread | None = None
         self._step: int | None = None
@@ -143,6 +160,21 @@ class AsyncCheckpointer:
 
     def __repr__(self) -> str:
         return f"AsyncCheckpointer({self.manager!r}, in_flight={self.in_flight})"
+
+    @property
+    def copying(self) -> bool:
+        """True while an overlapped snapshot's copies are pending (optimizer steps wait meanwhile)."""
+        return self._gate is not None and self._gate.pending
+
+    @property
+    def step_wait_s(self) -> float:
+        """Seconds optimizer steps have waited for overlapped copies (0.0 without ``overlap_copy``).
+
+        With ``overlap_copy=True`` this, plus the time ``save_async`` itself
+        takes, is what saving costs the training thread: a number near 0
+        means the forward and backward passes hid the copies.
+        """
+        return self._waited_before + (0.0 if self._gate is None else self._gate.waited_s)
 
     @property
     def in_flight(self) -> bool:
@@ -182,28 +214,37 @@ class AsyncCheckpointer:
         with self._lock:
             self._wait_locked()
             # _wait_locked joined the previous writer, so its snapshot's buffers are free to refill.
+            later = self._deferred(args)
             if is_state_call(args):
                 if extras is not None:
                     raise CheckpointError("extras= belongs to the positional form; put values in the state.")
                 payload = build_state_payload(
                     *args, rng=True if rng is None else rng, data=self.manager.config.data
                 )
-                snapshot: Any = snapshot_payload(payload, reuse=self._payload_buffers)
+                snapshot: Any = snapshot_payload(payload, reuse=self._payload_buffers, later=later)
                 self._payload_buffers, step = snapshot, snapshot["step"]
             else:
                 model, optimizer, scheduler, state = positional_save_args(args)
                 snapshot = TrainingSnapshot.capture(
-                    model, optimizer, scheduler, state, reuse=self._buffers, rng=rng
+                    model, optimizer, scheduler, state, reuse=self._buffers, rng=rng, later=later
                 )
                 self._buffers, step = snapshot, snapshot.state.step
+            if later is not None and later.pairs and self._gate is not None:
+                self._gate.shut()  # from here until the writer has copied them, steps wait
             thread = threading.Thread(
                 target=self._write,
-                args=(snapshot, copy.deepcopy(extras)),
+                args=(snapshot, copy.deepcopy(extras), later),
                 name=f"ckpt-save-step-{step}",
                 daemon=False,
             )
             self._thread, self._step, self._result, self._error = thread, step, None, None
-            thread.start()
+            try:
+                thread.start()
+            except BaseException:
+                self._thread = None
+                if self._gate is not None:
+                    self._gate.open()  # no writer will copy: steps must not wait for one
+                raise
 
     def wait(self) -> Path | None:
         """Block until the save in flight is published (or failed).
@@ -224,8 +265,17 @@ class AsyncCheckpointer:
             return self._wait_locked()
 
     def close(self) -> None:
-        """Wait for the save in flight; raises its error like :meth:`wait`."""
-        self.wait()
+        """Wait for the save in flight, and unregister the step hook of ``overlap_copy``.
+
+        Raises its error like :meth:`wait`.
+        """
+        try:
+            self.wait()
+        finally:
+            if self._gate is not None:
+                self._gate.remove()
+                self._waited_before += self._gate.waited_s
+                self._gate = None
 
     # ------------------------------------------------------------------ internals
 
@@ -236,8 +286,23 @@ class AsyncCheckpointer:
                 "on_event hook; that would wait for itself. Call it from the training thread."
             )
 
-    def _write(self, snapshot: Any, extras: dict[str, Any] | None) -> None:
+    def _deferred(self, args: tuple[Any, ...]) -> DeferredCopies | None:
+        """With ``overlap_copy``, the collector of this save's deferred copies (and the hook, once)."""
+        if not self.overlap_copy:
+            return None
+        if self._gate is None:
+            self._gate = StepGate()
+        live = args[1].values() if is_state_call(args) and isinstance(args[1], Mapping) else args[:2]
+        return DeferredCopies(stepped_storages(live))
+
+    def _write(self, snapshot: Any, extras: dict[str, Any] | None, later: DeferredCopies | None) -> None:
         try:
+            try:  # first the copies the training thread left: its next optimizer step waits for them
+                if later is not None:
+                    later.run()
+            finally:
+                if self._gate is not None:
+                    self._gate.open()
             # Inside the try: an error here must reach the training thread like any other (a failed
             # priority change itself is only a warning; see async_report.py).
             lower_writer_priority(self.writer_nice)

@@ -20,13 +20,19 @@ nothing: no unpickler, not even the weights-only one, runs during a scan. A
 key set twice resolves as ``torch.load`` resolves it (the last one wins), and
 the walk stops once the rest cannot change the answer. A file without them
 is listed with step and epoch unknown.
+
+Every byte read here goes through :mod:`ckpt_lesson.files.safe_read`, the
+reader of every record: the file is opened only if it is a regular file
+itself (a symlink is not followed, a FIFO does not block the scan), and the
+``data.pkl`` record is read capped at
+:data:`~ckpt_lesson.files.safe_read.MAX_RECORD_BYTES`. Any failure to open,
+read or parse it makes the file ``corrupt``, never an exception.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import stat
 import struct
 import zipfile
 from dataclasses import dataclass
@@ -37,6 +43,7 @@ from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, UnsafeCh
 from ckpt_lesson.files.atomic import TEMP_MARKER, is_temp_file
 from ckpt_lesson.files.integrity import verify_footer
 from ckpt_lesson.files.loading import check_archive
+from ckpt_lesson.files.safe_read import MAX_RECORD_BYTES, open_regular_file, read_exact_at
 from ckpt_lesson.runs.pickle_keys import read_top_level_ints
 
 __all__ = [
@@ -49,8 +56,6 @@ __all__ = [
 ]
 
 LIGHTNING_SUFFIX = ".ckpt"
-#: data.pkl holds the structure only (tensors are separate records): a few MB even for big models.
-_MAX_PICKLE_BYTES = 64 << 20
 #: A zip local file header: signature, versions, flags, method, time, date, crc, sizes, name/extra lengths.
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _NAME_STEP_RE = re.compile(r"(?:^|[-_])step=([0-9]+)")
@@ -88,18 +93,26 @@ def read_epoch_and_step(f: BinaryIO, *, name: str = "<file>") -> tuple[int | Non
     archive's members are bounded.
 
     Raises:
-        CorruptCheckpointError: No ``data.pkl`` record, or one too large to be a checkpoint's.
+        CorruptCheckpointError: Not a readable archive, no ``data.pkl`` record, one over
+            the record cap (:data:`~ckpt_lesson.files.safe_read.MAX_RECORD_BYTES`), or one
+            cut short or unreadable (an I/O error).
 
     Example:
         >>> with open("checkpoints/last.ckpt", "rb") as f:  # doctest: +SKIP
         ...     read_epoch_and_step(f)
         (3, 12)
     """
-    with zipfile.ZipFile(f) as archive:
-        member = next((i for i in archive.infolist() if i.filename.endswith("/data.pkl")), None)
-    if member is None or member.file_size > _MAX_PICKLE_BYTES:
-        why = "no data.pkl record" if member is None else f"data.pkl larger than {_MAX_PICKLE_BYTES} bytes"
-        raise CorruptCheckpointError(f"{name}: not a torch.save checkpoint ({why}).")
+    try:
+        with zipfile.ZipFile(f) as archive:
+            member = next((i for i in archive.infolist() if i.filename.endswith("/data.pkl")), None)
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
+        raise CorruptCheckpointError(f"{name}: not a readable archive ({str(exc)[:120]}).") from exc
+    finally:
+        f.seek(0)
+    if member is None:
+        raise CorruptCheckpointError(f"{name}: not a torch.save checkpoint (no data.pkl record).")
+    # data.pkl holds the structure only (tensors are separate records): a few MB even for big
+    # models, so the cap of every record applies (read_exact_at refuses a larger one unread).
     data = _stored_bytes(f, member, name)
     # An abstract walk, last assignment winning as in torch.load, stopped as soon as the rest of
     # the bytes cannot change the answer (runs/pickle_keys.py).
@@ -113,21 +126,16 @@ def _stored_bytes(f: BinaryIO, member: zipfile.ZipInfo, name: str) -> bytes:
     Not ``ZipFile.read``: that checks the zip CRC32, which our writer leaves at
     zero (``torch.load`` never checks it; the footer covers the bytes instead).
     """
-    f.seek(member.header_offset)
-    header = f.read(_LOCAL_HEADER.size)
-    if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
-        raise CorruptCheckpointError(
-            f"{name}: not a readable archive (bad local header of {member.filename[:80]!r})."
-        )
+    what = f"{member.filename[:80]!r} record"
+    header = read_exact_at(f, member.header_offset, _LOCAL_HEADER.size, where=name, what=f"{what} header")
+    if header[:4] != b"PK\x03\x04":
+        raise CorruptCheckpointError(f"{name}: not a readable archive (bad local header of the {what}).")
     name_len, extra_len = _LOCAL_HEADER.unpack(header)[-2:]
-    f.seek(member.header_offset + _LOCAL_HEADER.size + name_len + extra_len)
-    data = f.read(member.file_size)
-    f.seek(0)
-    if len(data) != member.file_size:
-        raise CorruptCheckpointError(
-            f"{name}: not a readable archive ({member.filename[:80]!r} is cut short)."
-        )
-    return data
+    start = member.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    try:
+        return read_exact_at(f, start, member.file_size, where=name, what=what, limit=MAX_RECORD_BYTES)
+    finally:
+        f.seek(0)
 
 
 def inspect_lightning_file(path: str | os.PathLike[str]) -> LightningFile:
@@ -148,20 +156,16 @@ def inspect_lightning_file(path: str | os.PathLike[str]) -> LightningFile:
             path, "incomplete", "unfinished save (temp file left by a killed save)", None, step
         )
     try:
-        # O_NONBLOCK and a regular-file check: a FIFO put in the file's place must not hang the scan.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                return LightningFile(path, "corrupt", f"{path.name}: not a regular file; never read")
+        with open_regular_file(path, what="Lightning checkpoint") as f:
             try:
                 digest = verify_footer(f, name=path.name)
             except CorruptCheckpointError as exc:
                 return LightningFile(path, "corrupt", str(exc), *_best_effort(f))
-            size = os.fstat(f.fileno()).st_size
-            check_archive(f, size, name=path.name)
+            check_archive(f, os.fstat(f.fileno()).st_size, name=path.name)
             epoch, step = read_epoch_and_step(f, name=path.name)
     except (CorruptCheckpointError, UnsafeCheckpointError) as exc:
-        return LightningFile(path, "corrupt", str(exc))
+        # Messages from the shared reader name the whole path; the listing names the file.
+        return LightningFile(path, "corrupt", str(exc).replace(str(path), path.name))
     except OSError as exc:
         return LightningFile(path, "corrupt", f"{path.name}: unreadable ({exc.strerror or exc})")
     if not digest.has_footer:

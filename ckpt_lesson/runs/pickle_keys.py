@@ -21,6 +21,11 @@ first ``global_step`` seen has two flaws, both fixed here:
   appears in them (a few ``bytes.find`` calls, C speed). When that cannot be
   ruled out, the walk goes on, up to a byte budget; past it the answer is
   "unknown" (the file then ranks below every file whose step is known).
+* **Deep nesting.** Marks are kept on a stack of their own, as in CPython's
+  unpickler, so every opcode costs constant time and the byte budget is a
+  time budget too: a ``data.pkl`` of millions of nested ``MARK`` s (or
+  millions of objects under one) is walked no slower than any other 4 MiB.
+  Nothing here recurses.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ __all__ = ["WALK_BUDGET_BYTES", "read_top_level_ints"]
 #: files get this far, since Lightning's keys come first.
 WALK_BUDGET_BYTES = 4 << 20
 
-_TOP, _OTHER, _MARK = object(), object(), object()
+_OTHER = object()
 _PUSH_OTHER = {"NONE", "NEWTRUE", "NEWFALSE", "BINFLOAT", "EMPTY_LIST", "EMPTY_TUPLE", "EMPTY_SET", "GLOBAL"}
 _PUSH_OTHER |= {"BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "FLOAT"}
 _INTS = {"BININT", "BININT1", "BININT2", "LONG1", "LONG4", "INT", "LONG"}
@@ -74,8 +79,14 @@ def read_top_level_ints(data: bytes, keys: tuple[str, ...]) -> dict[str, int | N
 
 
 def _walk(data: bytes, keys: tuple[str, ...]) -> dict[str, int | None]:
+    # Marks live on their own stack of positions, as in CPython's unpickler: finding the last mark
+    # is O(1), so deep nesting (millions of MARKs) costs what any other opcode costs, and a pop
+    # through a mark is an error here as it is there. The top-level dict is the one object that
+    # sits alone at the bottom of the stack; a dict made later in its place starts a fresh record.
     stack: list[Any] = []
+    marks: list[int] = []
     memo: dict[int, Any] = {}
+    top: Any = None
     found: dict[str, int | None] = {}
     checked_rest = False
     for op, arg, pos in pickletools.genops(data):
@@ -85,13 +96,18 @@ def _walk(data: bytes, keys: tuple[str, ...]) -> dict[str, int | None]:
         if name in ("PROTO", "FRAME"):
             continue
         if name == "STOP":
-            if stack != [_TOP]:
+            if len(stack) != 1 or marks or stack[0] is not top:
                 raise _Unknown
             return found
         if name == "MARK":
-            stack.append(_MARK)
-        elif name == "EMPTY_DICT":
-            stack.append(_TOP if not stack else _OTHER)
+            marks.append(len(stack))
+        elif name in ("EMPTY_DICT", "DICT"):
+            items = _pop_to_mark(stack, marks) if name == "DICT" else []
+            made = object()
+            if not stack and not marks:
+                top, found = made, {}
+            stack.append(made)
+            _assign(made, top, items, keys, found)
         elif name in _INTS:
             stack.append(("i", arg) if type(arg) is int else _OTHER)
         elif name in _STRS:
@@ -99,35 +115,32 @@ def _walk(data: bytes, keys: tuple[str, ...]) -> dict[str, int | None]:
         elif name in _PUSH_OTHER:
             stack.append(_OTHER)
         elif name in _PUTS:
-            memo[arg] = stack[-1]
+            memo[arg] = _peek(stack, marks)
         elif name == "MEMOIZE":
-            memo[len(memo)] = stack[-1]
+            memo[len(memo)] = _peek(stack, marks)
         elif name in _GETS:
             stack.append(memo[arg])
         elif name in _POP_N:
-            del stack[len(stack) - _POP_N[name] :]
+            _pop(stack, marks, _POP_N[name])
             stack.append(_OTHER)
         elif name in ("TUPLE", "LIST"):
-            _pop_to_mark(stack)
+            _pop_to_mark(stack, marks)
             stack.append(_OTHER)
-        elif name == "DICT":
-            items = _pop_to_mark(stack)
-            stack.append(_TOP if not stack else _OTHER)
-            _assign(stack[-1], items, keys, found)
-        elif name == "APPEND" or name == "BUILD":
-            stack.pop()
+        elif name in ("APPEND", "BUILD"):
+            _pop(stack, marks, 1)
+            _peek(stack, marks)
         elif name == "APPENDS":
-            _pop_to_mark(stack)
+            _pop_to_mark(stack, marks)
+            _peek(stack, marks)
         elif name == "SETITEM":
-            items = stack[-2:]
-            del stack[-2:]
-            _assign(stack[-1], items, keys, found)
+            items = _pop(stack, marks, 2)
+            _assign(_peek(stack, marks), top, items, keys, found)
         elif name == "SETITEMS":
-            items = _pop_to_mark(stack)
-            _assign(stack[-1], items, keys, found)
+            items = _pop_to_mark(stack, marks)
+            _assign(_peek(stack, marks), top, items, keys, found)
         else:
             raise _Unknown(name)
-        _note_pending_pair(stack, keys, found)
+        _note_pending_pair(stack, marks, top, keys, found)
         if not checked_rest and len(found) == len(keys):
             checked_rest = True
             if not _could_assign_again(data[pos + 1 :], keys, memo):
@@ -135,30 +148,52 @@ def _walk(data: bytes, keys: tuple[str, ...]) -> dict[str, int | None]:
     raise _Unknown("no STOP")
 
 
-def _note_pending_pair(stack: list[Any], keys: tuple[str, ...], found: dict[str, int | None]) -> None:
+def _note_pending_pair(
+    stack: list[Any], marks: list[int], top: Any, keys: tuple[str, ...], found: dict[str, int | None]
+) -> None:
     # torch.save puts a dict's items in batches: MARK, key, value, key, value..., SETITEMS. The
     # assignment happens at SETITEMS, after everything else in the batch (the whole state_dict),
     # so waiting for it would walk the whole file. A key and its value pushed as a pair right
     # above the top-level dict's MARK will be assigned by that SETITEMS: note it now, as the
     # SETITEMS would (the early-stop check guarantees nothing later can push the key again).
-    if len(stack) < 4 or not isinstance(stack[-2], tuple) or stack[-2][0] != "s" or stack[-2][1] not in keys:
+    if len(stack) < 3 or not isinstance(stack[-2], tuple) or stack[-2][0] != "s" or stack[-2][1] not in keys:
         return
-    at = len(stack) - 1 - stack[::-1].index(_MARK) if _MARK in stack else -1
-    if at != 1 or stack[0] is not _TOP or (len(stack) - at - 1) % 2:
+    if marks != [1] or stack[0] is not top or (len(stack) - 1) % 2:
         return
     value = stack[-1]
     found[stack[-2][1]] = value[1] if isinstance(value, tuple) and value[0] == "i" else None
 
 
-def _pop_to_mark(stack: list[Any]) -> list[Any]:
-    at = len(stack) - 1 - stack[::-1].index(_MARK)
-    items = stack[at + 1 :]
+def _peek(stack: list[Any], marks: list[int]) -> Any:
+    if len(stack) <= (marks[-1] if marks else 0):
+        raise _Unknown("nothing above the mark")
+    return stack[-1]
+
+
+def _pop(stack: list[Any], marks: list[int], n: int) -> list[Any]:
+    at = len(stack) - n
+    if at < (marks[-1] if marks else 0):
+        raise _Unknown("stack underflow")
+    items = stack[at:]
     del stack[at:]
     return items
 
 
-def _assign(target: Any, items: list[Any], keys: tuple[str, ...], found: dict[str, int | None]) -> None:
-    if target is not _TOP:
+def _pop_to_mark(stack: list[Any], marks: list[int]) -> list[Any]:
+    if not marks:
+        raise _Unknown("no mark")
+    at = marks.pop()
+    items = stack[at:]
+    del stack[at:]
+    return items
+
+
+def _assign(
+    target: Any, top: Any, items: list[Any], keys: tuple[str, ...], found: dict[str, int | None]
+) -> None:
+    if len(items) % 2:  # the unpickler refuses an odd count for DICT and SETITEMS
+        raise _Unknown("odd number of items")
+    if target is not top:
         return
     for key, value in zip(items[0::2], items[1::2], strict=True):
         if isinstance(key, tuple) and key[0] == "s" and key[1] in keys:

@@ -328,7 +328,10 @@ def scan_checkpoints(run_dir: str | os.PathLike[str]) -> list[ScanResult]:
     for entry in run_dir.iterdir():
         if entry.is_symlink():
             continue
-        if entry.is_file() and (entry.suffix == LIGHTNING_SUFFIX or is_lightning_temp_file(entry.name)):
+        # Not only regular files: a FIFO or device named like a .ckpt is listed as corrupt (the
+        # reader refuses it without blocking), not silently left out. Directories are other saves.
+        lightning_name = entry.suffix == LIGHTNING_SUFFIX or is_lightning_temp_file(entry.name)
+        if lightning_name and not entry.is_dir():
             found = inspect_lightning_file(entry)
             results.append(ScanResult(entry, found.step, found.status, found.reason, found.epoch))
         if not entry.is_dir():

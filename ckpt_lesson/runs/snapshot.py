@@ -23,6 +23,7 @@ from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.modules import model_state
 from ckpt_lesson.files.payload import optimizer_state_with_bindings, validate_payload
 from ckpt_lesson.files.rng import capture_rng_state, validate_rng_state
+from ckpt_lesson.runs.deferred_copy import DeferredCopies
 
 __all__ = ["TrainingSnapshot", "snapshot_payload"]
 
@@ -48,28 +49,32 @@ def _new_buffer(src: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(src, device="cpu")
 
 
-def _copy_tree(value: Any, old: Any = None) -> Any:
+def _copy_tree(value: Any, old: Any = None, later: DeferredCopies | None = None) -> Any:
     """Copy a state_dict-like tree into CPU memory of its own.
 
     ``old`` is the previous snapshot's tree: a tensor at the same place with
     the same shape, dtype and strides is overwritten in place instead of
-    allocating a new one. Everything else is copied fresh.
+    allocating a new one. Everything else is copied fresh. ``later`` takes the
+    tensors it wants (large parameters and moments) and copies them on the
+    writer thread instead (see :mod:`~ckpt_lesson.runs.deferred_copy`).
     """
     if isinstance(value, torch.Tensor):
         src = value.detach()
         buffer = old if _fits(old, src) else _new_buffer(src)
+        if later is not None and later.wants(src):
+            return later.add(buffer, src)
         return buffer.copy_(src, non_blocking=src.device.type == "cuda")
     if isinstance(value, dict):
         prev = old if isinstance(old, dict) else {}
         out = OrderedDict() if isinstance(value, OrderedDict) else {}
         for key, item in value.items():
-            out[key] = _copy_tree(item, prev.get(key))
+            out[key] = _copy_tree(item, prev.get(key), later)
         if hasattr(value, "_metadata"):  # module versions, used by load_state_dict
             out._metadata = copy.deepcopy(value._metadata)  # type: ignore[attr-defined]
         return out
     if isinstance(value, (list, tuple)):
         prev = old if isinstance(old, (list, tuple)) and len(old) == len(value) else [None] * len(value)
-        items = [_copy_tree(item, before) for item, before in zip(value, prev, strict=True)]
+        items = [_copy_tree(item, before, later) for item, before in zip(value, prev, strict=True)]
         return items if isinstance(value, list) else tuple(items)
     return copy.deepcopy(value)
 
@@ -122,6 +127,7 @@ class TrainingSnapshot:
         *,
         reuse: TrainingSnapshot | None = None,
         rng: dict[str, Any] | None = None,
+        later: DeferredCopies | None = None,
     ) -> TrainingSnapshot:
         """Copy the training state now, on the calling thread.
 
@@ -134,6 +140,8 @@ class TrainingSnapshot:
             reuse: A previous snapshot that nothing reads any more (its save
                 has finished): its tensor buffers are overwritten and reused.
                 Passing one still in use would change that save's values.
+            later: Takes the large parameter and moment tensors, to be copied
+                on the writer thread before anything reads the snapshot.
 
         Returns:
             A snapshot; the live objects may change as soon as this returns.
@@ -160,8 +168,8 @@ class TrainingSnapshot:
             return part.state_dict() if part is not None else None
 
         snapshot = cls(
-            model=_FrozenState(_copy_tree(model_sd, old(reuse and reuse.model))),
-            optimizer=_FrozenState(_copy_tree(optimizer_sd, old(reuse and reuse.optimizer))),
+            model=_FrozenState(_copy_tree(model_sd, old(reuse and reuse.model), later)),
+            optimizer=_FrozenState(_copy_tree(optimizer_sd, old(reuse and reuse.optimizer), later)),
             scheduler=None
             if scheduler is None
             else _FrozenState(_copy_tree(scheduler.state_dict(), old(reuse and reuse.scheduler))),
@@ -173,13 +181,16 @@ class TrainingSnapshot:
         return snapshot
 
 
-def snapshot_payload(payload: dict[str, Any], *, reuse: dict[str, Any] | None = None) -> dict[str, Any]:
+def snapshot_payload(
+    payload: dict[str, Any], *, reuse: dict[str, Any] | None = None, later: DeferredCopies | None = None
+) -> dict[str, Any]:
     """A state-API payload copied into memory of its own (tensors, values and RNG), now.
 
     ``build_state_payload`` returns the parts' live tensors; an asynchronous save
     must write the values of *this* moment, so every part, plain value and the
     RNG block is copied before the training thread moves on. ``reuse`` is a
     previous copy that nothing reads any more: its buffers are refilled.
+    ``later`` takes the large parameter and moment tensors for the writer thread.
 
     Example:
         >>> from ckpt_lesson.files.state_payload import build_state_payload
@@ -191,6 +202,6 @@ def snapshot_payload(payload: dict[str, Any], *, reuse: dict[str, Any] | None = 
     old = reuse or {}
     out = dict(payload)
     for key in ("objects", "values", "rng"):
-        out[key] = _copy_tree(payload[key], old.get(key))
+        out[key] = _copy_tree(payload[key], old.get(key), later)
     _sync_if_cuda()
     return out

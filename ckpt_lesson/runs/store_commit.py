@@ -57,10 +57,12 @@ __all__ = [
     "LEASE_NAME",
     "apply_store_retention",
     "clean_uncommitted",
+    "commit_attempt",
     "committed_steps",
     "delete_store_save",
     "read_commit",
     "upload_save",
+    "write_lease",
 ]
 
 log = logging.getLogger("ckpt_lesson.runs.manager")
@@ -80,7 +82,12 @@ def _marker_key(step: int) -> str:
     return f"{step_dir_name(step)}/{COMMIT_NAME}"
 
 
-def _write_lease(storage: Storage, attempt: str, lease_seconds: float) -> None:
+def write_lease(storage: Storage, attempt: str, lease_seconds: float) -> None:
+    """Write (or renew) ``attempt/LEASE``: this writer promises to finish within ``lease_seconds``.
+
+    Example:
+        >>> write_lease(store, "step-00000040/5be0c1", 900)  # doctest: +SKIP
+    """
     lease = {"writer": f"{socket.gethostname()}:{os.getpid()}", "expires_at": time.time() + lease_seconds}
     storage.put_bytes(f"{attempt}/{LEASE_NAME}", json.dumps(lease).encode())
 
@@ -115,7 +122,7 @@ def upload_save(
     manifest = read_manifest(local)
     save_id = manifest["save_id"]
     attempt = f"{step_dir_name(step)}/{save_id}"
-    _write_lease(storage, attempt, lease_seconds)
+    write_lease(storage, attempt, lease_seconds)
     for i, part in enumerate(manifest["parts"]):
         part_algo, want = part_digest(part)
         size, got = storage.put_file(f"{attempt}/{part['file']}", local / part["file"], algo=part_algo)
@@ -126,9 +133,39 @@ def upload_save(
                 "Nothing was committed."
             )
         if i + 1 < len(manifest["parts"]):  # renewed between parts: a long upload stays "alive"
-            _write_lease(storage, attempt, lease_seconds)
+            write_lease(storage, attempt, lease_seconds)
     manifest_bytes = (local / MANIFEST_NAME).read_bytes()
     storage.put_bytes(f"{attempt}/{MANIFEST_NAME}", manifest_bytes)
+    return commit_attempt(storage, step, save_id, manifest_bytes, algo=algo)
+
+
+def commit_attempt(
+    storage: Storage, step: int, save_id: str, manifest_bytes: bytes, *, algo: str
+) -> dict[str, Any]:
+    """Create ``COMMIT`` for an upload whose parts and manifest are all in place; the last write of a save.
+
+    Shared by :func:`upload_save` and the multi-rank manager's object-store writer.
+
+    Args:
+        storage: The run's store.
+        step: The step.
+        save_id: The upload's id: its objects live under ``step-XXXXXXXX/<save_id>/``.
+        manifest_bytes: The exact bytes of the uploaded ``manifest.json``.
+        algo: Hash of the manifest digest the marker records.
+
+    Returns:
+        The marker written.
+
+    Raises:
+        CommitConflictError: ``COMMIT`` for ``step`` already exists (another
+            writer won); this writer's upload is deleted first.
+        LoadEnvironmentError: The store cannot be reached.
+
+    Example:
+        >>> commit_attempt(store, 40, save_id, raw, algo="xxh3_128")  # doctest: +SKIP
+        {'schema': 'ckpt_lesson.commit/1', 'step': 40, ...}
+    """
+    attempt = f"{step_dir_name(step)}/{save_id}"
     marker = {
         "schema": COMMIT_SCHEMA,
         "step": step,

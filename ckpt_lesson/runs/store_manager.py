@@ -33,13 +33,15 @@ from ckpt_lesson.runs.commit import delete_save
 from ckpt_lesson.runs.manager import CheckpointManager, log
 from ckpt_lesson.runs.scan import published_steps, step_dir_name
 from ckpt_lesson.runs.store_commit import (
+    COMMIT_NAME,
+    CommitConflictError,
     apply_store_retention,
     clean_uncommitted,
     committed_steps,
     read_commit,
     upload_save,
 )
-from ckpt_lesson.runs.store_restore import fetch_verified
+from ckpt_lesson.runs.store_restore import fetch_verified, verify_store_save
 
 __all__ = ["StoreCheckpointManager"]
 
@@ -132,9 +134,12 @@ class StoreCheckpointManager(CheckpointManager):
     def _upload(self, local: Path) -> str:
         step = int(self.last_save["step"]) if self.last_save else -1
         try:
-            upload_save(
-                self.storage, local, step, algo=self.config.hash_algo, lease_seconds=self.lease_seconds
-            )
+            try:
+                self._upload_once(local, step)
+            except CommitConflictError:
+                if not self._retire_if_damaged(step):
+                    raise  # a whole save of this step exists: another writer really won
+                self._upload_once(local, step)  # the damaged save's marker is gone: commit this one
             self._emit("uploaded", step=step, url=f"{self.url}/{step_dir_name(step)}")
         finally:
             delete_save(local)  # scratch either way: the store holds the durable copy
@@ -145,6 +150,36 @@ class StoreCheckpointManager(CheckpointManager):
         if self.last_save is not None:
             self.last_save["path"] = url
         return url
+
+    def _upload_once(self, local: Path, step: int) -> None:
+        upload_save(self.storage, local, step, algo=self.config.hash_algo, lease_seconds=self.lease_seconds)
+
+    def _retire_if_damaged(self, step: int) -> bool:
+        """Remove ``step``'s marker if the save it commits is damaged; False when it is whole.
+
+        A flipped byte in a committed save makes every restore skip it, and its
+        marker would refuse every later commit of the step. Only a save that
+        fails verification here loses its marker, and only by a delete
+        conditional on the ETag just read (``If-Match``), so a marker another
+        writer created meanwhile is never removed; the caller then uploads its
+        save again (the refused attempt deleted its own objects). The damaged
+        parts stay until the next :meth:`clean_stale` (no marker names them).
+        """
+        key = f"{step_dir_name(step)}/{COMMIT_NAME}"
+        try:
+            _, etag = self.storage.stat(key)  # type: ignore[attr-defined]
+        except FileNotFoundError:
+            return True  # gone meanwhile (retention?): the conditional create decides again
+        try:
+            verify_store_save(self.storage, step)
+            return False  # a whole save: another writer really committed this step
+        except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
+            reason = str(exc)
+        if not self.storage.delete_if_match(key, etag):  # type: ignore[attr-defined]
+            return False
+        log.warning("%s/%s: committed save was damaged (%s); its marker was removed", self.url, key, reason)
+        self._emit("quarantined", step=step, path=f"{self.url}/{step_dir_name(step)}", reason=reason)
+        return True
 
     def clean_stale(self, *, spare_own: bool = False) -> list[str]:
         """Local leftovers, then uploads in the store whose writer's lease has expired."""

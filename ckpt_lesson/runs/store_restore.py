@@ -18,35 +18,42 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CorruptCheckpointError, IncompleteCheckpointError
 from ckpt_lesson.files.hashing import new_hasher, part_digest
 from ckpt_lesson.files.storage import Storage
+from ckpt_lesson.files.storage_transfer import RANGE_BYTES
 from ckpt_lesson.runs.scan import MANIFEST_NAME, read_manifest, step_dir_name
 from ckpt_lesson.runs.store_commit import read_commit
 
-__all__ = ["fetch_verified"]
+__all__ = ["fetch_verified", "read_verified", "verify_store_save"]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-#: Ranged GETs this large: few requests, bounded memory.
-DOWNLOAD_CHUNK_BYTES = 64 << 20
+#: Ranged GETs this large, several in flight (files/storage_transfer.py): few requests, bounded memory.
+DOWNLOAD_CHUNK_BYTES = RANGE_BYTES
+
+Sink = Callable[[memoryview], None]
 
 
-def _fetch_part(storage: Storage, key: str, dest: Path, part: dict[str, Any]) -> None:
+def _stream_part(storage: Storage, key: str, part: dict[str, Any], sink: Sink) -> None:
+    """Stream one part down, hashing every block in order and handing it to ``sink``; check it all.
+
+    ``sink`` sees only bytes within the recorded size; the check comes after the last
+    block, so whatever ``sink`` kept is unverified until this returns.
+    """
     algo, want = part_digest(part)
     hasher, size = new_hasher(algo), 0
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
     try:
-        with os.fdopen(fd, "wb") as out:
-            for chunk in storage.iter_chunks(key, chunk=DOWNLOAD_CHUNK_BYTES, size=part["bytes"]):
-                size += len(chunk)
-                if size > part["bytes"]:
-                    break  # longer than recorded: damage, and no reason to download the rest
-                hasher.update(chunk)
-                out.write(chunk)
+        for chunk in storage.iter_chunks(key, chunk=DOWNLOAD_CHUNK_BYTES, size=part["bytes"]):
+            size += len(chunk)
+            if size > part["bytes"]:
+                break  # longer than recorded: damage, and no reason to download the rest
+            hasher.update(chunk)
+            sink(memoryview(chunk))
     except FileNotFoundError:
         raise IncompleteCheckpointError(
             f"{storage.where(key)}: missing (deleted, or never uploaded); restore an older save."
@@ -56,6 +63,29 @@ def _fetch_part(storage: Storage, key: str, dest: Path, part: dict[str, Any]) ->
             f"{storage.where(key)}: {size} bytes that do not match the manifest "
             f"({part['bytes']} bytes, {algo} {want}); it is damaged. Restore an older save."
         )
+
+
+def _fetch_part(storage: Storage, key: str, dest: Path, part: dict[str, Any]) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        _stream_part(storage, key, part, out.write)
+
+
+def _checked_manifest(storage: Storage, step: int, marker: dict[str, Any], raw: bytes) -> dict[str, Any]:
+    """The manifest ``raw`` parsed and sealed-checked like a local one, and matched to the marker."""
+    with tempfile.TemporaryDirectory(prefix="ckpt-lesson-manifest-") as folder:
+        fd = os.open(Path(folder) / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(raw)
+        manifest = read_manifest(Path(folder))  # schema, seal, part names that stay inside the folder
+    if manifest["step"] != step or manifest["save_id"] != marker["save_id"]:
+        raise CorruptCheckpointError(
+            f"{storage.where(step_dir_name(step))}: the manifest names step {manifest['step']} / save "
+            f"{manifest['save_id']}, the marker step {step} / save {marker['save_id']}; "
+            "restore an older save."
+        )
+    return manifest
 
 
 def fetch_verified(storage: Storage, step: int, cache: Path) -> dict[str, Any]:
@@ -86,17 +116,68 @@ def fetch_verified(storage: Storage, step: int, cache: Path) -> dict[str, Any]:
         fd = os.open(target / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as out:
             out.write(raw)
-        manifest = read_manifest(target)  # schema, seal, and part names that stay inside the folder
-        if manifest["step"] != step or manifest["save_id"] != marker["save_id"]:
-            raise CorruptCheckpointError(
-                f"{storage.where(step_dir_name(step))}: the manifest names step {manifest['step']} / save "
-                f"{manifest['save_id']}, the marker step {step} / save {marker['save_id']}; "
-                "restore an older save."
-            )
+        manifest = _checked_manifest(storage, step, marker, raw)
         attempt = f"{step_dir_name(step)}/{marker['save_id']}"
         for part in manifest["parts"]:
             _fetch_part(storage, f"{attempt}/{part['file']}", target / part["file"], part)
     except BaseException:
         shutil.rmtree(target, ignore_errors=True)
         raise
+    return manifest
+
+
+def read_verified(storage: Storage, step: int) -> tuple[dict[str, Any], dict[str, bytearray]]:
+    """Download committed save ``step`` into memory, verifying every byte; no part is written locally.
+
+    Args:
+        storage: The run's store.
+        step: A step with a ``COMMIT`` marker.
+
+    Returns:
+        ``(manifest, {part file name: its verified bytes})``; hand a part to
+        ``torch.load(io.BytesIO(...), weights_only=True)`` only after this returned.
+
+    Raises:
+        CorruptCheckpointError: As :func:`fetch_verified`.
+        IncompleteCheckpointError: The manifest or a part is missing.
+        LoadEnvironmentError: The store cannot be reached.
+
+    Example:
+        >>> manifest, parts = read_verified(store, 240)  # doctest: +SKIP
+        >>> torch.load(io.BytesIO(parts["checkpoint.pt"]), weights_only=True)  # doctest: +SKIP
+    """
+    marker, raw = read_commit(storage, step)
+    manifest = _checked_manifest(storage, step, marker, raw)
+    attempt = f"{step_dir_name(step)}/{marker['save_id']}"
+    parts: dict[str, bytearray] = {}
+    for part in manifest["parts"]:
+        buf, filled = bytearray(part["bytes"]), [0]
+
+        def fill(block: memoryview, buf: bytearray = buf, filled: list[int] = filled) -> None:
+            buf[filled[0] : filled[0] + len(block)] = block
+            filled[0] += len(block)
+
+        _stream_part(storage, f"{attempt}/{part['file']}", part, fill)
+        parts[part["file"]] = buf
+    return manifest, parts
+
+
+def verify_store_save(storage: Storage, step: int) -> dict[str, Any]:
+    """Hash every byte of committed save ``step`` as it streams by, keeping none of it (for ``scan``).
+
+    Returns:
+        The save's manifest.
+
+    Raises:
+        CorruptCheckpointError, IncompleteCheckpointError, LoadEnvironmentError: As :func:`fetch_verified`.
+
+    Example:
+        >>> verify_store_save(store, 240)["step"]  # doctest: +SKIP
+        240
+    """
+    marker, raw = read_commit(storage, step)
+    manifest = _checked_manifest(storage, step, marker, raw)
+    attempt = f"{step_dir_name(step)}/{marker['save_id']}"
+    for part in manifest["parts"]:
+        _stream_part(storage, f"{attempt}/{part['file']}", part, lambda block: None)
     return manifest

@@ -8,7 +8,6 @@ upload that no marker names (a writer that died, or one still running: see
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,13 +16,13 @@ from ckpt_lesson.errors import CorruptCheckpointError, IncompleteCheckpointError
 from ckpt_lesson.files.storage import open_storage
 from ckpt_lesson.runs.scan import ScanResult, step_dir_name, step_of
 from ckpt_lesson.runs.store_commit import committed_steps, read_commit
-from ckpt_lesson.runs.store_restore import fetch_verified
+from ckpt_lesson.runs.store_restore import verify_store_save
 
 __all__ = ["scan_store"]
 
 
 def scan_store(url: str, storage_options: Mapping[str, Any] | None = None) -> list[ScanResult]:
-    """Verify every committed save under ``url`` (downloading it) and list uncommitted uploads.
+    """Verify every committed save under ``url`` (streaming and hashing it) and list uncommitted uploads.
 
     Args:
         url: The run's prefix, e.g. ``s3://bucket/runs/exp1``.
@@ -44,17 +43,16 @@ def scan_store(url: str, storage_options: Mapping[str, Any] | None = None) -> li
     keys = storage.list_keys()
     results = []
     named: set[str] = set()
-    with tempfile.TemporaryDirectory(prefix="ckpt-lesson-scan-") as cache:
-        for step in committed_steps(storage, keys):
-            path = Path(step_dir_name(step))
-            try:
-                named.add(f"{step_dir_name(step)}/{read_commit(storage, step)[0]['save_id']}")
-                fetch_verified(storage, step, Path(cache))
-                results.append(ScanResult(path, step, "ok"))
-            except IncompleteCheckpointError as exc:
-                results.append(ScanResult(path, step, "incomplete", str(exc)))
-            except CorruptCheckpointError as exc:
-                results.append(ScanResult(path, step, "corrupt", str(exc)))
+    for step in committed_steps(storage, keys):
+        path = Path(step_dir_name(step))
+        try:
+            named.add(f"{step_dir_name(step)}/{read_commit(storage, step)[0]['save_id']}")
+            verify_store_save(storage, step)  # hashed as it streams by; nothing is written locally
+            results.append(ScanResult(path, step, "ok"))
+        except IncompleteCheckpointError as exc:
+            results.append(ScanResult(path, step, "incomplete", str(exc)))
+        except CorruptCheckpointError as exc:
+            results.append(ScanResult(path, step, "corrupt", str(exc)))
     attempts = sorted({"/".join(k.split("/")[:2]) for k in keys if k.count("/") >= 2} - named)
     for attempt in attempts:
         head, save_id = attempt.split("/")

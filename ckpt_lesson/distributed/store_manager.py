@@ -1,0 +1,249 @@
+"""DistributedCheckpointManager on an object store: ``DistributedCheckpointManager("s3://bucket/run")``.
+
+The same collective API and the same guarantees as the manager on a shared
+file system, with the commit protocol of :mod:`ckpt_lesson.runs.store_commit`
+instead of a rename (an object store has none: on S3 a rename is a copy and a
+delete). The life of one save of step 40 by two ranks::
+
+    rank 0: refuse if step-00000040/COMMIT exists; pick a save_id; write its LEASE
+    all:    dcp.save(..., storage_writer=StoreCommitWriter)   every rank uploads and hashes its objects
+    rank 0: finish: every item written? .metadata, manifest.json, then COMMIT with If-None-Match: *;
+            retention (markers first, then the objects)
+
+A restore lists the ``COMMIT`` markers, and for the newest first verifies every
+object on every rank together (:mod:`.store_reader`) before DCP reads it,
+falling back to the previous committed save on damage. What is assumed of the
+store, and checked once when the manager opens the run: strong read-after-write
+consistency, and conditional creates that really refuse a second writer (S3
+since August 2024; see :mod:`ckpt_lesson.files.storage_fsspec`).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import replace
+from pathlib import PurePosixPath
+from typing import Any
+
+from ckpt_lesson.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    LoadEnvironmentError,
+)
+from ckpt_lesson.files.storage import open_storage
+from ckpt_lesson.runs.scan import step_dir_name, step_of
+from ckpt_lesson.runs.store_commit import (
+    COMMIT_NAME,
+    apply_store_retention,
+    clean_uncommitted,
+    committed_steps,
+    read_commit,
+    write_lease,
+)
+
+from .manager import DistributedCheckpointManager
+from .restore import DistributedRestore, restore_newest
+from .saving import SaveJob, check_inputs, manifest_fields
+from .store_reader import StoreReader, verify_store_save
+from .store_writer import StoreCommitWriter
+
+__all__ = ["DEFAULT_LEASE_SECONDS", "StoreDistributedCheckpointManager"]
+
+log = logging.getLogger("ckpt_lesson.distributed")
+
+#: How long a writer that went silent still counts as alive (its upload is left alone until then).
+DEFAULT_LEASE_SECONDS = 900.0
+
+
+class StoreRetention:
+    """Which saves the store holds, and the purge after each commit (rank 0, inside ``finish``)."""
+
+    def __init__(self, manager: StoreDistributedCheckpointManager) -> None:
+        self.manager = manager
+
+    def published(self) -> list[int] | LoadEnvironmentError:
+        """Committed steps (a ``COMMIT`` marker each), ascending; markers are read at restore.
+
+        Rank 0 lists and broadcasts the answer; an unreachable store comes back as the error
+        itself, so every rank raises it (a rank 0 that raised alone would leave the others
+        waiting in the broadcast).
+        """
+        try:
+            return committed_steps(self.manager.storage)
+        except LoadEnvironmentError as exc:
+            return exc
+
+    def after_publish(self, final: str, manifest: dict[str, Any]) -> None:
+        """Apply the retention policy; a failed purge is logged, never turned into a failed save."""
+        try:
+            deleted = apply_store_retention(self.manager.storage, self.manager.policy)
+            for step in deleted:
+                self.manager._emit("retention_delete", step=step)
+        except Exception:
+            log.exception("retention after %s failed; the save itself is committed", final)
+
+    def mark_good(self, step: int) -> None:
+        """Nothing to remember: the store's retention reads markers on every pass."""
+
+    def wait(self) -> None:
+        """Retention runs inside the commit: nothing is in flight."""
+
+
+class StoreDistributedCheckpointManager(DistributedCheckpointManager):
+    """:class:`DistributedCheckpointManager` whose run lives in an object store.
+
+    ``DistributedCheckpointManager("s3://bucket/prefix", ...)`` builds one. Every
+    rank reaches the store itself (credentials and endpoint from the
+    environment, ``AWS_ENDPOINT_URL`` and friends, or ``storage_options``).
+
+    Args:
+        run_dir: The run's URL, e.g. ``s3://bucket/runs/exp1`` (any fsspec URL).
+        storage_options: fsspec options (``key``, ``secret``, ``client_kwargs``);
+            ``None`` reads them from the environment, as boto3 does.
+        lease_seconds: How long a silent writer's upload counts as alive; a dead
+            writer's leftovers are removed after that when a manager opens the run.
+        publish: Only ``"marker"``: a rename on an object store is a copy and a delete.
+        **kwargs: What :class:`DistributedCheckpointManager` accepts (``keep_last``,
+            ``every_steps``, ``retention``, ``on_event``, ``thread_count``, ...).
+
+    Raises:
+        CheckpointError: ``publish="rename"``, the store client is missing
+            (``pip install ckpt_lesson[s3]``), or the store lacks conditional writes.
+        LoadEnvironmentError: The bucket cannot be reached (wrong credentials,
+            no such bucket); every rank raises it, naming the bucket.
+
+    Example:
+        >>> mgr = DistributedCheckpointManager("s3://bucket/runs/a", keep_last=2)  # doctest: +SKIP
+        >>> restored = mgr.restore_latest({"model": model, "optimizer": opt})  # doctest: +SKIP
+        >>> mgr.save(100, {"model": model, "optimizer": opt})  # doctest: +SKIP
+        's3://bucket/runs/a/step-00000100'
+    """
+
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        publish: str = "marker",
+        **kwargs: Any,
+    ) -> None:
+        if publish == "rename":
+            raise CheckpointError(
+                f"{run_dir}: publish='rename' needs a POSIX file system; on an object store a rename is a "
+                "copy and a delete, never atomic. A URL run publishes by its conditional COMMIT marker: "
+                "leave publish unset (or pass publish='marker')."
+            )
+        if not lease_seconds > 0:
+            raise CheckpointError(f"lease_seconds must be > 0, got {lease_seconds!r}.")
+        self.url = str(run_dir).rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self.storage = open_storage(self.url, self.storage_options)  # no request yet: rank 0 checks below
+        self.lease_seconds = float(lease_seconds)
+        super().__init__(self.url, publish=publish, **kwargs)
+        self._retention = StoreRetention(self)  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"StoreDistributedCheckpointManager({self.url!r})"
+
+    def _open_run(self) -> None:  # rank 0, once: reach the bucket, prove the marker fences, clean up
+        self.storage.check_conditional_writes()
+        for attempt in clean_uncommitted(self.storage):
+            log.info("%s: removed an upload nobody committed (its writer's lease expired)", attempt)
+
+    def _clean(self) -> None:  # after a save: the uploads of dead writers wait for the next open
+        pass
+
+    def step_dir(self, step: int) -> str:  # type: ignore[override]
+        """The URL of ``step``'s saves (its ``COMMIT`` marker and one prefix per attempt)."""
+        return self.storage.where(step_dir_name(step))
+
+    # ------------------------------------------------------------------ save
+
+    def _begin(
+        self, model: Any, optimizer: Any, scheduler: Any, state: Any, data_state: Any, rng: Any = None
+    ) -> SaveJob:
+        if self._closed:
+            raise CheckpointError(f"{self.url}: this manager is closed; create a new one.")
+        step, state_dict, covers = check_inputs(
+            ctl=self._ctl,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            state=state,
+            data_state=data_state,
+            rng=rng,
+            emit=self._emit,
+        )
+        stack, save_id, refusal = ExitStack(), None, None
+        if self.rank == 0:
+            try:
+                save_id = uuid.uuid4().hex
+                stack.enter_context(self._attempt(step, save_id))
+            except CheckpointError as exc:
+                stack.close()
+                refusal = exc
+        save_id, refusal = self._ctl.broadcast((save_id, refusal))
+        if refusal is not None:
+            raise refusal
+        writer = StoreCommitWriter(
+            self.storage,
+            step=step,
+            save_id=save_id,
+            manifest_fields=manifest_fields(self._ctl, state, covers, self.metadata),
+            algo=self.algo,
+            emit=self._emit,
+            after_publish=self._retention.after_publish if self.rank == 0 else None,
+            thread_count=self.thread_count,
+            storage_options=self.storage_options,
+        )
+        job = SaveJob(step, self.step_dir(step), writer, state_dict, stack)
+        self._cadence.mark_saved(step)  # at request time: a save in flight must not be requested again
+        return job
+
+    @contextmanager
+    def _attempt(self, step: int, save_id: str) -> Iterator[None]:
+        """Rank 0: refuse a committed step, write the LEASE; on failure remove the (uncommitted) upload."""
+        if f"{step_dir_name(step)}/{COMMIT_NAME}" in self.storage.list_keys(step_dir_name(step)):
+            raise CheckpointError(
+                f"{self.step_dir(step)}: step {step} is already committed; a save is never overwritten. "
+                "Save a later step (or is another writer running this run?)."
+            )
+        attempt = f"{step_dir_name(step)}/{save_id}"
+        write_lease(self.storage, attempt, self.lease_seconds)
+        try:
+            yield
+        except BaseException:
+            try:
+                if not self._committed(step, save_id):  # an error after the marker leaves a good save
+                    self.storage.delete(self.storage.list_keys(attempt))
+                    self.storage.abort_uploads(attempt + "/")
+            except CheckpointError as exc:
+                log.warning("%s: failed upload not removed (%s); it goes once its lease ends", attempt, exc)
+            raise
+
+    def _committed(self, step: int, save_id: str) -> bool:
+        try:
+            return read_commit(self.storage, step)[0]["save_id"] == save_id
+        except (CorruptCheckpointError, IncompleteCheckpointError):
+            return False
+
+    # ------------------------------------------------------------------ restore
+
+    def _restore_newest(self, steps: list[int], **options: Any) -> DistributedRestore | None:
+        if isinstance(steps, LoadEnvironmentError):  # rank 0 could not list the run (see StoreRetention)
+            raise steps
+        restored = restore_newest(
+            [PurePosixPath(step_dir_name(step)) for step in steps],  # type: ignore[misc]
+            where=self.url,
+            verify=lambda folder, comm: verify_store_save(self.storage, step_of(folder.name), comm),
+            make_reader=lambda verified: StoreReader(verified, self.storage_options),
+            **options,
+        )
+        if restored is None:
+            return None
+        return replace(restored, path=self.step_dir(restored.step))

@@ -1,0 +1,203 @@
+"""DistributedCheckpointManager on an object store: 2 gloo ranks against a real S3 API (moto server).
+
+One launch of 2 ranks trains an FSDP2 run and saves steps 2, 4 (asynchronously)
+and 6 (state API) to a bucket, restoring 4 and 6 into fresh objects; the checks
+below read what it recorded and what it left in the bucket. Nothing is mocked:
+s3fs speaks HTTP to moto, DCP's fsspec writer and reader do the I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _distributed_workers import launch, make_run, train_step
+from _s3_server import Bucket, options_for
+from _store_dcp_workers import w_open, w_restore, w_save_and_restore, w_zombie
+
+from ckpt_lesson import CheckpointError
+from ckpt_lesson.distributed import DistributedCheckpointManager
+from ckpt_lesson.errors import LoadEnvironmentError
+from ckpt_lesson.files.storage_fsspec import FsspecStorage
+
+
+@pytest.fixture(scope="module")
+def stored(s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Bucket, Path]:
+    bucket = Bucket(f"t-{uuid.uuid4().hex[:20]}", s3_endpoint, options_for(s3_endpoint))
+    bucket.fs().call_s3("create_bucket", Bucket=bucket.name)
+    out = tmp_path_factory.mktemp("dcp_store")
+    assert launch(w_save_and_restore, 2, out, bucket.url(), bucket.options, str(out), limit=240) == [0, 0]
+    return bucket, out
+
+
+def _reports(out: Path, name: str) -> list[dict[str, Any]]:
+    return [json.loads((out / f"{name}-rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def _attempt_files(store: FsspecStorage, step_dir: str) -> dict[str, list[str]]:
+    """``{save_id or "": [names]}`` of every object under one step."""
+    found: dict[str, list[str]] = {}
+    for key in store.list_keys(step_dir):
+        parts = key.split("/")
+        found.setdefault(parts[1] if len(parts) == 3 else "", []).append(parts[-1])
+    return {k: sorted(v) for k, v in found.items()}
+
+
+def test_two_ranks_save_to_a_bucket_and_restore_bit_for_bit_in_both_api_forms(
+    stored: tuple[Bucket, Path],
+) -> None:
+    bucket, out = stored
+    for rank, report in enumerate(_reports(out, "round")):
+        assert report["first"] == f"{bucket.url()}/step-00000002"
+        assert (report["step"], report["batches"]) == (4, 4)  # the asynchronous save, this rank's data
+        assert report["path"] == f"{bucket.url()}/step-00000004"
+        assert report["differences"] == []
+        assert "file_written" in report["events"]  # every rank uploads its own files
+        assert ("published" in report["events"]) is (rank == 0)  # the commit is rank 0's
+        api = report["state_api"]
+        assert (api["step"], api["note"], api["differences"], api["scheduler"]) == (
+            6,
+            {"rank": rank},
+            [],
+            True,
+        )
+        assert report["saved6"] == f"{bucket.url()}/step-00000006"
+    assert _reports(out, "round")[0]["tensors"] > 10  # weights, biases, both AdamW moments, step counters
+    store = FsspecStorage(bucket.url(), bucket.options)
+    layout = _attempt_files(store, "step-00000006")
+    [(save_id, names)] = [(k, v) for k, v in layout.items() if k]
+    assert layout[""] == ["COMMIT"]  # written last; the LEASE went after it, no .metadata.tmp is left
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]
+    marker = json.loads(store.read_bytes("step-00000006/COMMIT", limit=1 << 16))
+    assert (marker["step"], marker["save_id"]) == (6, save_id)
+
+
+def test_a_flipped_byte_falls_back_on_both_ranks_and_a_step_without_its_marker_is_never_seen(
+    stored: tuple[Bucket, Path], tmp_path: Path
+) -> None:
+    bucket, _ = stored
+    store = FsspecStorage(bucket.url(), bucket.options)
+    [save_id] = [k for k in _attempt_files(store, "step-00000006") if k]
+    victim = f"step-00000006/{save_id}/__1_0.distcp"  # rank 1 hashes this one; rank 0 must agree anyway
+    data = bytearray(store.read_bytes(victim, limit=1 << 30))
+    data[len(data) // 2] ^= 0x01
+    store.put_bytes(victim, bytes(data))
+    store.delete(["step-00000004/COMMIT"])  # the state a kill between manifest and marker leaves
+    assert launch(w_restore, 2, tmp_path, bucket.url(), bucket.options, str(tmp_path), "fallback") == [0, 0]
+    for report in _reports(tmp_path, "fallback"):
+        assert report["error"] is None
+        assert report["step"] == 2
+        assert report["committed"] == [2, 6]
+        [skipped] = report["skipped"]  # step 4 is not even a candidate
+        assert (skipped["step"], skipped["status"]) == (6, "corrupt")
+        assert "__1_0.distcp" in skipped["reason"]
+
+
+def test_a_zombie_writer_stalled_before_its_marker_is_refused_on_both_ranks_and_its_upload_removed(
+    s3_bucket: Bucket, tmp_path: Path
+) -> None:
+    url, options = s3_bucket.url(), s3_bucket.options
+    codes: list[list[int]] = []
+    zombie = threading.Thread(
+        target=lambda: codes.append(launch(w_zombie, 2, tmp_path, url, options, str(tmp_path)))
+    )
+    zombie.start()
+    deadline = time.monotonic() + 180
+    while not (tmp_path / "paused").exists() and zombie.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (tmp_path / "paused").exists(), "the zombie never reached its marker"
+    # Its replacement (one process here) commits the same step while the zombie is stalled.
+    model, opt, sched, sampler = make_run("plain", 1, 0)
+    for _ in range(2):  # not the zombie's weights (it trained one step)
+        train_step(model, opt, sched, sampler)
+    with DistributedCheckpointManager(url, storage_options=options, keep_last=5, every_steps=2) as mgr:
+        mgr.save(8, {"model": model, "optimizer": opt})
+    (tmp_path / "go").touch()
+    zombie.join(timeout=240)
+    assert codes == [[0, 0]]
+    for report in _reports(tmp_path, "zombie"):
+        assert report["error"]["type"] == "CommitConflictError"
+        assert "already committed by another writer" in report["error"]["message"]
+    store = FsspecStorage(url, options)
+    fresh, fresh_opt, _, _ = make_run("plain", 1, 0)
+    with DistributedCheckpointManager(url, storage_options=options, every_steps=2) as mgr:
+        restored = mgr.restore_latest({"model": fresh, "optimizer": fresh_opt})
+    assert restored.step == 8
+    # The marker and one upload, the replacement's; the zombie deleted its own.
+    assert sorted(_attempt_files(store, "step-00000008")) == ["", restored.save_id]
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_publish_by_rename_is_refused_for_a_url(s3_bucket: Bucket) -> None:
+    options = s3_bucket.options
+    with pytest.raises(CheckpointError, match=r"publish='rename' needs a POSIX file system"):
+        DistributedCheckpointManager(run_dir=s3_bucket.url(), storage_options=options, publish="rename")
+
+
+def test_a_missing_bucket_is_a_load_environment_error_naming_it(s3_bucket: Bucket) -> None:
+    with pytest.raises(LoadEnvironmentError, match="no-such-bucket-23"):
+        DistributedCheckpointManager(
+            "s3://no-such-bucket-23/run", storage_options=s3_bucket.options, every_steps=2
+        )
+
+
+def test_wrong_credentials_are_the_same_load_environment_error_on_both_ranks_naming_the_bucket(
+    s3_bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import moto.settings
+
+    # moto checks signatures only when asked to; then an unknown access key is refused like on S3.
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+    bad = options_for(s3_bucket.endpoint, key="AKIAWRONGWRONGWRONG0", secret="wrong")
+    assert launch(w_open, 2, tmp_path, s3_bucket.url(), bad, str(tmp_path)) == [0, 0]
+    for report in _reports(tmp_path, "open"):
+        assert report["error"]["type"] == "LoadEnvironmentError"  # rank 1 gets rank 0's error, type and all
+        assert f"bucket '{s3_bucket.name}'" in report["error"]["message"]
+        assert "damaged" not in report["error"]["message"]
+
+
+def test_a_url_without_the_s3_extra_is_one_line_naming_the_extra() -> None:
+    code = (
+        "import sys; sys.modules['s3fs'] = None\n"
+        "from ckpt_lesson.distributed import DistributedCheckpointManager\n"
+        "DistributedCheckpointManager('s3://bucket/run', every_steps=1)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode != 0 and "pip install ckpt_lesson[s3]" in last
+    assert last.startswith("ckpt_lesson.errors.CheckpointError: s3://bucket/run:")
+
+
+def test_retention_on_the_store_keeps_the_newest_and_leaves_nothing_of_a_dropped_save(
+    s3_bucket: Bucket,
+) -> None:
+    # One process (a world of one) is enough here: retention runs on rank 0 alone, after the commit.
+    events: list[tuple[str, Any]] = []
+    model, opt, sched, sampler = make_run("plain", 1, 0)
+    mgr = DistributedCheckpointManager(
+        s3_bucket.url(),
+        storage_options=s3_bucket.options,
+        keep_last=2,
+        every_steps=2,
+        on_event=lambda name, info: events.append((name, info.get("step"))),
+    )
+    with mgr:
+        for step in (2, 4, 6):
+            train_step(model, opt, sched, sampler)
+            mgr.save(step, {"model": model, "optimizer": opt})
+    store = FsspecStorage(s3_bucket.url(), s3_bucket.options)
+    assert [k.split("/")[0] for k in store.list_keys() if k.endswith("/COMMIT")] == [
+        "step-00000004",
+        "step-00000006",
+    ]
+    assert store.list_keys("step-00000002") == []
+    assert ("retention_delete", 2) in events
