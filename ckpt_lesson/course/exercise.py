@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpt_lesson.course.carry import keep
 from ckpt_lesson.course.grading import GradeResult, verdict_line
 
 __all__ = ["SOLVE_FIRST", "Exercise", "show_source"]
@@ -87,6 +88,9 @@ class Exercise:
             *fns: The learner's functions, in the order of :attr:`function_names`.
             **kwargs: Passed on to the grader.
 
+        When the check passes, the learner's functions (those defined in ``__main__``)
+        are kept for later lessons: see :mod:`ckpt_lesson.course.carry`.
+
         Returns:
             The grader's :class:`GradeResult`.
         """
@@ -95,6 +99,12 @@ class Exercise:
             self._earned[0] = True
         nudge = f" {self.name}.hint() gives a hint, {self.name}.solution() shows one answer."
         print(verdict_line(self.name, self.function_names, result, nudge))
+        if result.passed:  # the learner's functions are kept for later lessons (course/carry.py)
+            kept = keep(
+                {ref.__name__: fn for ref, fn in zip(self.references, fns, strict=False)}, exercise=self.name
+            )
+            if kept:
+                print(kept)
         return result
 
     def hint(self, n: int | None = None) -> None:

@@ -105,11 +105,15 @@ def function_source(fn: Callable[..., Any]) -> str:
                 lines.append(f"import {obj.__name__} as {name}")
             elif isinstance(obj, types.FunctionType) and obj.__module__ in ("__main__", fn.__module__):
                 helpers.append(textwrap.dedent(inspect.getsource(obj)))
+                if obj.__name__ != name:  # bound under another name: `capture = yours("capture_rng_state")`
+                    helpers.append(f"{name} = {obj.__name__}\n")
                 visit(obj.__code__, obj.__globals__)
             elif isinstance(obj, (str, bytes, int, float, bool, type(None))):
                 lines.append(f"{name} = {obj!r}")  # a constant such as a file-name marker
-            elif getattr(obj, "__module__", None) and getattr(obj, "__qualname__", None) == getattr(
-                obj, "__name__", None
+            elif (
+                getattr(obj, "__module__", None)
+                and isinstance(getattr(obj, "__name__", None), str)  # a class or function, not an instance
+                and getattr(obj, "__qualname__", None) == obj.__name__
             ):
                 lines.append(f"from {obj.__module__} import {obj.__name__} as {name}")
         for const in code.co_consts:

@@ -1,0 +1,207 @@
+"""Continuity: what the learner writes in one lesson is used in the lessons after it.
+
+When a lesson's exercise check passes, :meth:`Exercise.check` calls :func:`keep`:
+each function the learner wrote (in a notebook cell, so in ``__main__``) is
+written to ``ckpt_work/yours/<function>.py``, relative to the working directory
+(a notebook's kernel runs in the notebook's folder), as source with the modules
+and helper functions it uses. Later cells, and later notebooks in a fresh
+kernel, call :func:`yours`::
+
+    from ckpt_lesson.course.carry import yours
+    capture, restore = yours("capture_rng_state", "restore_rng_state")
+    # using your capture_rng_state, restore_rng_state from 01
+
+:func:`yours` returns the learner's functions when they were kept and load,
+otherwise the package's own version of the same piece, and prints one line
+saying whose version is used. The committed notebooks are unsolved, so their
+stored output is always the package's line.
+
+The kept files are the learner's own code, run again in this process: they are
+read only if they are regular files (never through a symlink), size-capped, and
+written atomically; a file that does not load is reported and the package's
+version is used instead.
+"""
+
+from __future__ import annotations
+
+import builtins
+import linecache
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ckpt_lesson.course.kill_child import function_source
+from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.atomic import atomic_write_bytes
+from ckpt_lesson.files.safe_read import read_regular_file
+
+__all__ = ["LESSONS", "YOURS_DIR", "keep", "yours"]
+
+#: Where kept functions live, relative to the working directory (the notebook's folder).
+YOURS_DIR = Path("ckpt_work") / "yours"
+
+#: The lesson whose exercise asks for each function, for the line :func:`yours` prints.
+LESSONS: dict[str, str] = {
+    "capture_rng_state": "01",
+    "restore_rng_state": "01",
+    "atomic_save": "02",
+    "save_checkpoint": "03",
+    "load_checkpoint": "03",
+    "plan_param_group": "04",
+    "next_batch_ids": "05",
+    "fast_forward": "05",
+}
+
+# A kept function is a page or two of code; anything far larger was not written by the course.
+_MAX_SOURCE_BYTES = 256 * 1024
+
+
+def keep(
+    functions: Mapping[str, Callable[..., Any]], *, exercise: str, folder: Path = YOURS_DIR
+) -> str | None:
+    """Keep the learner's functions that just passed ``exercise``'s check, one file each.
+
+    Only functions defined in ``__main__`` (a notebook cell or a script) are the
+    learner's; the package's reference solutions passed to a check are not kept.
+
+    Args:
+        functions: The expected function name (``"capture_rng_state"``) mapped to the
+            function that passed, whatever the learner called it.
+        exercise: The exercise's name, written into each file's header.
+        folder: Where to keep them; :data:`YOURS_DIR` under the working directory.
+
+    Returns:
+        The line to print (kept, or why not), or ``None`` when none of the functions
+        is the learner's.
+
+    Example:
+        >>> from ckpt_lesson.course import solutions
+        >>> keep({"keep_last_k": solutions.keep_last_k}, exercise="keep_k") is None  # not the learner's
+        True
+    """
+    learner = {name: fn for name, fn in functions.items() if getattr(fn, "__module__", None) == "__main__"}
+    if not learner:
+        return None
+    listed = ", ".join(learner)
+    try:
+        _check_folder(folder)
+        for name, fn in learner.items():
+            text = _kept_text(name, fn, exercise)
+            _load_text(text, name, (folder / f"{name}.py").as_posix())  # what yours() will do, tried first
+            atomic_write_bytes(text.encode("utf-8"), folder / f"{name}.py")
+    except Exception as exc:  # keeping is a convenience: it never turns a PASS into a crash
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        return f"Could not keep your {listed} for later notebooks ({reason}); they will use the package's."
+    them = "them" if len(learner) > 1 else "it"
+    return f"Kept your {listed} in {folder.as_posix()}/: later cells and notebooks use {them} (yours(...))."
+
+
+def yours(*names: str, folder: Path = YOURS_DIR) -> Any:
+    """The learner's kept functions when they load, else the package's; prints whose are used.
+
+    Several names are loaded together (all the learner's, or all the package's),
+    so a pair such as ``capture_rng_state`` / ``restore_rng_state`` never mixes
+    two implementations.
+
+    Args:
+        *names: The functions' names, as the exercise asks for them.
+        folder: Where :func:`keep` put them; :data:`YOURS_DIR` under the working directory.
+
+    Returns:
+        One function for one name, else a tuple in the order of ``names``.
+
+    Raises:
+        CheckpointError: No name given, or no exercise asks for a function of that name.
+
+    Example:
+        >>> from ckpt_lesson.course.carry import yours
+        >>> fast_forward = yours("fast_forward")  # doctest: +SKIP
+        using the package's fast_forward: exercise 05 not solved yet
+    """
+    if not names:
+        raise CheckpointError("yours() needs at least one function name, e.g. yours('capture_rng_state').")
+    found = [_package_version(name) for name in names]
+    package = [fn for fn, _ in found]
+    lessons = " and ".join(
+        sorted({LESSONS.get(name, exercise) for name, (_, exercise) in zip(names, found, strict=True)})
+    )
+    chosen: list[Callable[..., Any]] = []
+    problem = None
+    for name in names:
+        path = folder / f"{name}.py"
+        try:
+            data = read_regular_file(path, limit=_MAX_SOURCE_BYTES, what="kept function")
+        except FileNotFoundError:
+            problem = f"exercise {lessons} not solved yet"
+            break
+        except CheckpointError as exc:
+            problem = f"{path.as_posix()} is not usable ({exc}); solve exercise {lessons} again"
+            break
+        try:
+            chosen.append(_load_text(data.decode("utf-8"), name, path.as_posix()))
+        except Exception as exc:  # the learner's code: any failure means "use the package's"
+            reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            problem = f"your kept {path.as_posix()} does not load ({reason}); solve exercise {lessons} again"
+            break
+    listed = ", ".join(names)
+    if problem is None:
+        print(f"using your {listed} from {lessons}")
+    else:
+        chosen = package
+        print(f"using the package's {listed}: {problem}")
+    return chosen[0] if len(names) == 1 else tuple(chosen)
+
+
+def _check_folder(folder: Path) -> None:
+    """Refuse a kept-functions folder, or its parent ``ckpt_work``, that is a symlink; else create it."""
+    for part in (folder.parent, folder):
+        if part.is_symlink():
+            raise CheckpointError(f"{part.as_posix()} is a symbolic link; remove it so kept files stay here.")
+    folder.mkdir(parents=True, exist_ok=True)
+
+
+def _kept_text(name: str, fn: Callable[..., Any], exercise: str) -> str:
+    """The file for one kept function: a header, the source with what it uses, an alias if renamed."""
+    lines = [
+        f"# Your {name}, kept when {exercise}.check(...) passed.",
+        f'# yours("{name}") loads it in later cells and notebooks; delete this file to use the package\'s.',
+        function_source(fn),
+    ]
+    if fn.__name__ != name:
+        lines.append(f"{name} = {fn.__name__}")
+    return "\n".join(lines) + "\n"
+
+
+def _load_text(text: str, name: str, filename: str) -> Callable[..., Any]:
+    """Run a kept file's source in a fresh namespace and return its function ``name``.
+
+    The namespace is named ``__main__``, as the notebook cell was, so a function kept
+    later that calls this one (03's ``save_checkpoint`` calling 01's
+    ``capture_rng_state``) carries its source along; the source is registered with
+    :mod:`linecache` so ``inspect.getsource`` finds it.
+    """
+    code = compile(text, filename, "exec")
+    linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
+    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+    exec(code, namespace)  # the learner's own code, kept when their check passed
+    fn = namespace.get(name)
+    if not callable(fn):
+        raise NameError(f"the file defines no function {name}")
+    return fn
+
+
+def _package_version(name: str) -> tuple[Callable[..., Any], str]:
+    """The package's own function for ``name`` (else the reference solution) and its exercise's name."""
+    from ckpt_lesson.course.exercise import _resolve  # noqa: PLC0415 (exercises import this module)
+    from ckpt_lesson.course.exercises import EXERCISES  # noqa: PLC0415
+
+    for exercise in EXERCISES.values():
+        for reference in exercise.references:
+            if reference.__name__ != name:
+                continue
+            for spec in exercise.package:
+                if spec.partition(":")[2] == name:
+                    return _resolve(spec), exercise.name
+            return reference, exercise.name
+    asked = sorted(f.__name__ for e in EXERCISES.values() for f in e.references)
+    raise CheckpointError(f"yours({name!r}): no exercise asks for a function named {name}; known: {asked}.")
