@@ -48,6 +48,7 @@ LESSONS: dict[str, str] = {
     "save_checkpoint": "03",
     "load_checkpoint": "03",
     "plan_param_group": "04",
+    "write_shards": "04",
     "next_batch_ids": "05",
     "fast_forward": "05",
 }
