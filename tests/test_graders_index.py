@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+import ckpt_lesson as cl
 from ckpt_lesson.course import solutions
 from ckpt_lesson.course.graders_index import check_write_shards
 from ckpt_lesson.course.shard_files import write_shards
@@ -190,3 +191,31 @@ def test_a_failure_message_names_no_temp_path():
 
     message = _fails(in_place)
     assert tempfile.gettempdir() not in message
+
+
+def test_building_on_the_packages_public_atomic_writers_passes_too():
+    def with_package_writers(shards, directory):
+        directory = Path(directory)
+        entries = []
+        for name, tensors in shards.items():
+            cl.atomic_save(tensors, directory / name)  # with its integrity footer: torch.load ignores it
+            entries.append(_entry(name, (directory / name).read_bytes()))
+        cl.atomic_write_json({"shards": entries}, directory / "index.json")
+
+    assert check_write_shards(with_package_writers, verbose=False).passed
+
+
+def test_an_index_temp_file_renamed_before_its_fsync_fails():
+    def unsynced_index(shards, directory):
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        entries = []
+        for name, tensors in shards.items():
+            data = _shard_bytes(tensors)
+            _durable_write(directory / name, data)
+            entries.append(_entry(name, data))
+        (directory / ".index.tmp").write_text(json.dumps({"shards": entries}))
+        os.replace(directory / ".index.tmp", directory / "index.json")
+        _fsync_dir(directory)
+
+    assert "the temp file of index.json was not fsynced before the rename" in _fails(unsynced_index)
