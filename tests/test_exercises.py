@@ -422,10 +422,10 @@ def test_hints_are_counted_per_exercise_object(capsys):
     assert capsys.readouterr().out.splitlines() == ["Hint 1 of 2 (one): a", "Hint 1 of 2 (two): c"]
 
 
-LESSON_EXERCISES = ["atomic", "batch_position", "param_group", "rng_capture", "round_trip"]
+LESSON_EXERCISES = ["atomic", "batch_position", "param_group", "rng_capture", "round_trip", "shard_index"]
 
 
-def test_the_five_lesson_exercises_are_the_ones_that_name_the_package_version():
+def test_the_six_lesson_exercises_are_the_ones_that_name_the_package_version():
     assert sorted(n for n, e in EXERCISES.items() if e.package) == LESSON_EXERCISES
 
 

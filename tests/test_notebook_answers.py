@@ -19,13 +19,15 @@ from ckpt_lesson.course.exercise import SOLVE_FIRST
 from ckpt_lesson.course.exercises import EXERCISES
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-LESSONS = {
-    "01_rng_capture": "rng_capture",
-    "02_atomic_saves": "atomic",
-    "03_full_round_trip": "round_trip",
-    "04_sharding": "param_group",
-    "05_mid_epoch_resume": "batch_position",
-}
+# (notebook, exercise): 04 has two, the index in its core part and the layout in "Going further".
+LESSONS = [
+    ("01_rng_capture", "rng_capture"),
+    ("02_atomic_saves", "atomic"),
+    ("03_full_round_trip", "round_trip"),
+    ("04_sharding", "shard_index"),
+    ("04_sharding", "param_group"),
+    ("05_mid_epoch_resume", "batch_position"),
+]
 
 
 def _code_cells(notebook: str) -> list[dict]:
@@ -46,10 +48,10 @@ def _text(cell: dict) -> str:
 
 
 def test_every_lesson_exercise_with_a_package_version_has_a_notebook_here():
-    assert sorted(LESSONS.values()) == sorted(n for n, e in EXERCISES.items() if e.package)
+    assert sorted(name for _, name in LESSONS) == sorted(n for n, e in EXERCISES.items() if e.package)
 
 
-@pytest.mark.parametrize(("notebook", "name"), sorted(LESSONS.items()))
+@pytest.mark.parametrize(("notebook", "name"), LESSONS)
 def test_each_lesson_prints_solve_it_first_in_its_committed_compare_cell(notebook, name):
     cells = _code_cells(notebook)
     compare = [i for i, c in enumerate(cells) if re.search(rf"^{name}\.compare\(\)", _source(c), re.M)]
@@ -62,10 +64,9 @@ def test_each_lesson_prints_solve_it_first_in_its_committed_compare_cell(noteboo
     assert "NOT ATTEMPTED" in _text(cells[check[0]]), f"{notebook}: committed solved"
 
 
-@pytest.mark.parametrize("notebook", sorted(LESSONS))
-def test_no_lesson_prints_the_package_source_anywhere_above_its_exercise(notebook):
+@pytest.mark.parametrize(("notebook", "name"), LESSONS)
+def test_no_lesson_prints_the_package_source_anywhere_above_its_exercise(notebook, name):
     cells = _code_cells(notebook)
-    name = LESSONS[notebook]
     check = next(i for i, c in enumerate(cells) if re.search(rf"\b{name}\.check\(", _source(c)))
     shown = [spec.partition(":")[2] for spec in EXERCISES[name].package]
     for cell in cells[:check]:
@@ -75,23 +76,23 @@ def test_no_lesson_prints_the_package_source_anywhere_above_its_exercise(noteboo
             assert not any(re.search(rf"\b{fn}\b", call) for fn in shown), f"{notebook}: {call}"
 
 
-# The package's names for the piece each lesson asks for: none may run above the exercise.
+# The package's names for the piece each exercise asks for: none may run above the exercise.
 PIECES = {
-    "01_rng_capture": ("capture_rng_state", "restore_rng_state"),
-    "02_atomic_saves": ("atomic_save",),
-    "03_full_round_trip": ("save_checkpoint", "load_checkpoint"),
-    "04_sharding": ("plan_shards",),
-    "05_mid_epoch_resume": ("next_batch_ids", "batch_sample_ids", "epoch_order"),
+    "rng_capture": ("capture_rng_state", "restore_rng_state"),
+    "atomic": ("atomic_save",),
+    "round_trip": ("save_checkpoint", "load_checkpoint"),
+    "shard_index": ("write_shards", "save_sharded_checkpoint"),
+    "param_group": ("plan_shards",),
+    "batch_position": ("next_batch_ids", "batch_sample_ids", "epoch_order"),
 }
 
 
-@pytest.mark.parametrize("notebook", sorted(PIECES))
-def test_no_cell_above_the_exercise_uses_the_package_version_of_its_piece(notebook):
+@pytest.mark.parametrize(("notebook", "name"), LESSONS)
+def test_no_cell_above_the_exercise_uses_the_package_version_of_its_piece(notebook, name):
     cells = _code_cells(notebook)
-    name = LESSONS[notebook]
     check = next(i for i, c in enumerate(cells) if re.search(rf"\b{name}\.check\(", _source(c)))
     for i, cell in enumerate(cells[:check]):
-        for piece in PIECES[notebook]:
+        for piece in PIECES[name]:
             pattern = rf"(\bcl\.{piece}\b|from ckpt_lesson[\w.]* import [^\n]*\b{piece}\b)"
             used = re.search(pattern, _source(cell))
             assert not used, f"{notebook} code cell {i} uses the package's {piece} before the exercise"

@@ -9,8 +9,8 @@ A notebook imports the one it needs and uses it Kaggle-style::
 
 :data:`EXERCISES` lists them all by name (the tests grade every reference
 solution and known wrong answers through it). The graders themselves live in
-:mod:`ckpt_lesson.course.graders_lessons`, ``graders_rng`` and ``graders_disk``
-(01-05), ``graders_runs`` (06-07) and ``graders_files`` (08-09); the ``check_*``
+:mod:`ckpt_lesson.course.graders_lessons`, ``graders_rng``, ``graders_disk``
+and ``graders_index`` (01-05), ``graders_runs`` (06-07) and ``graders_files`` (08-09); the ``check_*``
 names are re-exported here, one import for a notebook.
 """
 
@@ -20,6 +20,7 @@ from ckpt_lesson.course import solutions
 from ckpt_lesson.course.exercise import Exercise
 from ckpt_lesson.course.graders_disk import check_atomic_save, check_round_trip
 from ckpt_lesson.course.graders_files import check_migration, check_verify_part
+from ckpt_lesson.course.graders_index import check_write_shards
 from ckpt_lesson.course.graders_lessons import check_next_batch, check_plan_param_group
 from ckpt_lesson.course.graders_rng import check_rng
 from ckpt_lesson.course.graders_runs import check_cadence, check_keep_k
@@ -41,12 +42,14 @@ __all__ = [
     "check_rng",
     "check_round_trip",
     "check_verify_part",
+    "check_write_shards",
     "checksum",
     "keep_k",
     "migration",
     "param_group",
     "rng_capture",
     "round_trip",
+    "shard_index",
 ]
 
 # ---------------------------------------------------------------- the lessons' build-it-yourself exercises
@@ -109,6 +112,27 @@ round_trip = Exercise(
     ),
     reference=(solutions.save_checkpoint, solutions.load_checkpoint),
     package=("ckpt_lesson.files.checkpoint:save_checkpoint", "ckpt_lesson.files.checkpoint:load_checkpoint"),
+)
+
+shard_index = Exercise(
+    name="shard_index",
+    grader=check_write_shards,
+    hints=(
+        "Two phases: first every shard file, then index.json. The index is the commit: it may only appear "
+        "once every file it names is complete and on disk.",
+        "Serialize a shard to bytes first (`buffer = io.BytesIO()`, `torch.save(tensors, buffer)`, "
+        "`data = buffer.getvalue()`), then write `data` and record `len(data)` and "
+        "`hashlib.sha256(data).hexdigest()`: you hash exactly the bytes you wrote, with no second read.",
+        "Make each shard durable before the index names it: `f.flush()` then `os.fsync(f.fileno())` inside "
+        "the `with open(path, 'wb') as f:` block.",
+        "Write the index as notebook 02 writes a checkpoint: `json.dump({'shards': entries}, f)` into a temp "
+        "file in the same directory, flush and fsync it, `os.replace(tmp, directory / 'index.json')`, then "
+        "fsync the directory (`fd = os.open(directory, os.O_RDONLY)`, `os.fsync(fd)`, `os.close(fd)`).",
+        "Let errors reach the caller: when a shard cannot be written, the function must stop before the "
+        "index, so the directory reads as an unfinished save.",
+    ),
+    reference=solutions.write_shards,
+    package=("ckpt_lesson.course.shard_files:write_shards", "ckpt_lesson.files.atomic:_atomic_write"),
 )
 
 param_group = Exercise(
@@ -213,6 +237,7 @@ EXERCISES: dict[str, Exercise] = {
         rng_capture,
         atomic,
         round_trip,
+        shard_index,
         param_group,
         batch_position,
         keep_k,
