@@ -21,7 +21,6 @@ S3 a rename is a copy and a delete): a save without its marker is not a save.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import threading
@@ -44,7 +43,7 @@ from ckpt_lesson.runs.dcp_manifest import METADATA_FILE, build_manifest
 from ckpt_lesson.runs.scan import MANIFEST_NAME, step_dir_name
 from ckpt_lesson.runs.store_commit import commit_attempt
 
-from .writer import Digested, HashingStream, check_and_unwrap
+from .writer import HashingStream, check_and_unwrap, digested_results
 
 __all__ = ["HashingFsspecFileSystem", "StoreCommitWriter"]
 
@@ -187,20 +186,12 @@ class StoreCommitWriter(FsspecWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         results = super().write_data(plan, planner).wait()
-        records = dict(self.fs.records)
-        wrapped, used = [], set()
-        for result in results:
-            name = result.storage_data.relative_path
-            if name not in records:
-                raise CheckpointError(
-                    f"{self.url}: {name} was uploaded without a digest; nothing is committed."
-                )
-            size, record = records[name]
-            used.add(name)
-            wrapped.append(
-                dataclasses.replace(result, storage_data=Digested(result.storage_data, name, size, record))
-            )
-        empty = [name for name, (size, _) in records.items() if name not in used and size == 0]
+        wrapped, used, empty = digested_results(
+            results,
+            dict(self.fs.records),
+            unhashed="was uploaded without a digest; nothing is committed.",
+            where=self.url,
+        )
         if empty:  # a rank with nothing to write still opens one file
             self.storage.delete([f"{self.attempt}/{name}" for name in empty])
         self.emit("writes_complete", files=sorted(used))

@@ -228,23 +228,15 @@ class CommitWriter(FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         results = super().write_data(plan, planner).wait()
-        records = dict(self.fs.records)
-        wrapped, used = [], set()
-        for result in results:
-            name = result.storage_data.relative_path
-            if name not in records:
-                raise CheckpointError(
-                    f"{self.staging.name}: {name} was written without a digest; only CommitWriter's "
-                    "file system may write into a staging folder."
-                )
-            size, record = records[name]
-            used.add(name)
-            wrapped.append(
-                dataclasses.replace(result, storage_data=Digested(result.storage_data, name, size, record))
-            )
-        for name, (size, _) in records.items():
-            if name not in used and size == 0:  # a rank with nothing to write still opens one file
-                (self.staging / name).unlink(missing_ok=True)
+        wrapped, used, empty = digested_results(
+            results,
+            dict(self.fs.records),
+            unhashed="was written without a digest; only CommitWriter's file system may write into "
+            "a staging folder.",
+            where=self.staging.name,
+        )
+        for name in empty:
+            (self.staging / name).unlink(missing_ok=True)
         self.emit("writes_complete", files=sorted(used))
         done: Future[list[WriteResult]] = Future()
         done.set_result(wrapped)
@@ -281,6 +273,40 @@ class CommitWriter(FileSystemWriter):
         self.emit("published", step=self.step, path=str(self.final), save_id=self.save_id)
         if self.after_publish is not None:
             self.after_publish(self.final, manifest)
+
+
+def digested_results(
+    results: list[WriteResult], records: dict[str, tuple[int, dict[str, str]]], *, unhashed: str, where: str
+) -> tuple[list[WriteResult], set[str], list[str]]:
+    """One rank's write results, each carrying its file's size and digest to rank 0's ``finish``.
+
+    Shared by :class:`CommitWriter` and the object-store writer (:mod:`.store_writer`).
+
+    Args:
+        results: What DCP's ``write_data`` returned on this rank.
+        records: The hashing file system's ``{file: (size, record)}``.
+        unhashed: The end of the message for a result whose file was not hashed.
+        where: The save, for messages.
+
+    Returns:
+        ``(wrapped results, names written, empty files opened but never written)``: a rank
+        with nothing to write still opens one file, which the caller removes.
+
+    Raises:
+        CheckpointError: A result names a file the hashing file system never saw.
+    """
+    wrapped, used = [], set()
+    for result in results:
+        name = result.storage_data.relative_path
+        if name not in records:
+            raise CheckpointError(f"{where}: {name} {unhashed}")
+        size, record = records[name]
+        used.add(name)
+        wrapped.append(
+            dataclasses.replace(result, storage_data=Digested(result.storage_data, name, size, record))
+        )
+    empty = [name for name, (size, _) in records.items() if name not in used and size == 0]
+    return wrapped, used, empty
 
 
 def check_and_unwrap(
