@@ -173,22 +173,39 @@ def verify_save(folder: str | os.PathLike[str], comm: Comm) -> VerifiedSave:
     """
     folder = Path(folder)
     findings, parsed = _safe_local_findings(folder, comm)
-    everyone = comm.all_gather(findings)
+    one_verdict(comm.all_gather(findings), where=folder.name, differ="is the file system shared?")
+    manifest, metadata = parsed
+    sizes = {p["file"]: p["bytes"] for p in manifest["parts"]}
+    return VerifiedSave(folder, manifest, metadata, sizes)
+
+
+def one_verdict(everyone: list[dict[str, Any]], *, where: str, differ: str) -> None:
+    """Raise the one verdict every rank reaches from all ranks' findings (nothing when all is well).
+
+    Shared by :func:`verify_save` and the object-store reader: each rank checks what it
+    can see, the findings are gathered, and every rank raises the same error, so they fall
+    back to the same older save together.
+
+    Args:
+        everyone: Each rank's findings (``unsafe``, ``problems``, ``missing``, ``manifest``).
+        where: The save, for messages.
+        differ: The likely cause, when the ranks read different manifests.
+
+    Raises:
+        UnsafeCheckpointError: A rank found something that must never be loaded.
+        CorruptCheckpointError: Damage on any rank, or ranks that read different manifests.
+        IncompleteCheckpointError: Files missing on some rank, and no damage.
+    """
     unsafe = [f"rank {r}: {f['unsafe']}" for r, f in enumerate(everyone) if f["unsafe"]]
     if unsafe:
-        raise UnsafeCheckpointError(f"{folder.name}: refused before loading anything: {unsafe[0]}")
+        raise UnsafeCheckpointError(f"{where}: refused before loading anything: {unsafe[0]}")
     problems = sorted({p for f in everyone for p in f["problems"]})
     missing = sorted({p for f in everyone for p in f["missing"]})
     if problems or missing:
         kind = CorruptCheckpointError if problems else IncompleteCheckpointError
-        raise kind(f"{folder.name}: {'; '.join(problems + missing)}")
+        raise kind(f"{where}: {'; '.join(problems + missing)}")
     if len({f["manifest"] for f in everyone}) != 1:
-        raise CorruptCheckpointError(
-            f"{folder.name}: ranks read different manifests (is the file system shared?)"
-        )
-    manifest, metadata = parsed
-    sizes = {p["file"]: p["bytes"] for p in manifest["parts"]}
-    return VerifiedSave(folder, manifest, metadata, sizes)
+        raise CorruptCheckpointError(f"{where}: ranks read different manifests ({differ})")
 
 
 class VerifyingReader(FileSystemReader):

@@ -50,6 +50,7 @@ from ckpt_lesson.runs.scan import step_dir_name
 from ckpt_lesson.runs.store_commit import read_commit
 
 from .comm import Comm
+from .reader import one_verdict
 from .safe_metadata import load_metadata_bytes
 
 __all__ = ["StoreReader", "VerifiedStoreSave", "verify_store_save"]
@@ -206,16 +207,7 @@ def verify_store_save(storage: Storage, step: int, comm: Comm) -> VerifiedStoreS
     env = [f"rank {r}: {f['env']}" for r, f in enumerate(everyone) if f["env"]]
     if env:
         raise LoadEnvironmentError(f"{where}: not restored, the store cannot be reached: {env[0]}")
-    unsafe = [f"rank {r}: {f['unsafe']}" for r, f in enumerate(everyone) if f["unsafe"]]
-    if unsafe:
-        raise UnsafeCheckpointError(f"{where}: refused before loading anything: {unsafe[0]}")
-    problems = sorted({p for f in everyone for p in f["problems"]})
-    missing = sorted({p for f in everyone for p in f["missing"]})
-    if problems or missing:
-        kind = CorruptCheckpointError if problems else IncompleteCheckpointError
-        raise kind(f"{where}: {'; '.join(problems + missing)}")
-    if len({f["manifest"] for f in everyone}) != 1:
-        raise CorruptCheckpointError(f"{where}: ranks read different manifests (two commits of one step?)")
+    one_verdict(everyone, where=where, differ="two commits of one step?")
     manifest, attempt, metadata, sizes, verified = parsed
     return VerifiedStoreSave(storage, step, attempt, manifest, metadata, sizes, verified)
 
