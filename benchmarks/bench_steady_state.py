@@ -18,12 +18,13 @@ by round (ours, baseline, ours, ...), each writing fresh files:
 * ``keep_last=1``: the managed save against ``torch.save`` + fsync of file and
   folder (and ``os.remove`` of the previous file, so both keep one on disk).
 * ``async stall``: ``AsyncCheckpointer.save_async`` (the training thread's
-  share) against the synchronous managed save; once with the background
-  deletion of the previous save finished before each save (as the training
-  steps between two saves allow), once back to back. With ``overlap_copy=True``
-  the parameters and moments are copied while the next step's forward and
-  backward run, and its row charges ``save_async`` plus the time the next
-  real training step's optimizer step waited for the copies.
+  share) against the synchronous managed save. With ``overlap_copy=False``
+  (everything copied at once): once with the background deletion of the
+  previous save finished before each save (as the training steps between two
+  saves allow), once back to back. With the default (``"optimizer"``: the
+  moments are copied while the next step's forward and backward run) and with
+  ``overlap_copy=True`` (parameters too), the row charges ``save_async`` plus
+  the time the next real training step's optimizer step waited for the copies.
 * ``restore + first step``, warm and cold: ``restore_latest`` then one AdamW
   step, against ``torch.load(weights_only=True)`` + ``load_state_dict`` + one
   step. Cold drops the files' cached pages first (``posix_fadvise(DONTNEED)``).
@@ -260,11 +261,12 @@ def rows_for_size(mb: int, rounds: int, work: Path) -> list[tuple[str, str, floa
         other.close()
         shutil.rmtree(other.run_dir)
 
-    # Async stall: the training thread's share of save_async, against a synchronous managed save.
-    # In training, steps run between two saves and the background deletion of the previous save
-    # finishes there; back to back, that deletion (unlinking a file of this size frees its cached
-    # pages, kernel work on one of the two cores) competes with the snapshot copy. Both are rows.
-    ckpt = AsyncCheckpointer(mgr)
+    # Async stall with everything copied on the training thread (overlap_copy=False): the training
+    # thread's share of save_async, against a synchronous managed save. In training, steps run
+    # between two saves and the background deletion of the previous save finishes there; back to
+    # back, that deletion (unlinking a file of this size frees its cached pages, kernel work on one
+    # of the two cores) competes with the snapshot copy. Both are rows.
+    ckpt = AsyncCheckpointer(mgr, overlap_copy=False)
 
     def stall(i: int, settle: bool) -> float:
         ckpt.wait()
@@ -280,40 +282,44 @@ def rows_for_size(mb: int, rounds: int, work: Path) -> list[tuple[str, str, floa
 
     for settle, what in ((True, "deletion done between saves"), (False, "back to back")):
         ours, base = paired(rounds, lambda i, s=settle: stall(i, s), lambda i, s=settle: sync(i, s))
-        rows.append((f"async stall ({what}), {label}", "synchronous managed save", ours, base, ""))
+        rows.append(
+            (f"async stall, overlap_copy=False ({what}), {label}", "synchronous managed save", ours, base, "")
+        )
     ckpt.close()
 
-    # overlap_copy=True: parameters and moments are copied on the writer thread while the next
-    # forward and backward run, and the next optimizer step waits at a gate until they are copied.
-    # The training thread's stall is then save_async's own time plus that wait (step_wait_s),
-    # measured around one real training step (forward and backward of a batch, then AdamW).
-    overlapped = AsyncCheckpointer(mgr, overlap_copy=True)
+    # The default (overlap_copy="optimizer": moments copied by the writer) and overlap_copy=True
+    # (parameters too): the deferred tensors are copied on the writer thread while the next forward
+    # and backward run, and the next optimizer step waits at a gate until they are copied. The
+    # training thread's stall is then save_async's own time plus that wait (step_wait_s), measured
+    # around one real training step (forward and backward of a batch, then AdamW).
     batch = torch.randn(BATCH, WIDTH)
+    for mode, what in (("optimizer", "default, overlap_copy='optimizer'"), (True, "overlap_copy=True")):
+        overlapped = AsyncCheckpointer(mgr, overlap_copy=mode)
 
-    def overlap_stall(i: int) -> float:
-        overlapped.wait()
-        mgr.wait_retention()
-        waited = overlapped.step_wait_s
-        seconds = timed(lambda: overlapped.save_async(model, opt, None, TrainState(step=next(ids))))
-        train_step(model, opt, batch)
-        return seconds + overlapped.step_wait_s - waited
+        def overlap_stall(i: int, o: AsyncCheckpointer = overlapped) -> float:
+            o.wait()
+            mgr.wait_retention()
+            waited = o.step_wait_s
+            seconds = timed(lambda: o.save_async(model, opt, None, TrainState(step=next(ids))))
+            train_step(model, opt, batch)
+            return seconds + o.step_wait_s - waited
 
-    def sync_settled(i: int) -> float:
-        overlapped.wait()
-        mgr.wait_retention()
-        return timed(lambda: mgr.save(model, opt, None, TrainState(step=next(ids))))
+        def sync_settled(i: int, o: AsyncCheckpointer = overlapped) -> float:
+            o.wait()
+            mgr.wait_retention()
+            return timed(lambda: mgr.save(model, opt, None, TrainState(step=next(ids))))
 
-    ours, base = paired(rounds, overlap_stall, sync_settled)
-    overlapped.close()
-    rows.append(
-        (
-            f"async stall, overlap_copy=True (+ the next step's wait), {label}",
-            "synchronous managed save",
-            ours,
-            base,
-            "",
+        ours, base = paired(rounds, overlap_stall, sync_settled)
+        overlapped.close()
+        rows.append(
+            (
+                f"async stall, {what} (+ the next step's wait), {label}",
+                "synchronous managed save",
+                ours,
+                base,
+                "",
+            )
         )
-    )
 
     # Restore + first optimizer step, warm and cold.
     mgr.wait_retention()

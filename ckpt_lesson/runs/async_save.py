@@ -8,7 +8,11 @@ time (seconds for a real model). Only the first has to stop training, so an
 1. **Snapshot, synchronously.** :meth:`TrainingSnapshot.capture` copies every
    tensor of the three ``state_dict()``\\ s to CPU memory of its own, copies the
    :class:`~ckpt_lesson.files.checkpoint.TrainState`, and captures the generators
-   *now*. When it returns, the snapshot shares no memory with the live objects.
+   *now*. When it returns, the snapshot shares no memory with the live objects,
+   except the large optimizer-state tensors: by default the writer copies those
+   first, while the next forward and backward run, and every optimizer's next
+   ``step()`` waits until it has (``overlap_copy``; see
+   :mod:`~ckpt_lesson.runs.deferred_copy`).
 2. **Write, in the background.** One thread runs the manager's full commit
    protocol (:meth:`CheckpointManager.save <ckpt_lesson.runs.manager.CheckpointManager.save>`)
    on the snapshot, passing ``rng=snapshot.rng``, while training continues.
@@ -72,7 +76,7 @@ import logging
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.state_payload import build_state_payload
@@ -106,17 +110,20 @@ class AsyncCheckpointer:
             next one is due (``save_async`` then waits). 0 (the default) keeps
             the writer's priority; raise it when saves are rare and the CPU is
             the bottleneck, as in CPU training.
-        overlap_copy: Copy the large parameter and optimizer-moment tensors on
-            the writer thread, while the next forward and backward run; every
+        overlap_copy: Which large tensors the writer thread copies while the next
+            forward and backward run, instead of the training thread now; every
             optimizer's next ``step()`` waits until they are copied (see
-            :mod:`~ckpt_lesson.runs.deferred_copy`). The stall then shrinks to
-            the copy of everything else. Safe only when nothing but optimizer
-            steps changes parameters and optimizer state in place between
-            saves (true of ordinary loops); off by default.
+            :mod:`~ckpt_lesson.runs.deferred_copy`). ``"optimizer"`` (the
+            default): optimizer state (AdamW's moments are two thirds of the
+            state). ``True``: parameters too, for loops where nothing but
+            ``step()`` writes parameters between saves. ``False``: copy
+            everything now. A deferred tensor written in place before its copy
+            is done (not by a ``step()``) fails that save with an error naming
+            ``overlap_copy=False``.
 
     Raises:
         CheckpointError: ``writer_nice`` is not an int from 0 to 19, or
-            ``overlap_copy`` is not a bool.
+            ``overlap_copy`` is not ``True``, ``False`` or ``"optimizer"``.
 
     Example:
         >>> ckpt = AsyncCheckpointer(mgr)  # doctest: +SKIP
@@ -126,12 +133,16 @@ class AsyncCheckpointer:
     """
 
     def __init__(
-        self, manager: CheckpointManager, *, writer_nice: int = 0, overlap_copy: bool = False
+        self,
+        manager: CheckpointManager,
+        *,
+        writer_nice: int = 0,
+        overlap_copy: bool | Literal["optimizer"] = "optimizer",
     ) -> None:
         if isinstance(writer_nice, bool) or not isinstance(writer_nice, int) or not 0 <= writer_nice <= 19:
             raise CheckpointError(f"writer_nice must be an int from 0 to 19, got {writer_nice!r}.")
-        if not isinstance(overlap_copy, bool):
-            raise CheckpointError(f"overlap_copy must be True or False, got {overlap_copy!r}.")
+        if not (isinstance(overlap_copy, bool) or overlap_copy == "optimizer"):
+            raise CheckpointError(f"overlap_copy must be True, False or 'optimizer', got {overlap_copy!r}.")
         self.manager = manager
         self.writer_nice = writer_nice
         self.overlap_copy = overlap_copy
@@ -168,9 +179,9 @@ class AsyncCheckpointer:
 
     @property
     def step_wait_s(self) -> float:
-        """Seconds optimizer steps have waited for overlapped copies (0.0 without ``overlap_copy``).
+        """Seconds optimizer steps have waited for overlapped copies (0.0 with ``overlap_copy=False``).
 
-        With ``overlap_copy=True`` this, plus the time ``save_async`` itself
+        This, plus the time ``save_async`` itself
         takes, is what saving costs the training thread: a number near 0
         means the forward and backward passes hid the copies.
         """
@@ -293,13 +304,13 @@ class AsyncCheckpointer:
         if self._gate is None:
             self._gate = StepGate()
         live = args[1].values() if is_state_call(args) and isinstance(args[1], Mapping) else args[:2]
-        return DeferredCopies(stepped_storages(live))
+        return DeferredCopies(stepped_storages(live, parameters=self.overlap_copy is True))
 
     def _write(self, snapshot: Any, extras: dict[str, Any] | None, later: DeferredCopies | None) -> None:
         try:
             try:  # first the copies the training thread left: its next optimizer step waits for them
                 if later is not None:
-                    later.run()
+                    later.run(snapshot["step"] if isinstance(snapshot, dict) else snapshot.state.step)
             finally:
                 if self._gate is not None:
                     self._gate.open()
