@@ -447,3 +447,20 @@ def test_a_writer_nice_outside_0_to_19_is_refused(tmp_path, nice):
     mgr = CheckpointManager(tmp_path / "run", every_steps=1)
     with pytest.raises(CheckpointError, match="writer_nice must be an int from 0 to 19"):
         AsyncCheckpointer(mgr, writer_nice=nice)
+
+
+def test_close_gives_back_the_snapshot_buffers_a_full_copy_of_the_state(tmp_path):
+    import gc
+    import weakref
+
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()
+    ckpt = AsyncCheckpointer(CheckpointManager(tmp_path / "run", keep_last=1, every_steps=1))
+    ckpt.save_async(1, {"model": model, "optimizer": opt})
+    ckpt.wait()
+    kept = weakref.ref(ckpt._payload_buffers["objects"]["model"]["weight"])
+    ckpt.close()
+    gc.collect()
+    assert kept() is None

@@ -276,13 +276,17 @@ class AsyncCheckpointer:
             return self._wait_locked()
 
     def close(self) -> None:
-        """Wait for the save in flight, and unregister the step hook of ``overlap_copy``.
+        """Wait for the save in flight, unregister the step hook, and free the snapshot buffers.
+
+        The buffers are a full copy of the training state, kept only to be refilled by
+        the next save; after ``close`` a save allocates them again.
 
         Raises its error like :meth:`wait`.
         """
         try:
             self.wait()
         finally:
+            self._buffers, self._payload_buffers = None, None  # the writer is joined: nothing reads them
             if self._gate is not None:
                 self._gate.remove()
                 self._waited_before += self._gate.waited_s
