@@ -5,10 +5,11 @@ file system, with the commit protocol of :mod:`ckpt_lesson.runs.store_commit`
 instead of a rename (an object store has none: on S3 a rename is a copy and a
 delete). The life of one save of step 40 by two ranks::
 
-    rank 0: refuse if step-00000040/COMMIT exists; pick a save_id; write its LEASE
+    rank 0: refuse if step-00000040/COMMIT exists; pick a save_id; write its LEASE and start renewing it
     all:    dcp.save(..., storage_writer=StoreCommitWriter)   every rank uploads and hashes its objects
-    rank 0: finish: every item written? .metadata, manifest.json, then COMMIT with If-None-Match: *;
-            retention (markers first, then the objects)
+    rank 0: finish: every item written? .metadata, manifest.json; stop renewing, lease still running?
+            then COMMIT with If-None-Match: *; retention (markers first, then the objects)
+    rank 0: remove uploads of dead writers whose LEASE has expired (never one still renewed)
 
 A restore lists the ``COMMIT`` markers, and for the newest first verifies every
 object on every rank together (:mod:`.store_reader`) before DCP reads it,
@@ -42,12 +43,12 @@ from ckpt_lesson.runs.store_commit import (
     clean_uncommitted,
     committed_steps,
     read_commit,
-    write_lease,
 )
 
 from .manager import DistributedCheckpointManager
 from .restore import DistributedRestore, restore_newest
 from .saving import SaveJob, check_inputs, manifest_fields
+from .store_lease import LeaseRenewer
 from .store_reader import StoreReader, verify_store_save
 from .store_writer import StoreCommitWriter
 
@@ -105,7 +106,8 @@ class StoreDistributedCheckpointManager(DistributedCheckpointManager):
         storage_options: fsspec options (``key``, ``secret``, ``client_kwargs``);
             ``None`` reads them from the environment, as boto3 does.
         lease_seconds: How long a silent writer's upload counts as alive; a dead
-            writer's leftovers are removed after that when a manager opens the run.
+            writer's leftovers are removed after that when a manager opens the run or
+            finishes a save. A live save renews its lease every third of this.
         publish: Only ``"marker"``: a rename on an object store is a copy and a delete.
         **kwargs: What :class:`DistributedCheckpointManager` accepts (``keep_last``,
             ``every_steps``, ``retention``, ``on_event``, ``thread_count``, ...).
@@ -155,8 +157,12 @@ class StoreDistributedCheckpointManager(DistributedCheckpointManager):
         for attempt in clean_uncommitted(self.storage):
             log.info("%s: removed an upload nobody committed (its writer's lease expired)", attempt)
 
-    def _clean(self) -> None:  # after a save: the uploads of dead writers wait for the next open
-        pass
+    def _clean(self) -> None:  # rank 0, after each save: a long run also sweeps up after dead writers
+        try:
+            for attempt in clean_uncommitted(self.storage):
+                log.info("%s: removed an upload nobody committed (its writer's lease expired)", attempt)
+        except CheckpointError as exc:  # the save is committed; the leftovers wait for the next pass
+            log.warning("%s: uploads of dead writers not cleaned this time (%s)", self.url, exc)
 
     def step_dir(self, step: int) -> str:  # type: ignore[override]
         """The URL of ``step``'s saves (its ``COMMIT`` marker and one prefix per attempt)."""
@@ -179,11 +185,11 @@ class StoreDistributedCheckpointManager(DistributedCheckpointManager):
             rng=rng,
             emit=self._emit,
         )
-        stack, save_id, refusal = ExitStack(), None, None
+        stack, save_id, refusal, lease = ExitStack(), None, None, None
         if self.rank == 0:
             try:
                 save_id = uuid.uuid4().hex
-                stack.enter_context(self._attempt(step, save_id))
+                lease = stack.enter_context(self._attempt(step, save_id))
             except CheckpointError as exc:
                 stack.close()
                 refusal = exc
@@ -200,24 +206,30 @@ class StoreDistributedCheckpointManager(DistributedCheckpointManager):
             after_publish=self._retention.after_publish if self.rank == 0 else None,
             thread_count=self.thread_count,
             storage_options=self.storage_options,
+            lease=lease,
         )
         job = SaveJob(step, self.step_dir(step), writer, state_dict, stack)
         self._cadence.mark_saved(step)  # at request time: a save in flight must not be requested again
         return job
 
     @contextmanager
-    def _attempt(self, step: int, save_id: str) -> Iterator[None]:
-        """Rank 0: refuse a committed step, write the LEASE; on failure remove the (uncommitted) upload."""
+    def _attempt(self, step: int, save_id: str) -> Iterator[LeaseRenewer]:
+        """Rank 0: refuse a committed step, hold a renewed LEASE; on failure remove the (uncommitted) upload.
+
+        The renewer stops when the save ends either way (the writer already stopped it before
+        ``COMMIT``), so a finished or failed save never leaves a LEASE that keeps coming back.
+        """
         if f"{step_dir_name(step)}/{COMMIT_NAME}" in self.storage.list_keys(step_dir_name(step)):
             raise CheckpointError(
                 f"{self.step_dir(step)}: step {step} is already committed; a save is never overwritten. "
                 "Save a later step (or is another writer running this run?)."
             )
         attempt = f"{step_dir_name(step)}/{save_id}"
-        write_lease(self.storage, attempt, self.lease_seconds)
+        lease = LeaseRenewer(self.storage, attempt, self.lease_seconds)
         try:
-            yield
+            yield lease
         except BaseException:
+            lease.stop()  # before the delete: a renewal landing after it would recreate the LEASE
             try:
                 if not self._committed(step, save_id):  # an error after the marker leaves a good save
                     self.storage.delete(self.storage.list_keys(attempt))
@@ -225,6 +237,8 @@ class StoreDistributedCheckpointManager(DistributedCheckpointManager):
             except CheckpointError as exc:
                 log.warning("%s: failed upload not removed (%s); it goes once its lease ends", attempt, exc)
             raise
+        finally:
+            lease.stop()
 
     def _committed(self, step: int, save_id: str) -> bool:
         try:

@@ -7,11 +7,11 @@ read-back), and each file's size and digest ride to rank 0 inside DCP's
 ``WriteResult`` s. Rank 0's ``finish`` is the commit, in the order of
 :mod:`ckpt_lesson.runs.store_commit`::
 
-    RUN/step-00000040/<save_id>/LEASE            written before any rank starts (rank 0)
+    RUN/step-00000040/<save_id>/LEASE            written before any rank starts, renewed (rank 0)
     RUN/step-00000040/<save_id>/__0_0.distcp     every rank, hashed while uploaded
     RUN/step-00000040/<save_id>/.metadata        rank 0, after every rank wrote
     RUN/step-00000040/<save_id>/manifest.json    rank 0: every file's size and digest
-    RUN/step-00000040/COMMIT                     rank 0, last, create-if-absent
+    RUN/step-00000040/COMMIT                     rank 0, last, create-if-absent, if the lease still runs
 
 Each save writes under its own ``save_id``, so a zombie writer of the same
 step never overwrites a committed save's objects; of the two, only one
@@ -43,6 +43,7 @@ from ckpt_lesson.runs.dcp_manifest import METADATA_FILE, build_manifest
 from ckpt_lesson.runs.scan import MANIFEST_NAME, step_dir_name
 from ckpt_lesson.runs.store_commit import commit_attempt
 
+from .store_lease import LeaseRenewer
 from .writer import HashingStream, check_and_unwrap, digested_results
 
 __all__ = ["HashingFsspecFileSystem", "StoreCommitWriter"]
@@ -128,10 +129,13 @@ class StoreCommitWriter(FsspecWriter):
         after_publish: Called on rank 0 with ``(url, manifest)`` once committed (retention).
         thread_count: DCP writer threads per rank.
         storage_options: fsspec options for DCP's file system (``None``: the environment).
+        lease: Rank 0: the renewer of this save's ``LEASE``; ``finish`` stops it
+            just before ``COMMIT`` and refuses to commit if the lease ran out.
 
     Raises:
         CommitConflictError: (from ``finish``, on every rank through DCP) another
             writer committed this step first; this upload was deleted.
+        CheckpointError: (from ``finish``) the lease expired before the commit.
 
     Example:
         >>> writer = StoreCommitWriter(store, step=40, save_id=sid, manifest_fields=fields)  # doctest: +SKIP
@@ -150,6 +154,7 @@ class StoreCommitWriter(FsspecWriter):
         after_publish: Callable[[str, dict[str, Any]], None] | None = None,
         thread_count: int = 1,
         storage_options: dict[str, Any] | None = None,
+        lease: LeaseRenewer | None = None,
     ) -> None:
         self.attempt = f"{step_dir_name(step)}/{save_id}"
         url = storage.where(self.attempt)
@@ -173,7 +178,7 @@ class StoreCommitWriter(FsspecWriter):
             emit,
             after_publish,
         )
-        self.committed = False
+        self.committed, self.lease = False, lease
         self._planned: set[Any] | None = None
 
     def storage_meta(self) -> StorageMeta:
@@ -219,6 +224,11 @@ class StoreCommitWriter(FsspecWriter):
         raw = (json.dumps(seal_record(manifest), indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
         self.storage.put_bytes(f"{self.attempt}/{MANIFEST_NAME}", raw)
         self.emit("manifest_written", step=self.step, save_id=self.attempt_id)
+        if self.lease is not None:
+            # Renewing stops first: commit_attempt deletes the LEASE, and a renewal must not bring it
+            # back. A lease that already ran out may have let a cleaner in, so nothing is committed.
+            self.lease.stop()
+            self.lease.check()
         commit_attempt(self.storage, self.step, self.attempt_id, raw, algo=self.algo)  # last; conditional
         self.committed = True
         final = self.storage.where(step_dir_name(self.step))

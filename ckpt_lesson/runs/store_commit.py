@@ -82,14 +82,20 @@ def _marker_key(step: int) -> str:
     return f"{step_dir_name(step)}/{COMMIT_NAME}"
 
 
-def write_lease(storage: Storage, attempt: str, lease_seconds: float) -> None:
+def write_lease(storage: Storage, attempt: str, lease_seconds: float) -> float:
     """Write (or renew) ``attempt/LEASE``: this writer promises to finish within ``lease_seconds``.
+
+    Returns:
+        The expiry the lease records (``time.time()`` seconds): until then no cleaner removes ``attempt``.
 
     Example:
         >>> write_lease(store, "step-00000040/5be0c1", 900)  # doctest: +SKIP
+        1790000900.0
     """
-    lease = {"writer": f"{socket.gethostname()}:{os.getpid()}", "expires_at": time.time() + lease_seconds}
+    expires_at = time.time() + lease_seconds
+    lease = {"writer": f"{socket.gethostname()}:{os.getpid()}", "expires_at": expires_at}
     storage.put_bytes(f"{attempt}/{LEASE_NAME}", json.dumps(lease).encode())
+    return expires_at
 
 
 def upload_save(
