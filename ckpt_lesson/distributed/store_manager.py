@@ -26,6 +26,7 @@ done; ``python -m ckpt_lesson report URL`` summarises them.
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import tempfile
 import uuid
@@ -279,8 +280,10 @@ class StoreDistributedCheckpointManager(DistributedCheckpointManager):
             log.warning("%s: this restore is not recorded (%s)", self.url, exc)
             return
         created = None
-        try:  # the marker's time is the save's age; the restore already verified this marker
-            created = read_commit(self.storage, restored.step)[0].get("created_at")
+        try:  # the marker's time gives the save's age; a marker field is data, so only a number counts
+            found = read_commit(self.storage, restored.step)[0].get("created_at")
+            if isinstance(found, (int, float)) and not isinstance(found, bool) and math.isfinite(found):
+                created = float(found)
         except CheckpointError:
             pass
         self._recorder.restored(
