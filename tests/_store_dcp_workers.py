@@ -119,3 +119,22 @@ def w_open(rank: int, world: int, url: str, options: dict[str, Any], out: str) -
     except CheckpointError as exc:
         report["error"] = {"type": type(exc).__name__, "message": str(exc)}
     write_json(Path(out) / f"open-rank{rank}.json", report)
+
+
+def w_save_then_resume(rank: int, world: int, url: str, options: dict[str, Any], out: str) -> None:
+    """Save steps 2 and 4; then, as a restarted job would, restore and train a step (scan, report)."""
+    model, opt, sched, sampler = make_run(KIND, world, rank)
+    with DistributedCheckpointManager(url, storage_options=options, keep_last=3, every_steps=2) as mgr:
+        state = TrainState()
+        for step in range(1, 5):
+            state.losses.append(train_step(model, opt, sched, sampler))
+            state.step = step
+            if mgr.should_save(step):
+                mgr.save(model, opt, sched, state, data_state={"sampler": sampler.get_state()})
+    fresh, fresh_opt, fresh_sched, fresh_sampler = make_run(KIND, world, rank)
+    with DistributedCheckpointManager(url, storage_options=options, keep_last=3, every_steps=2) as mgr:
+        restored = mgr.restore_latest(fresh, fresh_opt, fresh_sched)
+        fresh_sampler.set_state(restored.data_state["sampler"])
+        train_step(fresh, fresh_opt, fresh_sched, fresh_sampler)
+        saved = mgr.should_save(restored.step + 1)  # the end of the first step after the restore
+    write_json(Path(out) / f"resume-rank{rank}.json", {"step": restored.step, "saved": saved})

@@ -33,8 +33,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--publish",
         choices=("rename", "marker"),
-        default="rename",
-        help="with --ranks: how saves are published (default rename; marker: a commit marker written last)",
+        default=None,
+        help="with --ranks: how saves are published (default rename; marker: a commit marker written last; "
+        "with --store always marker)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seeds points, steps and offsets (default 0)")
     parser.add_argument("--workdir", default=None, help="folder for run directories (default: a temp dir)")
@@ -46,33 +47,38 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="save every run to this bucket prefix (s3://BUCKET/PREFIX; credentials and endpoint from the "
         "AWS_* environment) and kill at the object store's points: mid-upload, before and after the "
-        "commit marker, during retention; single-process runs only",
+        "commit marker, during retention; with --ranks N, kill ranks of multi-rank saves to the bucket "
+        "(mid-write, before the manifest, before and after the conditional COMMIT marker)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
     if not 1 <= args.ranks <= MAX_RANKS:
         raise CheckpointError(f"--ranks must be 1 (single process) to {MAX_RANKS}, got {args.ranks}.")
-    if args.publish != "rename" and args.ranks == 1:
+    if args.publish is not None and args.ranks == 1:
         raise CheckpointError("--publish applies to multi-rank saves only; add --ranks 2 (or more).")
     if args.kills is not None and args.kills < 1:
         raise CheckpointError(f"--kills must be >= 1, got {args.kills}.")
     if args.workdir is not None and Path(args.workdir).exists() and not Path(args.workdir).is_dir():
         raise CheckpointError(f"--workdir {args.workdir}: is a file, not a folder; pick another --workdir.")
     if args.store is not None:
-        if args.ranks > 1:
-            raise CheckpointError("--store runs single-process kills; drop --ranks (or --store).")
+        if args.publish == "rename":
+            raise CheckpointError(
+                "--store with --publish rename: a bucket has no atomic rename, so multi-rank saves to it are "
+                "published by their COMMIT marker; drop --publish (or --store)."
+            )
         check_store(args.store)
+    publish = args.publish or ("marker" if args.store else "rename")
     started = time.perf_counter()
     if args.ranks > 1:
         from ckpt_lesson.faults.rank_chaos import NAMED_KILLS, draw_kills, run_rank_campaign
 
         count = len(NAMED_KILLS) if args.kills is None else args.kills
         kills = draw_kills(
-            count, world=args.ranks, seed=args.seed, named=not args.random_only, publish=args.publish
+            count, world=args.ranks, seed=args.seed, named=not args.random_only, publish=publish
         )
         result: Any = run_rank_campaign(
-            kills, world=args.ranks, seed=args.seed, workdir=args.workdir, keep=args.keep
+            kills, world=args.ranks, seed=args.seed, workdir=args.workdir, keep=args.keep, store=args.store
         )
     else:
         kills_made = 20 if args.kills is None else args.kills

@@ -17,16 +17,24 @@ falling back to the previous committed save on damage. What is assumed of the
 store, and checked once when the manager opens the run: strong read-after-write
 consistency, and conditional creates that really refuse a second writer (S3
 since August 2024; see :mod:`ckpt_lesson.files.storage_fsspec`).
+
+Each restore that found a save is also recorded, by rank 0, in the bucket's
+``recovery.jsonl`` (:class:`~ckpt_lesson.runs.store_report.StoreRecoveryRecorder`,
+as the single-process training loop does), once the first step after it is
+done; ``python -m ckpt_lesson report URL`` summarises them.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ckpt_lesson.errors import (
@@ -44,6 +52,7 @@ from ckpt_lesson.runs.store_commit import (
     committed_steps,
     read_commit,
 )
+from ckpt_lesson.runs.store_report import StoreRecoveryRecorder
 
 from .manager import DistributedCheckpointManager
 from .restore import DistributedRestore, restore_newest
@@ -146,6 +155,7 @@ class StoreDistributedCheckpointManager(DistributedCheckpointManager):
         self.storage_options = dict(storage_options or {})
         self.storage = open_storage(self.url, self.storage_options)  # no request yet: rank 0 checks below
         self.lease_seconds = float(lease_seconds)
+        self._recorder: StoreRecoveryRecorder | None = None  # rank 0, from a restore to the next step
         super().__init__(self.url, publish=publish, **kwargs)
         self._retention = StoreRetention(self)  # type: ignore[assignment]
 
@@ -163,6 +173,13 @@ class StoreDistributedCheckpointManager(DistributedCheckpointManager):
                 log.info("%s: removed an upload nobody committed (its writer's lease expired)", attempt)
         except CheckpointError as exc:  # the save is committed; the leftovers wait for the next pass
             log.warning("%s: uploads of dead writers not cleaned this time (%s)", self.url, exc)
+
+    def close(self) -> None:
+        """As :meth:`DistributedCheckpointManager.close`; a restore with no step after it goes unrecorded."""
+        try:
+            super().close()
+        finally:
+            self._drop_recorder()
 
     def step_dir(self, step: int) -> str:  # type: ignore[override]
         """The URL of ``step``'s saves (its ``COMMIT`` marker and one prefix per attempt)."""
@@ -185,6 +202,7 @@ class StoreDistributedCheckpointManager(DistributedCheckpointManager):
             rng=rng,
             emit=self._emit,
         )
+        self._first_step_done(step)  # a loop that saves without asking should_save still gets its record
         stack, save_id, refusal, lease = ExitStack(), None, None, None
         if self.rank == 0:
             try:
@@ -247,6 +265,64 @@ class StoreDistributedCheckpointManager(DistributedCheckpointManager):
             return False
 
     # ------------------------------------------------------------------ restore
+
+    def restore_latest(self, *args: Any, **kwargs: Any) -> Any:
+        """As :meth:`DistributedCheckpointManager.restore_latest`; rank 0 also prepares its recovery record.
+
+        The record (chosen step, skipped saves, age of the save, time to recover) is
+        written to ``URL/recovery.jsonl`` when the first step after the restore is done:
+        at the next :meth:`should_save` or save, whichever comes first.
+        """
+        found = super().restore_latest(*args, **kwargs)
+        if found is not None and self.rank == 0 and self.last_restore is not None:
+            self._prepare_record(self.last_restore)
+        return found
+
+    def should_save(self, step: int) -> bool:
+        """As :meth:`DistributedCheckpointManager.should_save`; the first call after a restore records it."""
+        self._first_step_done(step)
+        return super().should_save(step)
+
+    def _prepare_record(self, restored: DistributedRestore) -> None:
+        """Rank 0: fetch the bucket's recovery log and note this restore (written after the next step)."""
+        self._drop_recorder()
+        folder = Path(tempfile.mkdtemp(prefix="ckpt-lesson-recovery-"))  # scratch: it dies with the machine
+        try:
+            self._recorder = StoreRecoveryRecorder(self.url, folder, storage_options=self.storage_options)
+        except CheckpointError as exc:  # a report, never a reason to stop training
+            shutil.rmtree(folder, ignore_errors=True)
+            log.warning("%s: this restore is not recorded (%s)", self.url, exc)
+            return
+        created = None
+        try:  # the marker's time gives the save's age; a marker field is data, so only a number counts
+            found = read_commit(self.storage, restored.step)[0].get("created_at")
+            if isinstance(found, (int, float)) and not isinstance(found, bool) and math.isfinite(found):
+                created = float(found)
+        except CheckpointError:
+            pass
+        self._recorder.restored(
+            {
+                "step": restored.step,
+                "save_id": restored.save_id,
+                "skipped": list(restored.skipped),
+                "manifest": {"created_at": created},
+            }
+        )
+
+    def _first_step_done(self, step: int) -> None:
+        if self._recorder is None:
+            return
+        try:
+            self._recorder.step_done(step)
+        except CheckpointError as exc:
+            log.warning("%s: could not add this restore to recovery.jsonl (%s)", self.url, exc)
+        finally:
+            self._drop_recorder()
+
+    def _drop_recorder(self) -> None:
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
+            shutil.rmtree(recorder.run_dir, ignore_errors=True)
 
     def _restore_newest(self, steps: list[int], **options: Any) -> DistributedRestore | None:
         if isinstance(steps, LoadEnvironmentError):  # rank 0 could not list the run (see StoreRetention)

@@ -42,12 +42,11 @@ from ckpt_lesson.errors import (
     LoadEnvironmentError,
     UnsafeCheckpointError,
 )
-from ckpt_lesson.files.safe_read import parse_json_text
 from ckpt_lesson.files.storage import Storage
 from ckpt_lesson.files.tagged_hash import hash_bytes
-from ckpt_lesson.runs.dcp_manifest import METADATA_FILE, check_manifest_seal, validate_manifest
+from ckpt_lesson.runs.dcp_manifest import METADATA_FILE
 from ckpt_lesson.runs.scan import step_dir_name
-from ckpt_lesson.runs.store_commit import read_commit
+from ckpt_lesson.runs.store_restore import read_committed_manifest
 
 from .comm import Comm
 from .reader import one_verdict
@@ -117,17 +116,8 @@ def fetch_part(storage: Storage, attempt: str, part: dict[str, Any]) -> bytes:
 
 
 def _read_manifest(storage: Storage, step: int) -> tuple[dict[str, Any], bytes, str]:
-    marker, raw = read_commit(storage, step)  # the marker names this step; the manifest matches its digest
-    where = storage.where(f"{step_dir_name(step)}/{marker['save_id']}/manifest.json")
-    manifest = parse_json_text(raw, where=where)
-    check_manifest_seal(manifest, where=where)
-    validate_manifest(manifest, where=where)
-    if (manifest["step"], manifest["save_id"]) != (step, marker["save_id"]):
-        raise CorruptCheckpointError(
-            f"{where}: names step {manifest['step']} / save {manifest['save_id']}, its marker step {step} / "
-            f"save {marker['save_id']}; restore an older save."
-        )
-    return manifest, raw, f"{step_dir_name(step)}/{marker['save_id']}"
+    # The marker names this step; the manifest matches its digest and seal, and is a multi-rank one.
+    return read_committed_manifest(storage, step, multi_rank=True)
 
 
 def _local_findings(storage: Storage, step: int, comm: Comm) -> tuple[dict[str, Any], Any]:

@@ -23,7 +23,9 @@ Victims: ``one`` (the rank where the event fires), ``all``, or ``others``
 Each kill also runs with ``mode="async"``, where the event fires in DCP's
 background thread while training goes on, and with ``publish="marker"``
 (``--publish marker``), where ``before_publish`` means after the manifest and
-before the commit marker.
+before the commit marker. With ``store=URL`` (``chaos --store URL --ranks N``)
+every killed run saves to its own prefix of a bucket, always by marker: there
+``before_publish`` is after the manifest and before the conditional ``COMMIT``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import json
 import random
 import shutil
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -217,6 +220,8 @@ class RankCampaignResult:
     seed: int
     outcomes: list[RankKillOutcome] = field(default_factory=list)
     staging_left: int = 0
+    #: The bucket the runs saved to (``chaos --store``), ``None`` for local run folders.
+    store: str | None = None
 
     @property
     def wrong_choices(self) -> int:
@@ -233,6 +238,7 @@ class RankCampaignResult:
         o, count = self.outcomes, _counts
         rows = [
             ("kills", f"{len(o)} over {len(o)} runs of {self.world} ranks (seed {self.seed})"),
+            *([("saves went to", f"{self.store} (local folders were scratch)")] if self.store else []),
             ("  by point", count(x.kill.point for x in o)),
             ("  by victims", count(x.kill.victims for x in o)),
             ("  async saves", str(sum(x.kill.mode == "async" for x in o))),
@@ -260,6 +266,7 @@ def run_rank_campaign(
     workdir: str | Path | None = None,
     keep: bool = False,
     predict: Callable[[RankKill, int], int] | None = None,
+    store: str | None = None,
 ) -> RankCampaignResult:
     """Run every kill in ``kills`` on ``world`` ranks, then restore and judge each (module docstring).
 
@@ -270,6 +277,9 @@ def run_rank_campaign(
         workdir: Where run folders go (a temporary folder by default).
         keep: Keep the run folders for inspection.
         predict: ``predict(kill, world) -> step``; :func:`predict_rank_restore` by default.
+        store: A bucket prefix (``s3://BUCKET/PREFIX``, reached through the ``AWS_*``
+            environment): each killed run saves to ``store/run-NNNN`` (its kills must
+            use ``publish="marker"``); the reports stay under ``workdir``.
 
     Returns:
         A :class:`RankCampaignResult`; ``result.ok`` is the verdict.
@@ -282,32 +292,39 @@ def run_rank_campaign(
         >>> print(result.table())  # doctest: +SKIP
     """
     from ckpt_lesson.faults.rank_launch import launch
-    from ckpt_lesson.faults.rank_programs import w_check, w_fault
+    from ckpt_lesson.faults.rank_programs import STORE_LEASE_SECONDS, w_check, w_fault
+    from ckpt_lesson.faults.store_kills import StoreTarget
 
     if world < 2:
         raise CheckpointError(f"a multi-rank campaign needs 2 or more ranks, got {world}.")
     for kill in kills:
         check_kill(kill, world)
+        if store is not None and kill.publish != "marker":
+            raise CheckpointError(f"{kill.name}: a bucket has no rename; draw kills with publish='marker'.")
     predict = predict or predict_rank_restore
     if workdir is not None:
         Path(workdir).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="ckpt-rank-chaos-", dir=workdir))
     runs, predicted, codes = [], [], []
+    stores = None if store is None else [f"{store.rstrip('/')}/run-{i:04d}" for i in range(len(kills))]
     for i, kill in enumerate(kills):
         run = root / f"run-{i:04d}"
         shutil.rmtree(run, ignore_errors=True)
         predicted.append(predict(kill, world))  # written down before the kill
-        codes.append(launch(w_fault, world, root, str(run), kill.hook_spec(world)))
+        target = None if stores is None else stores[i]
+        codes.append(launch(w_fault, world, root, str(run), kill.hook_spec(world), target))
         runs.append(run)
+    if stores is not None:
+        time.sleep(STORE_LEASE_SECONDS)  # the last killed writer's lease runs out: its upload may go
     baseline = root / "uninterrupted"
     shutil.rmtree(baseline, ignore_errors=True)
     limit = 60.0 + 10 * len(runs)
-    check_codes = launch(w_check, world, root, str(baseline), [str(r) for r in runs], limit=limit)
+    check_codes = launch(w_check, world, root, str(baseline), [str(r) for r in runs], stores, limit=limit)
     if check_codes != [0] * world:
         raise CheckpointError(
             f"the restoring launch failed (exit codes {check_codes}); see the traceback above."
         )
-    result = RankCampaignResult(world=world, seed=seed)
+    result = RankCampaignResult(world=world, seed=seed, store=store)
     losses = [_read(baseline / f"losses-rank{r}.json") for r in range(world)]
     for kill, run, step, exit_codes in zip(kills, runs, predicted, codes, strict=True):
         restored = [_read(run / f"restored-rank{r}.json") for r in range(world)]
@@ -315,9 +332,11 @@ def run_rank_campaign(
         result.outcomes.append(RankKillOutcome(kill, step, exit_codes, restored, losses, said))
         result.staging_left += len(restored[0]["staging_after"])  # rank 0's manager is the one that cleans
     if keep:
-        print(f"run folders kept in {root}")
+        print(f"run folders kept in {root}" + ("" if store is None else f" and {store}/run-*"))
     else:
         shutil.rmtree(root, ignore_errors=True)
+        for url in stores or []:
+            StoreTarget(url).remove()
     return result
 
 

@@ -7,6 +7,10 @@ asynchronous save's background thread). A later launch restores every run,
 trains on to step 6 and records what it restored and each loss, beside an
 uninterrupted run of the same length. The tests reuse the model
 (:func:`make_run`, :func:`train_step`) and the helpers here.
+
+With ``chaos --store URL --ranks N`` the saves go to a bucket instead
+(``store``: one prefix per killed run); the reports stay in the local run
+folder. Credentials and endpoint come from the ranks' environment (``AWS_*``).
 """
 
 from __future__ import annotations
@@ -25,10 +29,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from ckpt_lesson.distributed import DistributedCheckpointManager
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
+from ckpt_lesson.files.storage import is_store_url
 from ckpt_lesson.runs.dcp_marker import COMMIT_MARKER, MARKER_LOCK
+from ckpt_lesson.runs.store_scan import scan_store
 
 __all__ = [
     "SAVE_STEPS",
+    "STORE_LEASE_SECONDS",
     "TOTAL_STEPS",
     "full_state",
     "make_run",
@@ -42,6 +49,16 @@ __all__ = [
 SAVE_STEPS = (2, 4)
 #: Steps a restored run trains to, so its losses can be compared with the uninterrupted run's.
 TOTAL_STEPS = 6
+#: The lease of a killed run's save in a bucket: its save takes well under a second, and nothing
+#: else cleans the run while it lives, so the restoring launch may remove its upload soon after.
+STORE_LEASE_SECONDS = 1.0
+
+
+def _manager(where: str | Path, **kwargs: Any) -> DistributedCheckpointManager:
+    """The campaign's manager on a run folder, or on a run's bucket prefix (with the short lease)."""
+    if is_store_url(where):
+        kwargs["lease_seconds"] = STORE_LEASE_SECONDS
+    return DistributedCheckpointManager(where, keep_last=3, every_steps=SAVE_STEPS[0], **kwargs)
 
 
 def make_run(kind: str, world: int, rank: int) -> tuple[Any, Any, Any, torch.Generator]:
@@ -115,14 +132,16 @@ def write_json(path: str | os.PathLike[str], obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def w_fault(rank: int, world: int, run_dir: str, kill: dict[str, Any] | None) -> None:
+def w_fault(
+    rank: int, world: int, run_dir: str, kill: dict[str, Any] | None, store: str | None = None
+) -> None:
     """Save every step of :data:`SAVE_STEPS`; during the last save, SIGKILL ranks.
 
     ``kill``: ``event`` (a manager event), ``at`` (the rank whose event fires),
     ``victims`` (ranks to kill, this one last), ``mode`` (``"sync"``/``"async"``) and
     ``publish`` (the manager's ``"rename"``/``"marker"``);
     ``None`` saves without killing. Survivors record how their save ended in
-    ``outcome-rank{rank}.json``.
+    ``outcome-rank{rank}.json``. ``store``: save to this bucket prefix, not to ``run_dir``.
     """
     run = Path(run_dir)
     pids = run / "pids"
@@ -139,10 +158,8 @@ def w_fault(rank: int, world: int, run_dir: str, kill: dict[str, Any] | None) ->
             os.kill(pid_of[r], signal.SIGKILL)
 
     model, opt, sched, sampler = make_run("fsdp", world, rank)
-    publish = "rename" if kill is None else kill["publish"]
-    mgr = DistributedCheckpointManager(
-        run, keep_last=3, every_steps=SAVE_STEPS[0], on_event=hook, publish=publish
-    )
+    publish = kill["publish"] if kill is not None else "marker" if store else "rename"
+    mgr = _manager(store or run, on_event=hook, publish=publish)
     state = TrainState()
     outcome = "returned"
     for step in range(1, SAVE_STEPS[-1] + 1):
@@ -167,14 +184,18 @@ def w_fault(rank: int, world: int, run_dir: str, kill: dict[str, Any] | None) ->
     mgr.close()
 
 
-def w_check(rank: int, world: int, baseline_dir: str, runs: list[str]) -> None:
+def w_check(
+    rank: int, world: int, baseline_dir: str, runs: list[str], stores: list[str] | None = None
+) -> None:
     """Train the uninterrupted run, then restore each killed run and train it on; record both.
 
     The uninterrupted run saves like the killed ones (so both do the same work)
     and writes ``losses-rank{rank}.json``. For each run, opening a manager
     removes what dead writers left; the report ``restored-rank{rank}.json``
     holds the restored step, the skipped saves, the staging folders before and
-    after, and the losses up to :data:`TOTAL_STEPS`.
+    after, and the losses up to :data:`TOTAL_STEPS`. ``stores``: each run's
+    bucket prefix, when the runs saved to a bucket (their uploads no marker
+    names count as staging).
     """
     model, opt, sched, sampler = make_run("fsdp", world, rank)
     mgr = DistributedCheckpointManager(Path(baseline_dir), keep_last=3, every_steps=SAVE_STEPS[0])
@@ -186,12 +207,13 @@ def w_check(rank: int, world: int, baseline_dir: str, runs: list[str]) -> None:
             mgr.save(model, opt, sched, state, data_state={"sampler": sampler.get_state()})
     mgr.close()
     write_json(Path(baseline_dir) / f"losses-rank{rank}.json", state.losses)
-    for run_dir in runs:
+    for i, run_dir in enumerate(runs):
         run = Path(run_dir)
+        where = run if stores is None else stores[i]
         model, opt, sched, sampler = make_run("fsdp", world, rank)
         torch.manual_seed(999)  # a different stream: only a real restore gives the saved one back
-        before = _staging(run)  # only rank 0's view is exact: its manager is the one that cleans
-        mgr = DistributedCheckpointManager(run, keep_last=3, every_steps=SAVE_STEPS[0])
+        before = _staging(where)  # only rank 0's view is exact: its manager is the one that cleans
+        mgr = _manager(where)
         report: dict[str, Any] = {"step": None, "skipped": [], "losses": [], "error": None}
         try:
             restored = mgr.restore_latest(model, opt, sched)
@@ -204,13 +226,16 @@ def w_check(rank: int, world: int, baseline_dir: str, runs: list[str]) -> None:
                 state.losses.append(train_step(model, opt, sched, sampler))
                 state.step += 1
             report.update(step=restored.step, skipped=restored.skipped, losses=state.losses)
-        report.update(staging_before=before, staging_after=_staging(run))
+        report.update(staging_before=before, staging_after=_staging(where))
         mgr.close()
         write_json(run / f"restored-rank{rank}.json", report)
 
 
-def _staging(run: Path) -> list[str]:
-    """Unpublished folders: staging folders, and marker-mode folders without their marker."""
+def _staging(run: Path | str) -> list[str]:
+    """Unpublished folders: staging folders, marker-mode folders without their marker, uploads no
+    ``COMMIT`` names in a bucket (``scan``'s rows for them)."""
+    if isinstance(run, str):
+        return [r.path.name for r in scan_store(run) if r.path.name.startswith(".uncommitted-")]
     unmarked = [
         p for p in run.glob("step-*") if (p / MARKER_LOCK).exists() and not (p / COMMIT_MARKER).exists()
     ]

@@ -13,6 +13,7 @@ record says "steps redone: unknown" rather than guessing.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +35,23 @@ def _fetch_log(storage: Storage, folder: Path) -> None:
 class StoreRecoveryRecorder(RecoveryRecorder):
     """A :class:`RecoveryRecorder` whose log is mirrored to ``url/recovery.jsonl``.
 
+    Used by the single-process training loop (``train --ckpt-dir s3://...``) and,
+    on rank 0, by the multi-rank manager on a store after each restore.
+
+    Args:
+        url: The run's URL.
+        folder: A local scratch folder for the log's working copy and the heartbeat.
+        storage_options: fsspec options (``None``: credentials from the environment).
+        **kwargs: What :class:`RecoveryRecorder` accepts (``started_at``).
+
     Example:
         >>> rec = StoreRecoveryRecorder("s3://my-bucket/runs/exp1", Path("/tmp/r"))  # doctest: +SKIP
     """
 
-    def __init__(self, url: str, folder: Path, **kwargs: Any) -> None:
-        self.storage = open_storage(url)
+    def __init__(
+        self, url: str, folder: Path, *, storage_options: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> None:
+        self.storage = open_storage(url, storage_options)
         _fetch_log(self.storage, folder)
         super().__init__(folder, **kwargs)
 
@@ -50,14 +62,27 @@ class StoreRecoveryRecorder(RecoveryRecorder):
         return record
 
 
-def read_store_recovery_log(url: str) -> list[dict[str, Any]]:
+def read_store_recovery_log(
+    url: str, storage_options: Mapping[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """:func:`~ckpt_lesson.runs.report.read_recovery_log` of ``url/recovery.jsonl``.
+
+    Args:
+        url: The run's URL.
+        storage_options: fsspec options (``None``: credentials from the environment).
+
+    Returns:
+        Every complete recovery record, oldest first (``[]`` when the run has none).
+
+    Raises:
+        LoadEnvironmentError: The bucket cannot be reached.
+        CorruptCheckpointError: The log holds no record at all, only damaged lines.
 
     Example:
         >>> len(read_store_recovery_log("s3://my-bucket/runs/exp1"))  # doctest: +SKIP
         2
     """
-    storage = open_storage(url)
+    storage = open_storage(url, storage_options)
     with tempfile.TemporaryDirectory(prefix="ckpt-lesson-report-") as folder:
         _fetch_log(storage, Path(folder))
         return read_recovery_log(folder)

@@ -12,6 +12,10 @@ A part that vanished (deleted by a retention pass during the restore, or
 never uploaded) is ``IncompleteCheckpointError``; the caller falls back to the
 previous committed save. Not reaching the store is ``LoadEnvironmentError``
 (raised by the storage backend) and is never taken for damage.
+
+A multi-rank save (DCP's files, committed by the same marker) is read by
+:mod:`ckpt_lesson.distributed.store_reader`; only :func:`read_committed_manifest`
+(its manifest, either kind) and :func:`verify_store_save` (``scan``) serve both.
 """
 
 from __future__ import annotations
@@ -25,12 +29,15 @@ from typing import Any
 
 from ckpt_lesson.errors import CorruptCheckpointError, IncompleteCheckpointError
 from ckpt_lesson.files.hashing import new_hasher, part_digest
+from ckpt_lesson.files.safe_read import parse_json_text
 from ckpt_lesson.files.storage import Storage
 from ckpt_lesson.files.storage_transfer import RANGE_BYTES
+from ckpt_lesson.runs.dcp_manifest import MANIFEST_SCHEMA as DCP_MANIFEST_SCHEMA
+from ckpt_lesson.runs.dcp_manifest import check_manifest_seal, validate_manifest
 from ckpt_lesson.runs.scan import MANIFEST_NAME, read_manifest, step_dir_name
 from ckpt_lesson.runs.store_commit import read_commit
 
-__all__ = ["fetch_verified", "read_verified", "verify_store_save"]
+__all__ = ["fetch_verified", "read_committed_manifest", "read_verified", "verify_store_save"]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 #: Ranged GETs this large, several in flight (files/storage_transfer.py): few requests, bounded memory.
@@ -72,13 +79,34 @@ def _fetch_part(storage: Storage, key: str, dest: Path, part: dict[str, Any]) ->
         _stream_part(storage, key, part, out.write)
 
 
-def _checked_manifest(storage: Storage, step: int, marker: dict[str, Any], raw: bytes) -> dict[str, Any]:
-    """The manifest ``raw`` parsed and sealed-checked like a local one, and matched to the marker."""
+def _parse_single(raw: bytes) -> dict[str, Any]:
+    """A single-process manifest's bytes, parsed and seal-checked exactly like a local one."""
     with tempfile.TemporaryDirectory(prefix="ckpt-lesson-manifest-") as folder:
         fd = os.open(Path(folder) / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as out:
             out.write(raw)
-        manifest = read_manifest(Path(folder))  # schema, seal, part names that stay inside the folder
+        return read_manifest(Path(folder))  # schema, seal, part names that stay inside the folder
+
+
+def _checked_manifest(
+    storage: Storage, step: int, marker: dict[str, Any], raw: bytes, *, multi_rank: bool | None = False
+) -> dict[str, Any]:
+    """The manifest ``raw`` parsed and seal-checked, and matched to the marker.
+
+    ``multi_rank``: ``False`` accepts only a single-process manifest (a multi-rank one is a
+    :class:`~ckpt_lesson.errors.SchemaError` naming the right manager), ``True`` only a
+    multi-rank (DCP) one, ``None`` whichever the record says it is.
+    """
+    where = storage.where(f"{step_dir_name(step)}/{marker['save_id']}/{MANIFEST_NAME}")
+    if multi_rank is None:
+        parsed = parse_json_text(raw, where=where)
+        multi_rank = isinstance(parsed, dict) and parsed.get("schema") == DCP_MANIFEST_SCHEMA
+    if multi_rank:
+        manifest = parse_json_text(raw, where=where)
+        check_manifest_seal(manifest, where=where)  # the seal first: an unverifiable record is damage
+        validate_manifest(manifest, where=where)  # part names are plain names, .metadata listed
+    else:
+        manifest = _parse_single(raw)
     if manifest["step"] != step or manifest["save_id"] != marker["save_id"]:
         raise CorruptCheckpointError(
             f"{storage.where(step_dir_name(step))}: the manifest names step {manifest['step']} / save "
@@ -86,6 +114,39 @@ def _checked_manifest(storage: Storage, step: int, marker: dict[str, Any], raw: 
             "restore an older save."
         )
     return manifest
+
+
+def read_committed_manifest(
+    storage: Storage, step: int, *, multi_rank: bool | None = None
+) -> tuple[dict[str, Any], bytes, str]:
+    """Read ``step``'s marker and the manifest it names, checked; nothing else is downloaded.
+
+    Args:
+        storage: The run's store.
+        step: A step with a ``COMMIT`` marker.
+        multi_rank: ``True``: only a multi-rank (DCP) manifest is accepted; ``False``: only a
+            single-process one; ``None`` (default): either, by its schema (for ``scan``).
+
+    Returns:
+        ``(manifest, raw_bytes, attempt)``: ``attempt`` is the key prefix of the save's objects,
+        ``step-XXXXXXXX/<save_id>``.
+
+    Raises:
+        IncompleteCheckpointError: No marker, or the manifest it names is missing.
+        CorruptCheckpointError: A stale or damaged marker, a manifest that does not match its
+            digest or seal, or one that names another step or save.
+        SchemaError: A manifest of the other kind than ``multi_rank`` asks for.
+        UnsafeCheckpointError: A part name that would leave the save's prefix.
+        LoadEnvironmentError: The store cannot be reached.
+
+    Example:
+        >>> manifest, raw, attempt = read_committed_manifest(store, 40)  # doctest: +SKIP
+        >>> manifest["layout"], attempt  # doctest: +SKIP
+        ('dcp', 'step-00000040/5be0c1...')
+    """
+    marker, raw = read_commit(storage, step)
+    manifest = _checked_manifest(storage, step, marker, raw, multi_rank=multi_rank)
+    return manifest, raw, f"{step_dir_name(step)}/{marker['save_id']}"
 
 
 def fetch_verified(storage: Storage, step: int, cache: Path) -> dict[str, Any]:
@@ -165,19 +226,40 @@ def read_verified(storage: Storage, step: int) -> tuple[dict[str, Any], dict[str
 def verify_store_save(storage: Storage, step: int) -> dict[str, Any]:
     """Hash every byte of committed save ``step`` as it streams by, keeping none of it (for ``scan``).
 
+    Either kind of save: a single-process one, or a multi-rank one (DCP's
+    ``__R_N.distcp`` objects of every rank and its ``.metadata``, hashed like any
+    other object and never unpickled). Every listed object is checked, so the
+    error names all that are damaged or missing, not just the first.
+
+    Args:
+        storage: The run's store.
+        step: A step with a ``COMMIT`` marker.
+
     Returns:
         The save's manifest.
 
     Raises:
-        CorruptCheckpointError, IncompleteCheckpointError, LoadEnvironmentError: As :func:`fetch_verified`.
+        IncompleteCheckpointError: No marker or manifest, or only missing objects.
+        CorruptCheckpointError: A stale or damaged marker or manifest, or an object whose size
+            or digest differs (missing ones are named in the same message).
+        SchemaError, UnsafeCheckpointError: As :func:`read_committed_manifest`.
+        LoadEnvironmentError: The store cannot be reached.
 
     Example:
         >>> verify_store_save(store, 240)["step"]  # doctest: +SKIP
         240
     """
-    marker, raw = read_commit(storage, step)
-    manifest = _checked_manifest(storage, step, marker, raw)
-    attempt = f"{step_dir_name(step)}/{marker['save_id']}"
+    manifest, _, attempt = read_committed_manifest(storage, step)
+    missing, damaged = [], []
     for part in manifest["parts"]:
-        _stream_part(storage, f"{attempt}/{part['file']}", part, lambda block: None)
+        try:
+            _stream_part(storage, f"{attempt}/{part['file']}", part, lambda block: None)
+        except IncompleteCheckpointError as exc:
+            missing.append(str(exc))
+        except CorruptCheckpointError as exc:
+            damaged.append(str(exc))
+    if damaged:
+        raise CorruptCheckpointError("; ".join(damaged + missing))
+    if missing:
+        raise IncompleteCheckpointError("; ".join(missing))
     return manifest

@@ -4,6 +4,12 @@ The table has the same rows as for a local run directory: one per committed
 step (``ok``, ``corrupt`` or ``incomplete`` with the reason), plus one row per
 upload that no marker names (a writer that died, or one still running: see
 :func:`~ckpt_lesson.runs.store_commit.clean_uncommitted`).
+
+Both managers' saves are read: a :class:`~ckpt_lesson.runs.manager.CheckpointManager`
+save, and a :class:`~ckpt_lesson.distributed.DistributedCheckpointManager` save,
+whose manifest lists every rank's DCP objects and ``.metadata``. Either way
+each object is hashed as it streams by and nothing is unpickled, as in the
+scan of a local run directory.
 """
 
 from __future__ import annotations
@@ -12,7 +18,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ckpt_lesson.errors import CorruptCheckpointError, IncompleteCheckpointError
+from ckpt_lesson.errors import (
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    SchemaError,
+    UnsafeCheckpointError,
+)
 from ckpt_lesson.files.storage import open_storage
 from ckpt_lesson.runs.scan import ScanResult, step_dir_name, step_of
 from ckpt_lesson.runs.store_commit import committed_steps, read_commit
@@ -29,7 +40,8 @@ def scan_store(url: str, storage_options: Mapping[str, Any] | None = None) -> li
         storage_options: fsspec options (default: credentials from the environment).
 
     Returns:
-        One :class:`ScanResult` per committed step (ascending), then one
+        One :class:`ScanResult` per committed step (ascending; single-process and
+        multi-rank saves alike), then one
         ``incomplete`` row per upload no marker names (path ``.uncommitted-...``).
 
     Raises:
@@ -51,7 +63,8 @@ def scan_store(url: str, storage_options: Mapping[str, Any] | None = None) -> li
             results.append(ScanResult(path, step, "ok"))
         except IncompleteCheckpointError as exc:
             results.append(ScanResult(path, step, "incomplete", str(exc)))
-        except CorruptCheckpointError as exc:
+        except (CorruptCheckpointError, SchemaError, UnsafeCheckpointError) as exc:
+            # As in a local scan: a record of an unknown kind or a hostile part name is listed, not fatal.
             results.append(ScanResult(path, step, "corrupt", str(exc)))
     attempts = sorted({"/".join(k.split("/")[:2]) for k in keys if k.count("/") >= 2} - named)
     for attempt in attempts:
