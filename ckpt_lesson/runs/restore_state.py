@@ -102,7 +102,7 @@ def load_state_save(
         raise CorruptCheckpointError(f"{target.name}: payload holds step {saved_step}")
     restored = apply_state_payload(payload, state, source=str(target), strict=strict)
     # A save in memory has no local path; its URL says where it came from (as last_restore["path"]).
-    restored.path = target if isinstance(target, Path) else str(target)  # type: ignore[assignment]
+    restored.path = target if isinstance(target, Path) else str(target)
     restored.save_id = manifest.get("save_id")
     return manifest, restored
 

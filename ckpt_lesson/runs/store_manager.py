@@ -235,5 +235,5 @@ class StoreCheckpointManager(CheckpointManager):
         if record.get("step") is not None:  # the URL, also for a save that went through the cache folder
             record["path"] = f"{self.url}/{step_dir_name(record['step'])}"
             if isinstance(found, Restored):
-                found.path = record["path"]  # type: ignore[assignment]
+                found.path = record["path"]
         return found
