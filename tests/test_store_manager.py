@@ -135,3 +135,115 @@ def test_the_state_api_and_async_saves_go_to_the_bucket_and_restore_bit_for_bit(
         restored = mgr.restore_latest({"model": fresh, "optimizer": fresh_opt, "hidden": None})
     assert restored.step == 2 and restored.values["hidden"].tolist() == [2.0, 2.0]
     assert torch.equal(fresh.weight, model.weight) and torch.equal(torch.rand(3), expected)
+
+
+def _files_under(folder):
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def _watching_cache(cache, seen):
+    """An event hook that lists the cache folder's files when the resume contract is checked:
+    after the save was downloaded and verified, before any part is loaded."""
+
+    def hook(name, info):
+        if name == "resume_contract":
+            seen.append(_files_under(cache))
+
+    return hook
+
+
+def _same_state(a, b):
+    """Tensors and values of two state dicts are equal, bit for bit (nested dicts and lists too)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def test_restore_latest_from_a_bucket_loads_from_memory_bit_for_bit_and_writes_no_part_locally(
+    tiny_run, s3_bucket, tmp_path
+):
+    run = tiny_run(seed=1)
+    with CheckpointManager(s3_bucket.url(), every_steps=2, storage_options=s3_bucket.options) as mgr:
+        _save_steps(run, mgr, [2, 4])
+    fresh, cache, seen = tiny_run(seed=99), tmp_path / "cache", []
+    with CheckpointManager(
+        s3_bucket.url(),
+        every_steps=2,
+        storage_options=s3_bucket.options,
+        cache_dir=cache,
+        on_event=_watching_cache(cache, seen),
+    ) as mgr:
+        state = mgr.restore_latest(fresh.model, fresh.optimizer, fresh.scheduler)
+        assert mgr.last_restore["path"] == s3_bucket.url() + "/step-00000004"
+        assert mgr.last_restore["skipped"] == []
+    assert seen == [[]]  # verified and about to load: still no file in the cache folder
+    assert _files_under(cache) == []
+    assert state.step == 4 and state.to_dict() == run.state.to_dict()
+    assert _same_state(fresh.model.state_dict(), run.model.state_dict())
+    assert _same_state(fresh.optimizer.state_dict(), run.optimizer.state_dict())
+    assert _same_state(fresh.scheduler.state_dict(), run.scheduler.state_dict())
+
+
+def test_restore_latest_from_a_bucket_through_the_state_api_loads_from_memory_bit_for_bit(
+    s3_bucket, tmp_path
+):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    url = s3_bucket.url("state-memory")
+    with CheckpointManager(url, every_steps=1, storage_options=s3_bucket.options) as mgr:
+        mgr.save(3, {"model": model, "optimizer": opt, "hidden": torch.arange(5.0), "best": 0.25})
+    fresh = torch.nn.Linear(4, 2)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    cache, seen = tmp_path / "cache", []
+    with CheckpointManager(
+        url,
+        every_steps=1,
+        storage_options=s3_bucket.options,
+        cache_dir=cache,
+        on_event=_watching_cache(cache, seen),
+    ) as mgr:
+        restored = mgr.restore_latest({"model": fresh, "optimizer": fresh_opt, "hidden": None, "best": None})
+    assert seen == [[]] and _files_under(cache) == []
+    assert restored.step == 3 and restored.path == url + "/step-00000003"
+    assert restored.values["best"] == 0.25 and torch.equal(restored.values["hidden"], torch.arange(5.0))
+    assert _same_state(fresh.state_dict(), model.state_dict())
+    assert _same_state(fresh_opt.state_dict(), opt.state_dict())
+
+
+def test_a_sharded_save_restores_from_a_bucket_bit_for_bit_and_leaves_the_cache_folder_empty(
+    tiny_run, s3_bucket, tmp_path
+):
+    run = tiny_run(seed=2)
+    url = s3_bucket.url("sharded")
+    with CheckpointManager(url, every_steps=2, num_shards=2, storage_options=s3_bucket.options) as mgr:
+        _save_steps(run, mgr, [2])
+    fresh, cache = tiny_run(seed=98), tmp_path / "cache"
+    with CheckpointManager(url, every_steps=2, storage_options=s3_bucket.options, cache_dir=cache) as mgr:
+        state = mgr.restore_latest(fresh.model, fresh.optimizer, fresh.scheduler)
+        assert mgr.last_restore["path"] == url + "/step-00000002" and mgr.last_restore["layout"] == "sharded"
+    assert _files_under(cache) == []  # its parts went through the cache folder and were removed again
+    assert state.step == 2 and _same_state(fresh.model.state_dict(), run.model.state_dict())
+    assert _same_state(fresh.optimizer.state_dict(), run.optimizer.state_dict())
+
+
+def test_wrong_credentials_during_a_restore_are_a_load_environment_error_not_damage(
+    tiny_run, s3_bucket, monkeypatch
+):
+    import moto.settings
+
+    run = tiny_run(seed=1)
+    with CheckpointManager(s3_bucket.url(), every_steps=2, storage_options=s3_bucket.options) as mgr:
+        _save_steps(run, mgr, [2])
+        # From here on moto checks signatures, and the fixture's key is not one it knows: the same
+        # as credentials that expired or were revoked while the run was down.
+        monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+        with pytest.raises(LoadEnvironmentError, match=f"bucket '{s3_bucket.name}'") as caught:
+            mgr.restore_latest(run.model, run.optimizer, run.scheduler)
+    assert "damaged" not in str(caught.value) and "none is usable" not in str(caught.value)

@@ -145,3 +145,25 @@ def test_a_whole_committed_save_still_refuses_a_second_writer_of_its_step(tiny_r
     with CheckpointManager(s3_bucket.url(), every_steps=2, storage_options=s3_bucket.options) as mgr:
         with pytest.raises(CommitConflictError, match="already committed"):
             mgr.save(other.model, other.optimizer, other.scheduler, other.state)
+
+
+def test_a_flipped_byte_falls_back_through_the_state_api_too_and_the_restore_reports_it(s3_bucket):
+    url = s3_bucket.url("state-flip")
+    model = torch.nn.Linear(3, 3)
+    with CheckpointManager(url, keep_last=5, every_steps=1, storage_options=s3_bucket.options) as mgr:
+        for step in (1, 2):
+            with torch.no_grad():
+                model.weight.fill_(float(step))
+            mgr.save(step, {"model": model, "step_seen": step})
+        marker, _ = read_commit(mgr.storage, 2)
+    fs, path = s3_bucket.fs(), f"{s3_bucket.name}/state-flip/step-00000002/{marker['save_id']}/checkpoint.pt"
+    data = bytearray(fs.cat_file(path))
+    data[len(data) // 3] ^= 0x01
+    fs.pipe_file(path, bytes(data))
+    fresh = torch.nn.Linear(3, 3)
+    with CheckpointManager(url, every_steps=1, storage_options=s3_bucket.options) as mgr:
+        restored = mgr.restore_latest({"model": fresh, "step_seen": None})
+    assert restored.step == 1 and restored.values["step_seen"] == 1
+    assert torch.equal(fresh.weight, torch.ones(3, 3))
+    assert [(s["step"], s["status"]) for s in restored.skipped] == [(2, "corrupt")]
+    assert path.split("/", 1)[1] in restored.skipped[0]["reason"]  # the damaged object is named

@@ -45,6 +45,7 @@ from ckpt_lesson.files.payload import (
 from ckpt_lesson.files.rng import capture_rng_state, validate_rng_state
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, SCHEMA_V1, current_env, migrate_payload
 from ckpt_lesson.files.train_state import BUCKETS, REQUIRES_KEY, TrainState
+from ckpt_lesson.files.verified_bytes import VerifiedBytes
 
 __all__ = [
     "BUCKETS",
@@ -167,7 +168,7 @@ def save_checkpoint(
 
 
 def read_checkpoint(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | VerifiedBytes,
     *,
     map_location: str | torch.device = "cpu",
     expected_sha256: str | None = None,
@@ -178,7 +179,9 @@ def read_checkpoint(
     """Verify, load (weights-only) and migrate a checkpoint file, applying nothing.
 
     Args:
-        path: A file written by :func:`save_checkpoint` (or a legacy v1 file).
+        path: A file written by :func:`save_checkpoint` (or a legacy v1 file), or
+            such a file's bytes already verified in memory (see
+            :func:`~ckpt_lesson.files.loading.load_verified_file`).
         map_location: Passed to ``torch.load``.
         expected_sha256: The whole file's sha256 from an older index or
             manifest; checked in the same pass as the footer.
@@ -201,11 +204,12 @@ def read_checkpoint(
             when the weights-only loader refuses it; ``SchemaError`` for a
             missing or unknown schema; ``StateMismatchError`` for a missing bucket.
     """
-    path = Path(path)
-    if path.is_dir():
-        raise CheckpointError(
-            f"{path}: is a directory; use load_sharded_checkpoint() for sharded checkpoints."
-        )
+    if not isinstance(path, VerifiedBytes):
+        path = Path(path)
+        if path.is_dir():
+            raise CheckpointError(
+                f"{path}: is a directory; use load_sharded_checkpoint() for sharded checkpoints."
+            )
     payload, digest = load_verified_file(
         path,
         map_location=map_location,
@@ -214,7 +218,7 @@ def read_checkpoint(
         algo=algo,
         mmap=mmap_model,
     )
-    if mmap_model and isinstance(payload, dict):
+    if mmap_model and isinstance(payload, dict) and not isinstance(path, VerifiedBytes):
         # Optimizer moments would otherwise stay mapped: Optimizer.load_state_dict keeps a tensor
         # that already has the parameter's dtype and device instead of copying it.
         payload = {k: v if k == "model" else copy_out(v) for k, v in payload.items()}
@@ -223,7 +227,7 @@ def read_checkpoint(
         payload = keep_no_mapped_extra_state(payload)
     original = payload.get("schema") if isinstance(payload, dict) else None
     payload = migrate_payload(payload, source=str(path))
-    require_footer({"schema": original}, digest, path)
+    require_footer({"schema": original}, digest, str(path))
     if not digest.has_footer:
         log.warning(
             "%s: legacy v1 checkpoint with no integrity record; "

@@ -40,12 +40,13 @@ from ckpt_lesson.errors import (
     UnsafeCheckpointError,
 )
 from ckpt_lesson.files.integrity import FileDigest, verify_footer
+from ckpt_lesson.files.verified_bytes import VerifiedBytes
 
 __all__ = ["check_archive", "load_verified_file"]
 
 
 def load_verified_file(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | VerifiedBytes,
     *,
     map_location: str | torch.device = "cpu",
     expected_sha256: str | None = None,
@@ -61,7 +62,10 @@ def load_verified_file(
     all checked in a single read before the unpickler sees a byte.
 
     Args:
-        path: The file.
+        path: The file, or a part already verified in memory
+            (:class:`~ckpt_lesson.files.verified_bytes.VerifiedBytes`): its size,
+            digest and footer are compared without hashing it again, and every
+            check below from the archive check on runs as for a file.
         map_location: Passed to ``torch.load``.
         expected_sha256: A recorded whole-file sha256 (older records).
         expected_size: A recorded byte count.
@@ -76,7 +80,8 @@ def load_verified_file(
             would make a later access fault. :func:`~ckpt_lesson.files.checkpoint.load_checkpoint`
             does exactly that. Any failure of the mapped load (a file system
             that cannot map, a damaged archive) falls back to the plain read,
-            which loads the file or reports it as any load would.
+            which loads the file or reports it as any load would. Ignored for
+            bytes in memory: their tensors are private copies already.
 
     Returns:
         The loaded object and the file's digest (``has_footer`` is ``False``
@@ -87,6 +92,13 @@ def load_verified_file(
             mismatch, unreadable archive. UnsafeCheckpointError: refused by the
             weights-only loader.
     """
+    if expected_sha256 is not None:
+        expected_digest, algo = expected_sha256, "sha256"
+    if isinstance(path, VerifiedBytes):
+        digest = path.check(size=expected_size, digest=expected_digest, algo=algo)
+        with path.open() as f:
+            check_archive(f, path.size, name=path.name)
+            return _weights_only_load(f, path.name, map_location), digest
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(
@@ -110,8 +122,6 @@ def load_verified_file(
                 f"{path}: {size} bytes on disk but {expected_size} recorded; the file was truncated "
                 "or replaced after it was saved. Restore an older checkpoint."
             )
-        if expected_sha256 is not None:
-            expected_digest, algo = expected_sha256, "sha256"
         try:
             digest = verify_footer(f, name=path, algo=algo)
         except OSError as exc:  # EIO and friends: this copy cannot be read back, which is damage
@@ -203,7 +213,7 @@ def _named_global(head: bytes) -> str | None:
     return None
 
 
-def _weights_only_load(f: Any, path: Path, map_location: Any) -> Any:
+def _weights_only_load(f: Any, path: str | Path, map_location: Any) -> Any:
     try:
         return torch.load(f, map_location=map_location, weights_only=True)
     except MemoryError as exc:
@@ -242,7 +252,7 @@ def _weights_only_load(f: Any, path: Path, map_location: Any) -> Any:
 _ENVIRONMENT_RE = re.compile(r"cuda|mps|xpu|device|alloc|out of memory|not enough memory", re.IGNORECASE)
 
 
-def _environment_error(path: Path, exc: BaseException) -> LoadEnvironmentError:
+def _environment_error(path: str | Path, exc: BaseException) -> LoadEnvironmentError:
     return LoadEnvironmentError(
         f"{path}: its bytes check out but this machine cannot load it ({type(exc).__name__}: "
         f"{str(exc)[:200]}). This is not damage, and an older save would fail the same way: pass a "
@@ -250,7 +260,7 @@ def _environment_error(path: Path, exc: BaseException) -> LoadEnvironmentError:
     )
 
 
-def _damaged(path: Path, exc: BaseException) -> CorruptCheckpointError:
+def _damaged(path: str | Path, exc: BaseException) -> CorruptCheckpointError:
     return CorruptCheckpointError(
         f"{path}: not a readable checkpoint archive ({type(exc).__name__}: {str(exc)[:200]}); "
         "it is truncated, damaged or not a torch.save file. Restore an older checkpoint."

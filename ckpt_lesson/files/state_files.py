@@ -45,6 +45,7 @@ from ckpt_lesson.files.sharded import (
 )
 from ckpt_lesson.files.state_apply import apply_state_payload
 from ckpt_lesson.files.state_payload import PARTS_SCHEMA, Restored, build_state_payload
+from ckpt_lesson.files.verified_bytes import VerifiedBytes
 
 __all__ = ["load_state", "read_state_payload", "save_state", "write_state_payload"]
 
@@ -168,7 +169,7 @@ def _push_tensors(tree: Any, tensors: dict[str, torch.Tensor], used: set[str], w
 
 
 def read_state_payload(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | VerifiedBytes,
     *,
     map_location: Any = "cpu",
     expected_digest: str | None = None,
@@ -183,15 +184,14 @@ def read_state_payload(
     Raises:
         CheckpointError: Missing, damaged (``CorruptCheckpointError``), or unsafe files.
     """
-    path = Path(path)
-    if not path.is_dir():
+    if isinstance(path, VerifiedBytes) or not Path(path).is_dir():
         payload, _ = load_verified_file(
             path, map_location=map_location, expected_digest=expected_digest, algo=algo, mmap=mmap
         )
-        if mmap:
+        if mmap and not isinstance(path, VerifiedBytes):  # bytes in memory load into private tensors
             payload = _private_except_modules(payload)
         return payload
-    root = path.resolve()
+    root = Path(path).resolve()
     index = read_shard_index(root)
     tensors: dict[str, torch.Tensor] = {}
     meta: Any = None

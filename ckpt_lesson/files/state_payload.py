@@ -54,7 +54,8 @@ class Restored:
         step: The saved step; training continues at ``step + 1``.
         values: The plain-value parts, by name (objects were restored in place).
         rng: The saved generator state, already restored; ``None`` if the save had none.
-        path: The save that was used (a file, or a ``step-XXXXXXXX`` folder).
+        path: The save that was used (a file, or a ``step-XXXXXXXX`` folder), or
+            its URL when it was restored from an object store.
         save_id: The save's id from its manifest (managed saves), else ``None``.
         skipped: Newer saves passed over as damaged: ``{"step", "status", "reason"}`` each.
     """
@@ -62,7 +63,7 @@ class Restored:
     step: int
     values: dict[str, Any] = field(default_factory=dict)
     rng: dict[str, Any] | None = None
-    path: Path | None = None
+    path: Path | str | None = None
     save_id: str | None = None
     skipped: list[dict[str, Any]] = field(default_factory=list)
 

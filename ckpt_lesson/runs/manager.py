@@ -51,6 +51,7 @@ from ckpt_lesson.runs.restore import check_resume_contract, restore_newest
 from ckpt_lesson.runs.restore_state import loader_for
 from ckpt_lesson.runs.retention import RetentionPolicy
 from ckpt_lesson.runs.save_parts import refuse_if_already_saved, stage_payload_save, stage_save
+from ckpt_lesson.runs.save_source import Candidates, SaveSource, folder_candidates
 from ckpt_lesson.runs.scan import (
     MANIFEST_NAME,
     ScanResult,
@@ -379,7 +380,7 @@ class CheckpointManager:
         load = loader_for(
             args, strict=strict, map_location=map_location, mmap=mmap, check_contract=self._check_contract
         )
-        found = restore_newest(self.run_dir, self._published(), load, record=self.last_restore)
+        found = restore_newest(self._restore_candidates(), load, record=self.last_restore)
         self._retention.known.forget([s["step"] for s in self.last_restore["skipped"]])
         if found is None:
             return None
@@ -393,7 +394,11 @@ class CheckpointManager:
             result.skipped = list(self.last_restore["skipped"])
         return result
 
-    def _check_contract(self, target: Path, manifest: dict[str, Any]) -> None:
+    def _restore_candidates(self) -> Candidates:
+        """The saves :meth:`restore_latest` may choose from: the run directory's published ones."""
+        return folder_candidates(self.run_dir, self._published())
+
+    def _check_contract(self, target: SaveSource, manifest: dict[str, Any]) -> None:
         """Refuse a save this run must not resume (see ``restore.check_resume_contract``)."""
         self._contract = check_resume_contract(
             target, manifest, expect=self.expect, env_policy=self.env_policy, emit=self._emit

@@ -11,6 +11,11 @@ the checks inside is the lesson:
 4. every part hashes to its recorded digest, and only then is the payload
    unpickled (safely, ``weights_only``) and applied.
 
+A save is a local folder, or (a restore from an object store) a save whose
+parts were verified into memory as they downloaded; for those, steps 3 and 4's
+hashing is already done and only the weights-only load remains
+(:mod:`ckpt_lesson.runs.save_source`).
+
 Damage (``CorruptCheckpointError``, ``IncompleteCheckpointError``) makes the
 manager try the next older save. Anything else (a contract that does not match,
 a model that does not fit, an unknown schema) is raised as it is: an older save
@@ -22,7 +27,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import (
@@ -33,18 +37,24 @@ from ckpt_lesson.errors import (
 )
 from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, apply_payload, read_checkpoint
 from ckpt_lesson.files.integrity import part_digest
-from ckpt_lesson.files.safe_read import read_json_file
 from ckpt_lesson.files.schema import current_env
-from ckpt_lesson.files.sharded import INDEX_NAME, load_sharded_checkpoint
+from ckpt_lesson.files.sharded import load_sharded_checkpoint
 from ckpt_lesson.files.state_payload import PARTS_SCHEMA
-from ckpt_lesson.files.verify import verify_record
 from ckpt_lesson.runs.contract import ResumeReport, check_contract, resume_report
-from ckpt_lesson.runs.scan import read_manifest, step_dir_name
+from ckpt_lesson.runs.save_source import (
+    Candidates,
+    SaveSource,
+    check_parts_present,
+    source_folder,
+    source_manifest,
+    source_part,
+    verify_other_parts,
+)
+from ckpt_lesson.runs.scan import step_dir_name
 
 __all__ = [
-    "check_parts_present",
+    "check_parts_present",  # from save_source, where they learned to pass a save in memory
     "check_resume_contract",
-    "index_parts",
     "load_newest_good",
     "load_positional",
     "load_save",
@@ -56,11 +66,11 @@ __all__ = [
 log = logging.getLogger("ckpt_lesson.runs.manager")
 
 #: ``check(target, manifest)``: raises when the save must not be resumed; see :func:`check_resume_contract`.
-ContractCheck = Callable[[Path, dict[str, Any]], None]
+ContractCheck = Callable[[SaveSource, dict[str, Any]], None]
 
 
 def load_save(
-    target: Path,
+    target: SaveSource,
     step: int,
     model: Any,
     optimizer: Any,
@@ -70,10 +80,11 @@ def load_save(
     check_contract: ContractCheck,
     mmap: bool = True,
 ) -> tuple[dict[str, Any], TrainState]:
-    """Verify one published save folder and restore it into the live objects.
+    """Verify one published save and restore it into the live objects.
 
     Args:
-        target: The ``step-XXXXXXXX`` folder.
+        target: The ``step-XXXXXXXX`` folder, or a save verified into memory
+            (:class:`~ckpt_lesson.runs.save_source.VerifiedSave`, its parts already hashed).
         step: The step its name promises; manifest and payload must agree.
         model, optimizer, scheduler: Restored in place.
         map_location: As for ``torch.load``.
@@ -96,7 +107,7 @@ def load_save(
         >>> manifest, state = load_save(  # doctest: +SKIP
         ...     run / "step-00000240", 240, model, opt, sched, map_location="cpu", check_contract=no_contract)
     """
-    manifest = read_manifest(target)
+    manifest = source_manifest(target)
     if manifest["step"] != step:
         raise CorruptCheckpointError(f"{target.name}: manifest records step {manifest['step']}")
     if manifest.get("payload_schema") == PARTS_SCHEMA:
@@ -111,26 +122,8 @@ def load_save(
     )
 
 
-def check_parts_present(target: Path, manifest: dict[str, Any]) -> None:
-    """Every manifest part exists with its recorded size: a ``stat`` each, no reading.
-
-    Raises:
-        IncompleteCheckpointError: A part is missing.
-        CorruptCheckpointError: A part has another size.
-    """
-    for part in manifest["parts"]:  # presence and size first: free, and names a missing part exactly
-        path = target / part["file"]
-        if not path.is_file() or path.is_symlink():
-            raise IncompleteCheckpointError(f"{target.name}: part {part['file']} is missing")
-        if path.stat().st_size != part["bytes"]:
-            size = path.stat().st_size
-            raise CorruptCheckpointError(
-                f"{target.name}: {part['file']}: size {size} != recorded {part['bytes']}"
-            )
-
-
 def load_positional(
-    target: Path,
+    target: SaveSource,
     manifest: dict[str, Any],
     step: int,
     model: Any,
@@ -145,7 +138,7 @@ def load_positional(
         by_name = {p["file"]: p for p in manifest["parts"]}
         verify_other_parts(target, manifest, skip={"checkpoint.pt"})
         # One pass: load_verified_file checks footer and the manifest's digest while hashing.
-        path = target / "checkpoint.pt"
+        path = source_part(target, "checkpoint.pt")
         algo, want = part_digest(by_name["checkpoint.pt"])
         payload = read_checkpoint(
             path, map_location=map_location, expected_digest=want, algo=algo, mmap_model=mmap
@@ -156,7 +149,9 @@ def load_positional(
         return manifest, apply_payload(payload, model, optimizer, scheduler, source=str(path))
     # Sharded: pin index.json to the manifest; the loader checks every shard against the index.
     verify_other_parts(target, manifest, skip=set())
-    state = load_sharded_checkpoint(target, model, optimizer, scheduler, map_location=map_location)
+    state = load_sharded_checkpoint(
+        source_folder(target), model, optimizer, scheduler, map_location=map_location
+    )
     if state.step != step:
         # Everything was applied already; the next (older) candidate replaces all five buckets.
         raise CorruptCheckpointError(f"{target.name}: payload holds step {state.step}")
@@ -164,7 +159,7 @@ def load_positional(
 
 
 def check_resume_contract(
-    target: Path,
+    target: SaveSource,
     manifest: dict[str, Any],
     *,
     expect: dict[str, Any],
@@ -210,95 +205,62 @@ def check_resume_contract(
     return report, check_contract(report, env_policy=env_policy)
 
 
-def verify_other_parts(target: Path, manifest: dict[str, Any], *, skip: set[str]) -> None:
-    """Hash every manifest part except ``skip`` (and, when sharded, the files the index covers).
-
-    Raises:
-        CorruptCheckpointError: A part's size or digest differs from the manifest.
-
-    Example:
-        >>> verify_other_parts(target, manifest, skip={"checkpoint.pt"})  # doctest: +SKIP
-    """
-    if manifest["layout"] == "sharded":
-        index = {p["file"] for p in index_parts(target)}
-        skip = skip | index  # verified by the sharded loader, against the index pinned below
-    for part in manifest["parts"]:
-        if part["file"] in skip:
-            continue
-        problem = verify_record(target / part["file"], part)
-        if problem:
-            raise CorruptCheckpointError(f"{target.name}: {problem}")
-
-
-def index_parts(target: Path) -> list[dict[str, Any]]:
-    """Files the sharded index lists (shards + meta); read only after index.json itself is verified.
-
-    An unreadable index yields ``[]``: every part is then hashed against the manifest instead.
-
-    Example:
-        >>> [p["file"] for p in index_parts(target)]  # doctest: +SKIP
-        ['model.shard-000.pt', 'model.shard-001.pt', 'meta.pt']
-    """
-    try:
-        index = read_json_file(target / INDEX_NAME, what="index")
-        entries = [*index["shards"], index["meta"]]
-        return [e for e in entries if isinstance(e, dict) and isinstance(e.get("file"), str)]
-    except (OSError, ValueError, KeyError, TypeError):  # CorruptCheckpointError is a ValueError
-        return []
-
-
 def load_newest_good(
-    run_dir: Path,
-    steps: list[int],
-    load: Callable[[Path, int], tuple[dict[str, Any], Any]],
+    candidates: Candidates,
+    load: Callable[[SaveSource, int], tuple[dict[str, Any], Any]],
     *,
     skipped: list[dict[str, Any]],
-) -> tuple[int, Path, dict[str, Any], Any]:
+) -> tuple[int, SaveSource, dict[str, Any], Any]:
     """Try the saves newest first; load the first that verifies, skipping (and logging) damage.
 
     Args:
-        run_dir: The run directory; ``steps`` are its published steps, ascending.
-        load: ``load(folder, step) -> (manifest, result)``: :func:`load_save` with the live
+        candidates: The steps to try and how to open each (a folder, or a save
+            verified into memory; see :mod:`~ckpt_lesson.runs.save_source`).
+        load: ``load(source, step) -> (manifest, result)``: :func:`load_save` with the live
             objects bound, or the state API's ``load_state_save``; raises on damage.
         skipped: A list this function appends ``{"step", "status", "reason"}`` to,
             one per damaged or incomplete save passed over (the caller keeps it
             for its report even when this raises).
 
     Returns:
-        ``(step, folder, manifest, result)`` of the save that was loaded.
+        ``(step, source, manifest, result)`` of the save that was loaded.
 
     Raises:
         CheckpointError: No save is usable (the message lists each one's
             reason), or an error that is not damage (an older save would not fix it).
+
+    Example:
+        >>> step, source, manifest, state = load_newest_good(  # doctest: +SKIP
+        ...     folder_candidates(run_dir, [40, 80]), load, skipped=[])
     """
-    for step in reversed(steps):
-        target = run_dir / step_dir_name(step)
+    for step in reversed(candidates.steps):
         try:
+            # Opening is inside: a download that finds a part damaged or gone is damage too.
+            target = candidates.open(step)
             manifest, state = load(target, step)
         except (CorruptCheckpointError, IncompleteCheckpointError, OSError) as exc:
             # An OSError (EIO) reading a part is damage to this copy, like a wrong hash: fall back.
-            # LoadEnvironmentError is not caught: once the hashes match, an older save would fail alike.
+            # LoadEnvironmentError is not caught: once the hashes match, an older save would fail alike
+            # (and a store that cannot be reached is no reason to pick an older save either).
             status = "incomplete" if isinstance(exc, IncompleteCheckpointError) else "corrupt"
             skipped.append({"step": step, "status": status, "reason": str(exc)})
-            log.warning("restore: skipping %s (%s): %s", target.name, status, exc)
+            log.warning("restore: skipping %s (%s): %s", step_dir_name(step), status, exc)
             continue
         if skipped:
             log.warning("restored step %d after skipping %d newer save(s)", step, len(skipped))
         else:
-            log.info("restored step %d from %s", step, target.name)
+            log.info("restored step %d from %s", step, target)
         return step, target, manifest, state
     lines = "\n".join(f"  step {s['step']}: {s['status']}: {s['reason']}" for s in skipped)
     raise CheckpointError(
-        f"{run_dir}: {len(skipped)} save(s) found but none is usable:\n{lines}\n"
-        "Nothing was restored. Copy the folder for inspection; "
-        "'python -m ckpt_lesson scan DIR' shows the same list."
+        f"{candidates.where}: {len(skipped)} {candidates.noun} found but none is usable:\n{lines}\n"
+        f"Nothing was restored. {candidates.hint}"
     )
 
 
 def restore_newest(
-    run_dir: Path,
-    steps: list[int],
-    load: Callable[[Path, int], tuple[dict[str, Any], Any]],
+    candidates: Candidates,
+    load: Callable[[SaveSource, int], tuple[dict[str, Any], Any]],
     *,
     record: dict[str, Any],
 ) -> tuple[int, Any] | None:
@@ -310,21 +272,21 @@ def restore_newest(
             skipped), and ``layout`` and ``seconds`` after a restore.
 
     Returns:
-        ``(step, result)``, or ``None`` when ``steps`` is empty (a fresh start).
+        ``(step, result)``, or ``None`` when there are no candidates (a fresh start).
 
     Raises:
         CheckpointError: As :func:`load_newest_good`.
 
     Example:
-        >>> found = restore_newest(run_dir, [40, 80], load, record={})  # doctest: +SKIP
+        >>> found = restore_newest(folder_candidates(run_dir, [40, 80]), load, record={})  # doctest: +SKIP
     """
     started = time.perf_counter()
     skipped: list[dict[str, Any]] = []
     record.update(step=None, save_id=None, path=None, skipped=skipped, manifest=None)
-    if not steps:
-        log.info("%s: no saves; starting fresh", run_dir)
+    if not candidates.steps:
+        log.info("%s: no saves; starting fresh", candidates.where)
         return None
-    step, target, manifest, state = load_newest_good(run_dir, steps, load, skipped=skipped)
+    step, target, manifest, state = load_newest_good(candidates, load, skipped=skipped)
     record.update(
         step=step,
         save_id=manifest.get("save_id"),

@@ -20,15 +20,22 @@ from ckpt_lesson.files.integrity import part_digest
 from ckpt_lesson.files.state_apply import apply_state_payload
 from ckpt_lesson.files.state_files import read_state_payload
 from ckpt_lesson.files.state_payload import PARTS_SCHEMA, Restored, parts_view
-from ckpt_lesson.runs.restore import ContractCheck, check_parts_present, load_save, verify_other_parts
-from ckpt_lesson.runs.scan import read_manifest
+from ckpt_lesson.runs.restore import ContractCheck, load_save
+from ckpt_lesson.runs.save_source import (
+    SaveSource,
+    check_parts_present,
+    source_folder,
+    source_manifest,
+    source_part,
+    verify_other_parts,
+)
 from ckpt_lesson.runs.state_args import check_state_mapping, positional_restore_args
 
 __all__ = ["load_state_save", "loader_for"]
 
 
 def load_state_save(
-    target: Path,
+    target: SaveSource,
     step: int,
     state: Mapping[str, Any],
     *,
@@ -37,10 +44,11 @@ def load_state_save(
     check_contract: ContractCheck,
     mmap: bool = False,
 ) -> tuple[dict[str, Any], Restored]:
-    """Verify one published save folder and restore it into the live ``state`` mapping.
+    """Verify one published save and restore it into the live ``state`` mapping.
 
     Args:
-        target: The ``step-XXXXXXXX`` folder.
+        target: The ``step-XXXXXXXX`` folder, or a save verified into memory
+            (:class:`~ckpt_lesson.runs.save_source.VerifiedSave`).
         step: The step its name promises; manifest and payload must agree.
         state: The live ``{name: part}`` mapping; objects are restored in place.
         strict: Refuse parts present on one side only.
@@ -62,7 +70,7 @@ def load_state_save(
         ...     run / "step-00000240", 240, {"model": model}, strict=True, map_location="cpu",
         ...     check_contract=lambda target, manifest: None)
     """
-    manifest = read_manifest(target)
+    manifest = source_manifest(target)
     if manifest["step"] != step:
         raise CorruptCheckpointError(f"{target.name}: manifest records step {manifest['step']}")
     check_contract(target, manifest)
@@ -71,7 +79,7 @@ def load_state_save(
     if manifest["layout"] == "single":
         verify_other_parts(target, manifest, skip={"checkpoint.pt"})
         algo, want = part_digest({p["file"]: p for p in manifest["parts"]}["checkpoint.pt"])
-        path = target / "checkpoint.pt"
+        path = source_part(target, "checkpoint.pt")
         # One pass: the loader checks footer and the manifest's digest while hashing.
         if parts_save:
             payload = read_state_payload(
@@ -83,7 +91,7 @@ def load_state_save(
             )
     elif parts_save:
         verify_other_parts(target, manifest, skip=set())  # pins index.json; the loader checks the rest
-        payload = read_state_payload(target, map_location=map_location)
+        payload = read_state_payload(source_folder(target), map_location=map_location)
     else:
         raise StateMismatchError(
             f"{target.name}: a sharded positional save; restore it with "
@@ -93,14 +101,15 @@ def load_state_save(
     if saved_step != step:  # before anything is applied: an older save is tried next
         raise CorruptCheckpointError(f"{target.name}: payload holds step {saved_step}")
     restored = apply_state_payload(payload, state, source=str(target), strict=strict)
-    restored.path = target
+    # A save in memory has no local path; its URL says where it came from (as last_restore["path"]).
+    restored.path = target if isinstance(target, Path) else str(target)
     restored.save_id = manifest.get("save_id")
     return manifest, restored
 
 
 def loader_for(
     args: tuple[Any, ...], *, strict: bool, map_location: Any, mmap: bool, check_contract: ContractCheck
-) -> Callable[[Path, int], tuple[dict[str, Any], Any]]:
+) -> Callable[[SaveSource, int], tuple[dict[str, Any], Any]]:
     """``load(folder, step)`` for ``restore_latest(*args)``: the state API for one mapping, else positional.
 
     Raises:

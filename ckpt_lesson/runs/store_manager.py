@@ -10,10 +10,12 @@ second, remote one around it:
   and commits it with a conditional marker; then the local copy is dropped
   and retention runs on the store. The local folder is scratch space: the
   machine and its disk may vanish at any moment, the bucket is what counts.
-* **restore**: the committed saves newest first; each one is downloaded and
-  verified by :func:`~ckpt_lesson.runs.store_restore.fetch_verified` into the
-  cache, and the ordinary local restore loads it. Damage falls back to the
-  previous committed save.
+* **restore**: the committed saves newest first; each one is streamed into
+  memory and verified by :func:`~ckpt_lesson.runs.store_restore.open_verified`,
+  and the ordinary restore loads it from there (the same archive checks and
+  weights-only load as a local file, no second hash, no local copy). Damage
+  falls back to the previous committed save. Only a sharded save is
+  downloaded into the cache folder first (its loaders read a folder).
 
 Because ``save`` and ``restore_latest`` pass their arguments straight through
 to the local manager, every call form it accepts works here unchanged.
@@ -28,10 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from ckpt_lesson.files.state_payload import Restored
 from ckpt_lesson.files.storage import open_storage
 from ckpt_lesson.runs.commit import delete_save
 from ckpt_lesson.runs.manager import CheckpointManager, log
-from ckpt_lesson.runs.scan import published_steps, step_dir_name
+from ckpt_lesson.runs.save_source import Candidates, SaveSource
+from ckpt_lesson.runs.scan import step_dir_name
 from ckpt_lesson.runs.store_commit import (
     COMMIT_NAME,
     CommitConflictError,
@@ -41,7 +45,7 @@ from ckpt_lesson.runs.store_commit import (
     read_commit,
     upload_save,
 )
-from ckpt_lesson.runs.store_restore import fetch_verified, verify_store_save
+from ckpt_lesson.runs.store_restore import open_verified, verify_store_save
 
 __all__ = ["StoreCheckpointManager"]
 
@@ -56,8 +60,10 @@ class StoreCheckpointManager(CheckpointManager):
         url: The run's prefix, e.g. ``s3://bucket/runs/exp1``.
         storage_options: fsspec options; ``None`` reads credentials and
             endpoint from the environment (``AWS_ENDPOINT_URL``, ...).
-        cache_dir: Local scratch folder for staging and verified downloads
-            (a fresh temporary folder by default, removed by :meth:`close`).
+        cache_dir: Local scratch folder where each save is staged before its
+            upload (and a sharded save is downloaded for its restore); not a
+            cache of downloads: a restore reads nothing from it and keeps
+            nothing in it. A fresh temporary folder by default, removed by :meth:`close`.
         lease_seconds: How long this writer's uploads count as alive after its
             last sign of life; a dead writer's leftovers go after that.
         **kwargs: Everything :class:`CheckpointManager` accepts.
@@ -88,6 +94,7 @@ class StoreCheckpointManager(CheckpointManager):
         self.storage.check_conditional_writes()
         self.lease_seconds = float(lease_seconds)
         self._own_cache = cache_dir is None
+        self._downloaded: list[Path] = []  # sharded saves fetched by the restore in progress
         cache = Path(tempfile.mkdtemp(prefix="ckpt-lesson-cache-")) if cache_dir is None else Path(cache_dir)
         super().__init__(cache, **kwargs)
 
@@ -187,8 +194,28 @@ class StoreCheckpointManager(CheckpointManager):
 
     # ------------------------------------------------------------------ restore
 
+    def _restore_candidates(self) -> Candidates:
+        """The committed saves in the store, each verified into memory when the restore opens it."""
+        return Candidates(
+            self.url,
+            self.all_steps(),
+            self._open_committed,
+            noun="committed save(s)",
+            hint="'python -m ckpt_lesson scan URL' shows the same list.",
+        )
+
+    def _open_committed(self, step: int) -> SaveSource:
+        # A sharded save arrives as a folder in the cache: removed again once the restore is over.
+        source = open_verified(self.storage, step, self.run_dir)
+        if isinstance(source, Path):
+            self._downloaded.append(source)
+        return source
+
     def restore_latest(self, *args: Any, **kwargs: Any) -> Any:
-        """Download and verify the newest committed save, then restore it; fall back on damage.
+        """Download and verify the newest committed save into memory, then restore it; fall back on damage.
+
+        Takes every form :meth:`CheckpointManager.restore_latest` takes; ``mmap``
+        has no effect on a save in memory (its tensors are private copies already).
 
         Returns:
             What :meth:`CheckpointManager.restore_latest` returns, or ``None``
@@ -198,29 +225,15 @@ class StoreCheckpointManager(CheckpointManager):
             CheckpointError: Committed saves exist but none is usable (each reason listed).
             LoadEnvironmentError: The store cannot be reached (bucket named).
         """
-        skipped: list[dict[str, Any]] = []
-        for step in reversed(self.all_steps()):
-            for old in published_steps(self.run_dir):
-                delete_save(self.run_dir / step_dir_name(old))
-            try:
-                fetch_verified(self.storage, step, self.run_dir)
-            except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
-                status = "incomplete" if isinstance(exc, IncompleteCheckpointError) else "corrupt"
-                skipped.append({"step": step, "status": status, "reason": str(exc)})
-                log.warning("restore: skipping %s/%s (%s): %s", self.url, step_dir_name(step), status, exc)
-                continue
-            try:
-                found = super().restore_latest(*args, **kwargs)
-            finally:
-                delete_save(self.run_dir / step_dir_name(step))
-            record = self.last_restore or {}
-            record["skipped"] = skipped + list(record.get("skipped", []))
-            record["path"] = f"{self.url}/{step_dir_name(step)}"
-            return found
-        if skipped:
-            lines = "\n".join(f"  step {s['step']}: {s['status']}: {s['reason']}" for s in skipped)
-            raise CheckpointError(
-                f"{self.url}: {len(skipped)} committed save(s) found but none is usable:\n{lines}\n"
-                "Nothing was restored; 'python -m ckpt_lesson scan URL' shows the same list."
-            )
-        return super().restore_latest(*args, **kwargs)
+        self._downloaded = []
+        try:
+            found = super().restore_latest(*args, **kwargs)
+        finally:
+            for folder in self._downloaded:
+                delete_save(folder)
+        record = self.last_restore or {}
+        if record.get("step") is not None:  # the URL, also for a save that went through the cache folder
+            record["path"] = f"{self.url}/{step_dir_name(record['step'])}"
+            if isinstance(found, Restored):
+                found.path = record["path"]
+        return found

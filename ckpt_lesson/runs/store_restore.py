@@ -4,9 +4,16 @@ The rule of the whole package holds here too: ``torch.load`` never sees bytes
 that have not been checked. A restore from a store therefore goes
 
 1. marker (it must name this step) -> manifest (it must hash to the marker's digest);
-2. every part streamed down in ranged chunks, hashed on the way, written into
-   a fresh local folder; a part whose size or digest differs is damage;
-3. only then does the ordinary local restore open the folder (which checks it again).
+2. every part streamed down in ranged chunks, hashed on the way, kept in
+   memory (:func:`open_verified`, what ``restore_latest`` uses); a part whose
+   size or digest differs is damage;
+3. only then does the ordinary restore load the parts, through the same archive
+   check and weights-only load as a local file, without hashing them again
+   (:mod:`ckpt_lesson.runs.save_source`).
+
+A sharded save is the exception: its loaders read a folder, so its parts are
+written into a fresh local folder (:func:`fetch_verified`) and the local
+restore checks them there once more.
 
 A part that vanished (deleted by a retention pass during the restore, or
 never uploaded) is ``IncompleteCheckpointError``; the caller falls back to the
@@ -32,12 +39,14 @@ from ckpt_lesson.files.hashing import new_hasher, part_digest
 from ckpt_lesson.files.safe_read import parse_json_text
 from ckpt_lesson.files.storage import Storage
 from ckpt_lesson.files.storage_transfer import RANGE_BYTES
+from ckpt_lesson.files.verified_bytes import VerifiedBytes
 from ckpt_lesson.runs.dcp_manifest import MANIFEST_SCHEMA as DCP_MANIFEST_SCHEMA
 from ckpt_lesson.runs.dcp_manifest import check_manifest_seal, validate_manifest
+from ckpt_lesson.runs.save_source import SaveSource, VerifiedSave
 from ckpt_lesson.runs.scan import MANIFEST_NAME, read_manifest, step_dir_name
 from ckpt_lesson.runs.store_commit import read_commit
 
-__all__ = ["fetch_verified", "read_committed_manifest", "read_verified", "verify_store_save"]
+__all__ = ["fetch_verified", "open_verified", "read_committed_manifest", "read_verified", "verify_store_save"]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 #: Ranged GETs this large, several in flight (files/storage_transfer.py): few requests, bounded memory.
@@ -170,6 +179,12 @@ def fetch_verified(storage: Storage, step: int, cache: Path) -> dict[str, Any]:
         >>> manifest = fetch_verified(store, 240, Path("/tmp/cache"))  # doctest: +SKIP
     """
     marker, raw = read_commit(storage, step)
+    return _fetch_into(storage, step, marker, raw, cache)
+
+
+def _fetch_into(
+    storage: Storage, step: int, marker: dict[str, Any], raw: bytes, cache: Path
+) -> dict[str, Any]:
     target = cache / step_dir_name(step)
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir(parents=True)
@@ -187,7 +202,25 @@ def fetch_verified(storage: Storage, step: int, cache: Path) -> dict[str, Any]:
     return manifest
 
 
-def read_verified(storage: Storage, step: int) -> tuple[dict[str, Any], dict[str, bytearray]]:
+def _read_parts(
+    storage: Storage, step: int, marker: dict[str, Any], manifest: dict[str, Any]
+) -> dict[str, VerifiedBytes]:
+    """Every part of the save streamed into memory and verified; each one's bytes joined once."""
+    attempt = f"{step_dir_name(step)}/{marker['save_id']}"
+    parts: dict[str, VerifiedBytes] = {}
+    for part in manifest["parts"]:
+        blocks: list[memoryview] = []
+        # Views of the downloaded blocks (immutable bytes): the join below is the one copy, and
+        # a bytes object lets io.BytesIO read it in place later (a bytearray would be copied again).
+        _stream_part(storage, f"{attempt}/{part['file']}", part, blocks.append)
+        algo, want = part_digest(part)
+        parts[part["file"]] = VerifiedBytes(
+            b"".join(blocks), storage.where(f"{attempt}/{part['file']}"), algo, want
+        )
+    return parts
+
+
+def read_verified(storage: Storage, step: int) -> tuple[dict[str, Any], dict[str, bytes]]:
     """Download committed save ``step`` into memory, verifying every byte; no part is written locally.
 
     Args:
@@ -209,18 +242,40 @@ def read_verified(storage: Storage, step: int) -> tuple[dict[str, Any], dict[str
     """
     marker, raw = read_commit(storage, step)
     manifest = _checked_manifest(storage, step, marker, raw)
-    attempt = f"{step_dir_name(step)}/{marker['save_id']}"
-    parts: dict[str, bytearray] = {}
-    for part in manifest["parts"]:
-        buf, filled = bytearray(part["bytes"]), [0]
+    return manifest, {name: part.data for name, part in _read_parts(storage, step, marker, manifest).items()}
 
-        def fill(block: memoryview, buf: bytearray = buf, filled: list[int] = filled) -> None:
-            buf[filled[0] : filled[0] + len(block)] = block
-            filled[0] += len(block)
 
-        _stream_part(storage, f"{attempt}/{part['file']}", part, fill)
-        parts[part["file"]] = buf
-    return manifest, parts
+def open_verified(storage: Storage, step: int, cache: Path) -> SaveSource:
+    """Committed save ``step``, verified, as the restore loaders take it: in memory where they can.
+
+    A single-file save (the default layout, positional or state API) comes back
+    as a :class:`~ckpt_lesson.runs.save_source.VerifiedSave`: nothing is written
+    locally and nothing is hashed twice. A sharded save's loaders read a folder,
+    so it is fetched into ``cache/step-XXXXXXXX`` (:func:`fetch_verified`) and
+    that folder is returned; the caller removes it after the restore.
+
+    Args:
+        storage: The run's store.
+        step: A step with a ``COMMIT`` marker.
+        cache: Where a sharded save is downloaded to.
+
+    Returns:
+        The verified save in memory, or the folder of a verified sharded save.
+
+    Raises:
+        CorruptCheckpointError, IncompleteCheckpointError, LoadEnvironmentError: As :func:`fetch_verified`.
+
+    Example:
+        >>> source = open_verified(store, 240, Path("/tmp/cache"))  # doctest: +SKIP
+        >>> manifest, state = load_save(source, 240, model, opt, sched, ...)  # doctest: +SKIP
+    """
+    marker, raw = read_commit(storage, step)
+    manifest = _checked_manifest(storage, step, marker, raw)
+    if manifest["layout"] != "single":
+        _fetch_into(storage, step, marker, raw, cache)
+        return cache / step_dir_name(step)
+    name = step_dir_name(step)
+    return VerifiedSave(name, storage.where(name), manifest, _read_parts(storage, step, marker, manifest))
 
 
 def verify_store_save(storage: Storage, step: int) -> dict[str, Any]:
