@@ -60,23 +60,7 @@ __all__ = [
 FOOTER_MAGIC = b"ckpt-lesson-"
 _EOCD_SIG = b"PK\x05\x06"
 _EOCD_LEN = 22
-#: Read size of the hash pass. Large reads keep several disk requests in flight, which is what
-#: a cold restore is waiting on; the hash itself (xxh3) runs far faster than any disk.
-_CHUNK = 8 << 20
-
-
-def _advise_sequential(f: BinaryIO) -> None:
-    """Tell the kernel the whole file will be read once, front to back: it reads further ahead.
-
-    Only a hint (Linux doubles the read-ahead window for the file); where it is not
-    supported (another OS, a pipe) nothing changes, so any failure is ignored.
-    """
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is not None:
-        try:
-            advise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        except OSError:
-            pass
+_CHUNK = 1 << 20
 
 
 def _footer_len(algo: str) -> int:
@@ -288,7 +272,6 @@ def verify_footer(
     algo = check_algo(algo or footer_algo or DEFAULT_ALGO)
     content_len = size - _footer_len(footer_algo) if footer_algo else size
     f.seek(0)
-    _advise_sequential(f)
     h = new_hasher(footer_algo or algo)
     extra = new_hasher(algo) if footer_algo and algo != footer_algo else None
     buf = bytearray(_CHUNK)
