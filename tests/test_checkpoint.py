@@ -394,7 +394,7 @@ sys.path.insert(0, {tests!r})
 from conftest import build_tiny_run
 import ckpt_lesson.files.checkpoint as checkpoint
 if sys.argv[1] == "keep-mapped":  # the control: without the private copies, the moments stay mapped
-    checkpoint.copy_out = lambda tree: tree
+    checkpoint.copy_out = lambda tree, **_: tree
 run = build_tiny_run(0)
 state = checkpoint.load_checkpoint({path!r}, run.model, run.optimizer, run.scheduler, mmap=True)
 open({path!r}, "r+b").truncate(0)  # a mapping that outlived the load would now fault (SIGBUS)

@@ -32,6 +32,7 @@ import torch
 from ckpt_lesson.errors import CheckpointError, StateMismatchError
 from ckpt_lesson.files.apply import apply_payload, require_footer
 from ckpt_lesson.files.atomic import atomic_save
+from ckpt_lesson.files.fresh_memory import FreshMemory
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.files.integrity import FileDigest
 from ckpt_lesson.files.loading import load_verified_file
@@ -210,21 +211,23 @@ def read_checkpoint(
             raise CheckpointError(
                 f"{path}: is a directory; use load_sharded_checkpoint() for sharded checkpoints."
             )
-    payload, digest = load_verified_file(
-        path,
-        map_location=map_location,
-        expected_sha256=expected_sha256,
-        expected_digest=expected_digest,
-        algo=algo,
-        mmap=mmap_model,
-    )
-    if mmap_model and isinstance(payload, dict) and not isinstance(path, VerifiedBytes):
-        # Optimizer moments would otherwise stay mapped: Optimizer.load_state_dict keeps a tensor
-        # that already has the parameter's dtype and device instead of copying it.
-        payload = {k: v if k == "model" else copy_out(v) for k, v in payload.items()}
-        # Extra state is handed to set_extra_state as it is, and a module may keep it: copy it
-        # out too, or a kept tensor would keep the file mapped (SIGBUS if it is truncated later).
-        payload = keep_no_mapped_extra_state(payload)
+    with FreshMemory() as fresh:
+        payload, digest = load_verified_file(
+            path,
+            map_location=map_location,
+            expected_sha256=expected_sha256,
+            expected_digest=expected_digest,
+            algo=algo,
+            mmap=mmap_model,
+            fresh=fresh,
+        )
+        if mmap_model and isinstance(payload, dict) and not isinstance(path, VerifiedBytes):
+            # Optimizer moments would otherwise stay mapped: Optimizer.load_state_dict keeps a tensor
+            # that already has the parameter's dtype and device instead of copying it.
+            payload = {k: v if k == "model" else copy_out(v, fresh=fresh) for k, v in payload.items()}
+            # Extra state is handed to set_extra_state as it is, and a module may keep it: copy it
+            # out too, or a kept tensor would keep the file mapped (SIGBUS if it is truncated later).
+            payload = keep_no_mapped_extra_state(payload)
     original = payload.get("schema") if isinstance(payload, dict) else None
     payload = migrate_payload(payload, source=str(path))
     require_footer({"schema": original}, digest, str(path))

@@ -39,6 +39,7 @@ from ckpt_lesson.errors import (
     LoadEnvironmentError,
     UnsafeCheckpointError,
 )
+from ckpt_lesson.files.fresh_memory import FreshMemory
 from ckpt_lesson.files.integrity import FileDigest, verify_footer
 from ckpt_lesson.files.verified_bytes import VerifiedBytes
 
@@ -54,6 +55,7 @@ def load_verified_file(
     expected_digest: str | None = None,
     algo: str | None = None,
     mmap: bool = False,
+    fresh: FreshMemory | None = None,
 ) -> tuple[Any, FileDigest]:
     """Hash a ``.pt`` file once, check it, then ``torch.load(weights_only=True)`` it.
 
@@ -82,6 +84,9 @@ def load_verified_file(
             that cannot map, a damaged archive) falls back to the plain read,
             which loads the file or reports it as any load would. Ignored for
             bytes in memory: their tensors are private copies already.
+        fresh: With ``mmap``, start faulting in memory for the copies the
+            caller will make (:class:`~ckpt_lesson.files.fresh_memory.FreshMemory`)
+            before the hash pass, so that the two overlap.
 
     Returns:
         The loaded object and the file's digest (``has_footer`` is ``False``
@@ -122,6 +127,10 @@ def load_verified_file(
                 f"{path}: {size} bytes on disk but {expected_size} recorded; the file was truncated "
                 "or replaced after it was saved. Restore an older checkpoint."
             )
+        same_file = Path(f"/proc/self/fd/{f.fileno()}")
+        mapped = mmap and same_file.exists()
+        if mapped and fresh is not None:
+            fresh.start(f, size)
         try:
             digest = verify_footer(f, name=path, algo=algo)
         except OSError as exc:  # EIO and friends: this copy cannot be read back, which is damage
@@ -139,8 +148,7 @@ def load_verified_file(
         check_archive(f, size, name=path)
         # Mapping by path could open a file renamed over this one since we hashed it;
         # /proc/self/fd/N opens the same inode we verified.
-        same_file = Path(f"/proc/self/fd/{f.fileno()}")
-        if mmap and same_file.exists():
+        if mapped:
             try:
                 return torch.load(same_file, map_location=map_location, weights_only=True, mmap=True), digest
             except Exception:  # any failure is judged by the plain read below

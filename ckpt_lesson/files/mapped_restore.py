@@ -34,32 +34,38 @@ from typing import Any
 
 import torch
 
+from ckpt_lesson.files.fresh_memory import FreshMemory
+
 __all__ = ["EXTRA_STATE_SUFFIX", "copy_out", "keep_no_mapped_extra_state"]
 
 #: torch's suffix for a module's extra state in ``state_dict()`` (``_EXTRA_STATE_KEY_SUFFIX``).
 EXTRA_STATE_SUFFIX = "_extra_state"
 
 
-def copy_out(tree: Any) -> Any:
+def copy_out(tree: Any, *, fresh: FreshMemory | None = None) -> Any:
     """``tree`` with every CPU tensor cloned into memory of its own (device tensors are copies already).
 
     Every mapped restore calls this on what it keeps: a tensor still backed by the
     file's mapping would die with SIGBUS if the file were truncated later. Tensors
     that ``map_location`` already moved to a device are copies; cloning them again
     would only double, for a moment, the device memory they take. A dict keeps its
-    type when it is an ``OrderedDict`` (state dicts are).
+    type when it is an ``OrderedDict`` (state dicts are). With ``fresh``, a tensor
+    is copied into a buffer that was faulted in while the file was hashed, when
+    one of its size is ready (see :mod:`~ckpt_lesson.files.fresh_memory`).
 
     Example:
         >>> copy_out({"t": [torch.zeros(2)]})["t"][0].sum().item()
         0.0
     """
     if isinstance(tree, torch.Tensor):
-        return tree.clone() if tree.device.type == "cpu" else tree
+        if tree.device.type != "cpu":
+            return tree
+        return fresh.copy(tree) if fresh is not None else tree.clone()
     if isinstance(tree, dict):
         kind = OrderedDict if isinstance(tree, OrderedDict) else dict
-        return kind((k, copy_out(v)) for k, v in tree.items())
+        return kind((k, copy_out(v, fresh=fresh)) for k, v in tree.items())
     if isinstance(tree, (list, tuple)):
-        return type(tree)(copy_out(v) for v in tree)
+        return type(tree)(copy_out(v, fresh=fresh) for v in tree)
     return tree
 
 

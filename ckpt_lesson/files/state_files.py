@@ -22,6 +22,7 @@ import torch
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.atomic import atomic_save, atomic_write_json, make_dirs
+from ckpt_lesson.files.fresh_memory import FreshMemory
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.files.integrity import FileDigest, part_digest
 from ckpt_lesson.files.loading import load_verified_file
@@ -185,11 +186,17 @@ def read_state_payload(
         CheckpointError: Missing, damaged (``CorruptCheckpointError``), or unsafe files.
     """
     if isinstance(path, VerifiedBytes) or not Path(path).is_dir():
-        payload, _ = load_verified_file(
-            path, map_location=map_location, expected_digest=expected_digest, algo=algo, mmap=mmap
-        )
-        if mmap and not isinstance(path, VerifiedBytes):  # bytes in memory load into private tensors
-            payload = _private_except_modules(payload)
+        with FreshMemory() as fresh:
+            payload, _ = load_verified_file(
+                path,
+                map_location=map_location,
+                expected_digest=expected_digest,
+                algo=algo,
+                mmap=mmap,
+                fresh=fresh,
+            )
+            if mmap and not isinstance(path, VerifiedBytes):  # bytes in memory load into private tensors
+                payload = _private_except_modules(payload, fresh)
         return payload
     root = Path(path).resolve()
     index = read_shard_index(root)
@@ -223,22 +230,23 @@ def read_state_payload(
     return payload
 
 
-def _private_except_modules(payload: Any) -> Any:
+def _private_except_modules(payload: Any, fresh: FreshMemory) -> Any:
     """Copy every mapped tensor out of the mapping except module parts' (``load_state_dict`` copies those).
 
     Optimizer moments, plain values and the RNG would otherwise stay mapped after the restore (an
-    optimizer keeps a state tensor that already has its parameter's dtype and device).
+    optimizer keeps a state tensor that already has its parameter's dtype and device). The copies
+    go into ``fresh``'s buffers where one of the right size is ready.
     """
     if not isinstance(payload, dict) or not isinstance(payload.get("objects"), dict):
-        return copy_out(payload)
+        return copy_out(payload, fresh=fresh)
     modules = payload.get("modules")
     modules = {m for m in modules if isinstance(m, str)} if isinstance(modules, list) else set()
     objects = {
         # A module's extra state is handed to set_extra_state, which may keep it: copied out too.
-        k: keep_no_mapped_extra_state({"model": v})["model"] if k in modules else copy_out(v)
+        k: keep_no_mapped_extra_state({"model": v})["model"] if k in modules else copy_out(v, fresh=fresh)
         for k, v in payload["objects"].items()
     }
-    rest = {k: copy_out(v) for k, v in payload.items() if k != "objects"}
+    rest = {k: copy_out(v, fresh=fresh) for k, v in payload.items() if k != "objects"}
     return {**rest, "objects": objects}
 
 
