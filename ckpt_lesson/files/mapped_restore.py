@@ -11,7 +11,10 @@ So nothing mapped may outlive the restore:
 
 * every bucket but ``model`` is copied out at once (the optimizer would
   otherwise keep its moments mapped: ``Optimizer.load_state_dict`` keeps a
-  tensor that already has the parameter's dtype and device);
+  tensor that already has the parameter's dtype and device). The copies land in
+  memory a helper thread faulted in while the file was being hashed
+  (:mod:`~ckpt_lesson.files.fresh_memory`), so they cost a memcpy, not a page
+  fault per 4 KiB;
 * in ``model``, parameters and buffers are *copied* by ``load_state_dict``
   (``param.copy_(saved)``), but **extra state** (``*._extra_state``) is handed
   to the module's ``set_extra_state`` as it is, and a module may keep it. It is
