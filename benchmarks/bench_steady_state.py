@@ -32,7 +32,8 @@ by round (ours, baseline, ours, ...), each writing fresh files:
   and ``False``, to price the two checks.
 * ``peak extra memory``: the highest resident size during one managed save and
   one ``torch.save`` + fsync, above the size before (Linux ``VmHWM``, reset
-  through ``/proc/self/clear_refs``).
+  through ``/proc/self/clear_refs``); the same for one restore, warm and cold, against its
+  baseline (resident pages: the file pages a mapped restore touches count).
 * ``disk``: the disk's own write+fsync and cold read speed, measured beside the
   rows, so a disk-bound figure can be told apart.
 
@@ -356,6 +357,16 @@ def rows_for_size(mb: int, rounds: int, work: Path) -> list[tuple[str, str, floa
         rows.append(
             (f"restore + first step ({what}), {label}", "torch.load + load_state_dict + step", ours, base, "")
         )
+
+    # Peak extra memory of one restore: resident pages, so the file pages ours maps count too.
+    for cold in (False, True):
+        ours = peak_extra_mb(lambda c=cold: ours_restore(c))
+        base = peak_extra_mb(lambda c=cold: base_restore(c))
+        what = "cold" if cold else "warm"
+        rows.append(
+            (f"peak extra memory of a restore ({what}, MB), {label}", "torch.load + load_state_dict + step",
+             ours, base, "MB, resident (mapped file pages count)")
+        )  # fmt: skip
 
     # Peak extra memory of one save.
     ours = peak_extra_mb(lambda: mgr.save(model, opt, None, TrainState(step=next(ids))))
