@@ -36,7 +36,7 @@ from ckpt_lesson.files.fresh_memory import FreshMemory
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.files.integrity import FileDigest
 from ckpt_lesson.files.loading import load_verified_file
-from ckpt_lesson.files.mapped_restore import copy_out, keep_no_mapped_extra_state
+from ckpt_lesson.files.mapped_restore import copy_out, keep_no_mapped_extra_state, load_with_private_copies
 from ckpt_lesson.files.modules import model_state
 from ckpt_lesson.files.payload import (
     check_model_state,
@@ -211,23 +211,15 @@ def read_checkpoint(
             raise CheckpointError(
                 f"{path}: is a directory; use load_sharded_checkpoint() for sharded checkpoints."
             )
-    with FreshMemory() as fresh:
-        payload, digest = load_verified_file(
-            path,
-            map_location=map_location,
-            expected_sha256=expected_sha256,
-            expected_digest=expected_digest,
-            algo=algo,
-            mmap=mmap_model,
-            fresh=fresh,
-        )
-        if mmap_model and isinstance(payload, dict) and not isinstance(path, VerifiedBytes):
-            # Optimizer moments would otherwise stay mapped: Optimizer.load_state_dict keeps a tensor
-            # that already has the parameter's dtype and device instead of copying it.
-            payload = {k: v if k == "model" else copy_out(v, fresh=fresh) for k, v in payload.items()}
-            # Extra state is handed to set_extra_state as it is, and a module may keep it: copy it
-            # out too, or a kept tensor would keep the file mapped (SIGBUS if it is truncated later).
-            payload = keep_no_mapped_extra_state(payload)
+    payload, digest = load_with_private_copies(
+        path,
+        _private_except_model,
+        mmap=mmap_model,
+        map_location=map_location,
+        expected_sha256=expected_sha256,
+        expected_digest=expected_digest,
+        algo=algo,
+    )
     original = payload.get("schema") if isinstance(payload, dict) else None
     payload = migrate_payload(payload, source=str(path))
     require_footer({"schema": original}, digest, str(path))
@@ -246,6 +238,20 @@ def read_checkpoint(
             "warm_start_from() to start a new experiment from the weights."
         )
     return payload
+
+
+def _private_except_model(payload: Any, fresh: FreshMemory) -> Any:
+    """Copy every bucket but ``model`` out of the mapping (``load_state_dict`` copies the weights).
+
+    Optimizer moments would otherwise stay mapped: ``Optimizer.load_state_dict`` keeps a tensor that
+    already has the parameter's dtype and device instead of copying it. Extra state is handed to
+    ``set_extra_state`` as it is, and a module may keep it: copied out too, or a kept tensor would
+    keep the file mapped (SIGBUS if it is truncated later).
+    """
+    if not isinstance(payload, dict):
+        return payload
+    payload = {k: v if k == "model" else copy_out(v, fresh=fresh) for k, v in payload.items()}
+    return keep_no_mapped_extra_state(payload)
 
 
 def load_checkpoint(

@@ -33,13 +33,17 @@ and its absence with ``mmap=False``.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ckpt_lesson.files.fresh_memory import FreshMemory
+from ckpt_lesson.files.integrity import FileDigest
+from ckpt_lesson.files.loading import load_verified_file
+from ckpt_lesson.files.verified_bytes import VerifiedBytes
 
-__all__ = ["EXTRA_STATE_SUFFIX", "copy_out", "keep_no_mapped_extra_state"]
+__all__ = ["EXTRA_STATE_SUFFIX", "copy_out", "keep_no_mapped_extra_state", "load_with_private_copies"]
 
 #: torch's suffix for a module's extra state in ``state_dict()`` (``_EXTRA_STATE_KEY_SUFFIX``).
 EXTRA_STATE_SUFFIX = "_extra_state"
@@ -95,3 +99,36 @@ def keep_no_mapped_extra_state(payload: dict[str, Any]) -> dict[str, Any]:
         for k, v in model.items()
     }
     return {**payload, "model": fixed}
+
+
+def load_with_private_copies(
+    path: Any, private: Callable[[Any, FreshMemory], Any], *, mmap: bool, **load_kwargs: Any
+) -> tuple[Any, FileDigest]:
+    """:func:`~ckpt_lesson.files.loading.load_verified_file`, keeping mapped only what ``private`` leaves.
+
+    On a mapped load of a file, ``private(payload, fresh)`` returns the payload with
+    what must not stay mapped copied out, into ``fresh``'s memory (faulted in while
+    the file was hashed). A read load, or bytes already in memory, are private
+    already and come back as loaded.
+
+    Args:
+        path: As for ``load_verified_file``.
+        private: The copying rule of the payload's format.
+        mmap: Map the verified file.
+        load_kwargs: The other keywords of ``load_verified_file``.
+
+    Returns:
+        The payload and the file's digest.
+
+    Raises:
+        CheckpointError: As ``load_verified_file``.
+
+    Example:
+        >>> payload, digest = load_with_private_copies(  # doctest: +SKIP
+        ...     "c.pt", lambda p, fresh: copy_out(p, fresh=fresh), mmap=True)
+    """
+    with FreshMemory() as fresh:
+        payload, digest = load_verified_file(path, mmap=mmap, fresh=fresh, **load_kwargs)
+        if mmap and not isinstance(path, VerifiedBytes):
+            payload = private(payload, fresh)
+    return payload, digest

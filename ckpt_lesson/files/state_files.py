@@ -26,7 +26,7 @@ from ckpt_lesson.files.fresh_memory import FreshMemory
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.files.integrity import FileDigest, part_digest
 from ckpt_lesson.files.loading import load_verified_file
-from ckpt_lesson.files.mapped_restore import copy_out, keep_no_mapped_extra_state
+from ckpt_lesson.files.mapped_restore import copy_out, keep_no_mapped_extra_state, load_with_private_copies
 from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.shard_index import (
     INDEX_NAME,
@@ -186,17 +186,14 @@ def read_state_payload(
         CheckpointError: Missing, damaged (``CorruptCheckpointError``), or unsafe files.
     """
     if isinstance(path, VerifiedBytes) or not Path(path).is_dir():
-        with FreshMemory() as fresh:
-            payload, _ = load_verified_file(
-                path,
-                map_location=map_location,
-                expected_digest=expected_digest,
-                algo=algo,
-                mmap=mmap,
-                fresh=fresh,
-            )
-            if mmap and not isinstance(path, VerifiedBytes):  # bytes in memory load into private tensors
-                payload = _private_except_modules(payload, fresh)
+        payload, _ = load_with_private_copies(
+            path,
+            _private_except_modules,
+            mmap=mmap,
+            map_location=map_location,
+            expected_digest=expected_digest,
+            algo=algo,
+        )
         return payload
     root = Path(path).resolve()
     index = read_shard_index(root)
