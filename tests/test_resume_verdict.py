@@ -17,6 +17,11 @@ from pathlib import Path
 import pytest
 
 from ckpt_lesson.cli import main
+from ckpt_lesson.resume_test.diagnose import TrialVerdict
+from ckpt_lesson.resume_test.plan import KillTarget, TrialPlan
+from ckpt_lesson.resume_test.runner import Attempt, TrialRun
+from ckpt_lesson.resume_test.steps import StepRecord
+from ckpt_lesson.resume_test.verdict import decide
 
 FAKE = str(Path(__file__).resolve().parent / "fake_train.py")
 AFTER_SAVE = ("--trials", "1", "--kills", "1", "--kill-at", "after-save")
@@ -93,3 +98,18 @@ def test_the_usage_error_for_steps_that_go_back_names_both_steps_and_the_fix(tmp
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert "steps do not increase (step 1 came after step 5): report a global step" in err
+
+
+def test_a_run_that_finishes_before_its_planned_kill_is_inconclusive_and_says_what_to_change(tmp_path):
+    # Built by hand: a real script that outruns the kill does so only now and then (that race is
+    # why test_resume_examples aims its TERM case at an early save).
+    records = [StepRecord(step, 1.0 / step) for step in range(1, 41)]
+    baseline = Attempt(1, tmp_path, 0.0, exit_code=0, records=records, save_steps=[12, 24, 36])
+    unkilled = Attempt(1, tmp_path, 0.0, exit_code=0, records=list(records), save_steps=[12, 24, 36])
+    plan = TrialPlan(1, "after-save", "after-save", [KillTarget("after-save", 36)])
+    trial = TrialRun(plan, tmp_path, [unkilled])
+    outcome = decide(baseline, [trial], [TrialVerdict(1, "after-save", "finished", True)], "manager")
+    assert (outcome.verdict, outcome.exit_code) == ("INCONCLUSIVE", 3)
+    (reason,) = outcome.reasons
+    assert reason.startswith("no kill happened: the command finished before its planned kill points")
+    assert "pass another --seed" in reason

@@ -191,5 +191,7 @@ def _notes(plans: list[Any], baseline: Attempt, trials: list[Any], layout: str) 
     notes += left_running_notes(left)
     unkilled = [t.plan.index for t in trials if not any(a.kill for a in t.attempts)]
     if unkilled:
-        notes.append(f"trial(s) {unkilled}: the planned kill point never came, so nothing was tested there")
+        notes.append(
+            f"trial(s) {unkilled}: the command finished before the planned kill point: nothing tested there"
+        )
     return notes

@@ -156,7 +156,11 @@ def decide(
             "save more often or run longer"
         )
     elif not kills:
-        reasons.append("no kill happened: the planned kill points never came; run longer or lower --kills")
+        reasons.append(
+            "no kill happened: the command finished before its planned kill points (a kill aimed at a "
+            "save a few fast steps before the end races the exit); run longer, pass another --seed, "
+            "or lower --kills"
+        )
     elif not any(k.held_save for k in kills):
         reasons.append(
             "no kill landed after a save was published (every kill came before the first save): save "
