@@ -52,13 +52,7 @@ from ckpt_lesson.runs.restore_state import loader_for
 from ckpt_lesson.runs.retention import RetentionPolicy
 from ckpt_lesson.runs.save_parts import refuse_if_already_saved, stage_payload_save, stage_save
 from ckpt_lesson.runs.save_source import Candidates, SaveSource, folder_candidates
-from ckpt_lesson.runs.scan import (
-    MANIFEST_NAME,
-    ScanResult,
-    inspect_save,
-    published_steps,
-    step_dir_name,
-)
+from ckpt_lesson.runs.scan import MANIFEST_NAME, ScanResult, inspect_save, published_steps, step_dir_name
 from ckpt_lesson.runs.state_args import is_state_call, positional_save_args
 
 __all__ = ["CheckpointManager"]
