@@ -8,7 +8,9 @@ optimizer, scheduler and a fresh :class:`TrainState`. Everything is small
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +80,22 @@ def build_tiny_run(seed: int = 0, *, with_scheduler: bool = True, hidden: int = 
 def tiny_run() -> Callable[..., TinyRun]:
     """Factory fixture: ``tiny_run(seed=0, with_scheduler=True, hidden=32) -> TinyRun``."""
     return build_tiny_run
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers_left_as_found(request):
+    """Put SIGINT/SIGTERM handlers back after each test, and warn naming a test that changed them.
+
+    A handler left behind changes what later tests see (a second Ctrl-C that no longer raises), so a
+    leak shows in the warnings summary with the test's name instead of failing an unrelated test.
+    """
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in before.items():
+        now = signal.getsignal(sig)
+        if now is not handler and handler is not None:
+            warnings.warn(f"{request.node.nodeid} left the {sig.name} handler set to {now!r}", stacklevel=1)
+            signal.signal(sig, handler)
 
 
 @pytest.fixture(autouse=True)
