@@ -1,0 +1,222 @@
+"""A data position for a plain ``torch.utils.data.DataLoader``: ``cl.resumable(loader)``.
+
+A ``DataLoader(shuffle=True)`` draws its order from the global generator when
+each pass starts, so restoring the generator mid-epoch does not bring the
+order back, and a resumed loop starts its epoch over. The wrapper keeps the
+position as a part of the training state (``state_dict`` / ``load_state_dict``):
+
+- the epoch (which pass) and the batches of it already handed out;
+- the seed every pass derives its order, worker seeds and augmentation seeds
+  from (:mod:`ckpt_lesson.runs.data_passes`), so pass ``e`` is the same pass
+  in every process.
+
+The first ``iter()`` after ``load_state_dict`` continues the saved pass at
+the next batch; every other ``iter()`` starts the next pass, as a DataLoader's
+does. The user's loader is not changed: the wrapper iterates a shallow copy of
+it whose index sampler yields the remaining batches and whose dataset fetches
+each batch under its derived seed. Persistent workers, pinning, collation and
+worker_init_fn are the user's.
+
+Cost: a pass's indices come from the user's sampler as before (``randperm``
+for a ``RandomSampler``: O(N) per pass); skipping k batches on restore costs
+the sampler's work for k batches of indices (O(k * batch_size) integers) and
+no dataset read or collation at all. The state is five integers.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from ckpt_lesson.errors import CheckpointError, StateMismatchError
+from ckpt_lesson.runs.data_passes import PassBatches, SeededFetch, derive_seed, seeded_generator
+
+__all__ = ["ResumableLoader", "resumable"]
+
+#: Written into every state dict; a later layout would get a new number and a reader of both.
+FORMAT = 1
+
+
+class ResumableLoader:
+    """A DataLoader with a data position: resumes mid-epoch exactly (see :func:`resumable`)."""
+
+    def __init__(self, loader: DataLoader, *, seed: int | None = None) -> None:
+        _check_loader(loader)
+        given = loader.generator
+        self.loader = loader
+        self._seed_given = seed is not None
+        self.seed = int(seed if seed is not None else given.initial_seed() if given else torch.initial_seed())
+        index_sampler = loader.batch_sampler
+        owners = [loader.sampler, index_sampler, getattr(index_sampler, "sampler", None)]
+        unique = [o for i, o in enumerate(owners) if o is not None and all(o is not p for p in owners[:i])]
+        self._passes = PassBatches(index_sampler, generator_owners=unique, length=len(loader))
+        # A shallow copy iterated in the loader's place; DataLoader refuses setattr for these
+        # names after __init__, so they go into the copy's __dict__ (the user's loader is untouched).
+        self._inner = copy.copy(loader)
+        self._inner.__dict__.update(batch_sampler=self._passes, dataset=SeededFetch(loader.dataset))
+        self._inner.__dict__["_iterator"] = None
+        self._epoch, self._consumed = 0, 0
+        self._started = self._finished = self._resume_pending = False
+
+    # -- the position ---------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The pass in progress (0-based), or the next one once a pass has run to its end.
+
+        A loop resumes with ``for epoch in range(loader.epoch, epochs)``: a save inside the pass
+        resumes that pass, a save after it (scheduler stepped) starts the next.
+        """
+        return self._epoch + 1 if self._finished else self._epoch
+
+    @property
+    def batches_consumed(self) -> int:
+        """Batches of the current pass handed out so far."""
+        return self._consumed
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        # dataset, batch_size, sampler, ...: the user's loader answers (only unknown names land here)
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._resume_pending:
+            self._resume_pending = False
+        elif self._started or self._finished:
+            self._epoch, self._consumed = self._epoch + 1, 0
+        self._started, self._finished = True, False
+        epoch = self._epoch
+        self._passes.start(seed=self.seed, epoch=epoch, skip=self._consumed)
+        # The workers' base seed comes from the pass too: nothing is drawn from the global generator.
+        self._inner.generator = seeded_generator(derive_seed(self.seed, epoch, "workers"))
+        return self._run(iter(self._inner), epoch)
+
+    def _run(self, batches: Iterator[Any], epoch: int) -> Iterator[Any]:
+        for batch in batches:
+            if self._epoch != epoch:
+                return  # a newer pass started: this iterator is stale
+            self._consumed += 1  # counted when handed out: a save after this batch skips it
+            yield batch
+        if self._epoch == epoch:
+            self._finished = True
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, int]:
+        """The position as plain ints (a fresh dict; loads under ``weights_only=True``).
+
+        Example:
+            >>> loader = resumable(DataLoader(range(10), batch_size=4, shuffle=True), seed=1)
+            >>> sorted(loader.state_dict())
+            ['batches', 'consumed', 'epoch', 'finished', 'format', 'seed']
+        """
+        return {
+            "format": FORMAT,
+            "seed": self.seed,
+            "epoch": self._epoch,
+            "consumed": self._consumed,
+            "finished": int(self._finished),
+            "batches": len(self),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: the next ``iter()`` yields the saved pass's remaining batches.
+
+        Raises:
+            StateMismatchError: The state is malformed, from a loader with another number of
+                batches per pass, or from another seed than the ``seed=`` given here.
+        """
+        keys = ("format", "seed", "epoch", "consumed", "finished", "batches")
+        if not isinstance(state, dict) or any(type(state.get(k)) is not int for k in keys):
+            raise StateMismatchError(
+                f"data position: malformed state (needs int {', '.join(keys)}); it was not saved by "
+                "cl.resumable's loader."
+            )
+        if state["format"] != FORMAT:
+            raise StateMismatchError(f"data position: format {state['format']} is not {FORMAT}.")
+        if state["batches"] != len(self):
+            raise StateMismatchError(
+                f"data position: the save's loader had {state['batches']} batches per epoch, this one has "
+                f"{len(self)}; build the loader with the saving run's dataset, batch_size, drop_last "
+                "and sampler."
+            )
+        if not 0 <= state["consumed"] <= state["batches"] or state["epoch"] < 0:
+            raise StateMismatchError(f"data position: epoch/consumed out of range in {state}.")
+        if self._seed_given and state["seed"] != self.seed:
+            raise StateMismatchError(
+                f"data position: the save's seed is {state['seed']}, but seed={self.seed} was given; "
+                "pass the saving run's seed (or leave seed= out: the saved one is used)."
+            )
+        self.seed = state["seed"]
+        self._epoch, self._consumed = state["epoch"], state["consumed"]
+        self._finished = bool(state["finished"])
+        self._started = True
+        self._resume_pending = not self._finished
+
+    def __repr__(self) -> str:
+        return f"resumable({self.loader!r}, seed={self.seed}) at epoch {self._epoch}, batch {self._consumed}"
+
+
+def _check_loader(loader: Any) -> None:
+    if callable(getattr(loader, "state_dict", None)):
+        raise CheckpointError(
+            f"cl.resumable: {type(loader).__name__} already saves its own position (it has "
+            "state_dict()); put it in the state as it is."
+        )
+    if not isinstance(loader, DataLoader):
+        raise CheckpointError(
+            f"cl.resumable: expected a torch.utils.data.DataLoader, got {type(loader).__name__}."
+        )
+    if isinstance(loader.dataset, IterableDataset):
+        raise CheckpointError(
+            f"cl.resumable: {type(loader.dataset).__name__} is an IterableDataset: it has no indices to "
+            "skip to, so a mid-epoch resume cannot be exact from the loader alone. It needs a position "
+            "of its own: give the dataset state_dict()/load_state_dict() and use torchdata's "
+            "StatefulDataLoader (saved as a part as it is), or make it a map-style Dataset "
+            "(__getitem__/__len__)."
+        )
+    if loader.batch_sampler is None:
+        raise CheckpointError(
+            "cl.resumable: batch_size=None (no automatic batching) is not supported; give the "
+            "DataLoader a batch_size or a batch_sampler."
+        )
+
+
+def resumable(loader: DataLoader, *, seed: int | None = None) -> ResumableLoader:
+    """Give a plain DataLoader a data position, so a run killed mid-epoch resumes exactly.
+
+    Put the result in the state like any part; iterate it as the loader. Every pass's shuffle,
+    worker seeds and per-batch augmentation seeds derive from ``(seed, epoch)``.
+
+    Args:
+        loader: A ``torch.utils.data.DataLoader`` over a map-style dataset (any sampler, a
+            ``batch_sampler``, ``DistributedSampler``, ``drop_last``, ``num_workers``, a
+            ``generator``). It is not changed.
+        seed: Where every pass's randomness derives from. Default: the loader's generator's
+            ``initial_seed()``, else ``torch.initial_seed()`` (so ``torch.manual_seed(s)`` sets
+            it). A restore uses the saved seed.
+
+    Returns:
+        A :class:`ResumableLoader`: ``state_dict()``/``load_state_dict()``, ``len()``, ``.epoch``
+        (where a resumed epoch loop starts) and the loader's attributes.
+
+    Raises:
+        CheckpointError: An ``IterableDataset`` (no indices to skip to), ``batch_size=None``,
+            or a loader that already has ``state_dict()`` (a ``StatefulDataLoader``: use it as is).
+
+    Example:
+        >>> loader = cl.resumable(DataLoader(dataset, batch_size=64, shuffle=True))  # doctest: +SKIP
+        >>> state = {"model": model, "optimizer": opt, "loader": loader}  # doctest: +SKIP
+        >>> restored = mgr.restore_latest(state)  # doctest: +SKIP
+        >>> for epoch in range(loader.epoch, epochs):  # doctest: +SKIP
+        ...     for x, y in loader: ...
+    """
+    return ResumableLoader(loader, seed=seed)
