@@ -203,13 +203,26 @@ def test_the_loader_is_a_part_the_manager_saves_and_refuses_into_a_loader_of_ano
     mgr.close()
 
 
-def test_the_wrapper_answers_for_the_loader_and_leaves_it_unchanged(tmp_path):
+def test_resumable_adapts_the_loader_in_place_and_leaves_its_sampler_and_generator_alone(tmp_path):
     inner = DataLoader(Augmented(tmp_path / "a.log"), batch_size=4, shuffle=True)
-    sampler, batch_sampler = inner.sampler, inner.batch_sampler
+    sampler, batch_sampler, dataset = inner.sampler, inner.batch_sampler, inner.dataset
     loader = cl.resumable(inner)
+    assert loader is inner and isinstance(loader, DataLoader) and cl.resumable(loader) is loader
     list(loader)
-    assert len(loader) == 6 and len(loader.dataset) == 23 and loader.batch_size == 4
-    assert inner.sampler is sampler and inner.batch_sampler is batch_sampler and inner.generator is None
+    assert len(loader) == 6 and loader.dataset is dataset and loader.batch_size == 4 and loader.epoch == 1
+    assert loader.sampler is sampler and loader.batch_sampler is batch_sampler and loader.generator is None
+    with pytest.raises(CheckpointError, match="already derives from seed"):
+        cl.resumable(loader, seed=loader.seed + 1)
+
+
+class MyLoader(DataLoader):
+    def describe(self) -> str:
+        return "mine"
+
+
+def test_a_dataloader_subclass_keeps_its_own_methods(tmp_path):
+    loader = cl.resumable(MyLoader(Augmented(tmp_path / "a.log"), batch_size=4, shuffle=True), seed=3)
+    assert isinstance(loader, MyLoader) and loader.describe() == "mine" and len(list(loader)) == 6
 
 
 class Stream(IterableDataset):

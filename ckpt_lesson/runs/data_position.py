@@ -2,8 +2,8 @@
 
 A ``DataLoader(shuffle=True)`` draws its order from the global generator when
 each pass starts, so restoring the generator mid-epoch does not bring the
-order back, and a resumed loop starts its epoch over. The wrapper keeps the
-position as a part of the training state (``state_dict`` / ``load_state_dict``):
+order back, and a resumed loop starts its epoch over. ``resumable`` gives the
+loader a position, a part of the training state (``state_dict`` / ``load_state_dict``):
 
 - the epoch (which pass) and the batches of it already handed out;
 - the seed every pass derives its order, worker seeds and augmentation seeds
@@ -12,10 +12,12 @@ position as a part of the training state (``state_dict`` / ``load_state_dict``):
 
 The first ``iter()`` after ``load_state_dict`` continues the saved pass at
 the next batch; every other ``iter()`` starts the next pass, as a DataLoader's
-does. The user's loader is not changed: the wrapper iterates a shallow copy of
-it whose index sampler yields the remaining batches and whose dataset fetches
-each batch under its derived seed. Persistent workers, pinning, collation and
-worker_init_fn are the user's.
+does. The loader is adapted in place, not replaced: it stays the object the
+loop iterates (its class becomes a subclass with the position), and iterates
+a shallow copy of itself whose index sampler yields the remaining batches and
+whose dataset fetches each batch under its derived seed. Its sampler,
+batch_sampler, generator and dataset are left as they were; persistent
+workers, pinning, collation and worker_init_fn are the user's.
 
 Cost: a pass's indices come from the user's sampler as before (``randperm``
 for a ``RandomSampler``: O(N) per pass); skipping k batches on restore costs
@@ -41,26 +43,23 @@ __all__ = ["ResumableLoader", "resumable"]
 FORMAT = 1
 
 
-class ResumableLoader:
-    """A DataLoader with a data position: resumes mid-epoch exactly (see :func:`resumable`)."""
+class ResumableLoader(DataLoader):
+    """A DataLoader with a data position; :func:`resumable` turns a loader into one, in place.
 
-    def __init__(self, loader: DataLoader, *, seed: int | None = None) -> None:
-        _check_loader(loader)
-        given = loader.generator
-        self.loader = loader
-        self._seed_given = seed is not None
-        self.seed = int(seed if seed is not None else given.initial_seed() if given else torch.initial_seed())
-        index_sampler = loader.batch_sampler
-        owners = [loader.sampler, index_sampler, getattr(index_sampler, "sampler", None)]
-        unique = [o for i, o in enumerate(owners) if o is not None and all(o is not p for p in owners[:i])]
-        self._passes = PassBatches(index_sampler, generator_owners=unique, length=len(loader))
-        # A shallow copy iterated in the loader's place; DataLoader refuses setattr for these
-        # names after __init__, so they go into the copy's __dict__ (the user's loader is untouched).
-        self._inner = copy.copy(loader)
-        self._inner.__dict__.update(batch_sampler=self._passes, dataset=SeededFetch(loader.dataset))
-        self._inner.__dict__["_iterator"] = None
-        self._epoch, self._consumed = 0, 0
-        self._started = self._finished = self._resume_pending = False
+    Never constructed directly: ``DataLoader.__init__`` ran when the user built the loader, and
+    :func:`resumable` adds the position to that same object (so a loop keeps iterating the object
+    it already holds, and ``{"loader": cl.resumable(train_loader)}`` is all a state needs).
+    """
+
+    _cl_seed: int
+    _cl_seed_given: bool
+    _cl_passes: PassBatches
+    _cl_inner: DataLoader
+    _cl_epoch: int
+    _cl_consumed: int
+    _cl_started: bool
+    _cl_finished: bool
+    _cl_resume_pending: bool
 
     # -- the position ---------------------------------------------------------------------------
 
@@ -71,42 +70,38 @@ class ResumableLoader:
         A loop resumes with ``for epoch in range(loader.epoch, epochs)``: a save inside the pass
         resumes that pass, a save after it (scheduler stepped) starts the next.
         """
-        return self._epoch + 1 if self._finished else self._epoch
+        return self._cl_epoch + 1 if self._cl_finished else self._cl_epoch
 
     @property
     def batches_consumed(self) -> int:
         """Batches of the current pass handed out so far."""
-        return self._consumed
+        return self._cl_consumed
 
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        # dataset, batch_size, sampler, ...: the user's loader answers (only unknown names land here)
-        if name == "loader":
-            raise AttributeError(name)
-        return getattr(self.loader, name)
+    @property
+    def seed(self) -> int:
+        """Where every pass's randomness derives from (the saved one after a restore)."""
+        return self._cl_seed
 
     def __iter__(self) -> Iterator[Any]:
-        if self._resume_pending:
-            self._resume_pending = False
-        elif self._started or self._finished:
-            self._epoch, self._consumed = self._epoch + 1, 0
-        self._started, self._finished = True, False
-        epoch = self._epoch
-        self._passes.start(seed=self.seed, epoch=epoch, skip=self._consumed)
+        if self._cl_resume_pending:
+            self._cl_resume_pending = False
+        elif self._cl_started or self._cl_finished:
+            self._cl_epoch, self._cl_consumed = self._cl_epoch + 1, 0
+        self._cl_started, self._cl_finished = True, False
+        epoch = self._cl_epoch
+        self._cl_passes.start(seed=self._cl_seed, epoch=epoch, skip=self._cl_consumed)
         # The workers' base seed comes from the pass too: nothing is drawn from the global generator.
-        self._inner.generator = seeded_generator(derive_seed(self.seed, epoch, "workers"))
-        return self._run(iter(self._inner), epoch)
+        self._cl_inner.generator = seeded_generator(derive_seed(self._cl_seed, epoch, "workers"))
+        return self._run(iter(self._cl_inner), epoch)
 
     def _run(self, batches: Iterator[Any], epoch: int) -> Iterator[Any]:
         for batch in batches:
-            if self._epoch != epoch:
+            if self._cl_epoch != epoch:
                 return  # a newer pass started: this iterator is stale
-            self._consumed += 1  # counted when handed out: a save after this batch skips it
+            self._cl_consumed += 1  # counted when handed out: a save after this batch skips it
             yield batch
-        if self._epoch == epoch:
-            self._finished = True
+        if self._cl_epoch == epoch:
+            self._cl_finished = True
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -120,10 +115,10 @@ class ResumableLoader:
         """
         return {
             "format": FORMAT,
-            "seed": self.seed,
-            "epoch": self._epoch,
-            "consumed": self._consumed,
-            "finished": int(self._finished),
+            "seed": self._cl_seed,
+            "epoch": self._cl_epoch,
+            "consumed": self._cl_consumed,
+            "finished": int(self._cl_finished),
             "batches": len(self),
         }
 
@@ -150,19 +145,48 @@ class ResumableLoader:
             )
         if not 0 <= state["consumed"] <= state["batches"] or state["epoch"] < 0:
             raise StateMismatchError(f"data position: epoch/consumed out of range in {state}.")
-        if self._seed_given and state["seed"] != self.seed:
+        if self._cl_seed_given and state["seed"] != self._cl_seed:
             raise StateMismatchError(
-                f"data position: the save's seed is {state['seed']}, but seed={self.seed} was given; "
+                f"data position: the save's seed is {state['seed']}, but seed={self._cl_seed} was given; "
                 "pass the saving run's seed (or leave seed= out: the saved one is used)."
             )
-        self.seed = state["seed"]
-        self._epoch, self._consumed = state["epoch"], state["consumed"]
-        self._finished = bool(state["finished"])
-        self._started = True
-        self._resume_pending = not self._finished
+        self._cl_seed = state["seed"]
+        self._cl_epoch, self._cl_consumed = state["epoch"], state["consumed"]
+        self._cl_finished = bool(state["finished"])
+        self._cl_started = True
+        self._cl_resume_pending = not self._cl_finished
 
     def __repr__(self) -> str:
-        return f"resumable({self.loader!r}, seed={self.seed}) at epoch {self._epoch}, batch {self._consumed}"
+        where = f"epoch {self._cl_epoch}, batch {self._cl_consumed}"
+        return f"<resumable {type(self).__name__}, seed {self._cl_seed}, at {where}>"
+
+
+#: DataLoader subclass -> its resumable subclass (a user's loader class keeps its own methods).
+_CLASSES: dict[type, type] = {DataLoader: ResumableLoader}
+
+
+def _adopt(loader: DataLoader, seed: int | None) -> ResumableLoader:
+    """Give ``loader`` its position, in place: state first, then the class (nothing half-done)."""
+    given = loader.generator
+    index_sampler = loader.batch_sampler
+    owners = [loader.sampler, index_sampler, getattr(index_sampler, "sampler", None)]
+    unique = [o for i, o in enumerate(owners) if o is not None and all(o is not p for p in owners[:i])]
+    passes = PassBatches(index_sampler, generator_owners=unique, length=len(loader))
+    # A shallow copy, iterated in the loader's place: its index sampler yields the remaining
+    # batches and its dataset fetches each under the batch's seed. DataLoader refuses setattr
+    # for these names after __init__, so they go into the copy's __dict__.
+    inner = copy.copy(loader)
+    inner.__dict__.update(batch_sampler=passes, dataset=SeededFetch(loader.dataset), _iterator=None)
+    chosen = seed if seed is not None else given.initial_seed() if given else torch.initial_seed()
+    vars(loader).update(
+        _cl_seed=int(chosen), _cl_seed_given=seed is not None, _cl_passes=passes, _cl_inner=inner,
+        _cl_epoch=0, _cl_consumed=0, _cl_started=False, _cl_finished=False, _cl_resume_pending=False,
+    )  # fmt: skip
+    cls = type(loader)
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Resumable{cls.__name__}", (ResumableLoader, cls), {})
+    loader.__class__ = _CLASSES[cls]
+    return loader  # type: ignore[return-value]
 
 
 def _check_loader(loader: Any) -> None:
@@ -193,30 +217,40 @@ def _check_loader(loader: Any) -> None:
 def resumable(loader: DataLoader, *, seed: int | None = None) -> ResumableLoader:
     """Give a plain DataLoader a data position, so a run killed mid-epoch resumes exactly.
 
-    Put the result in the state like any part; iterate it as the loader. Every pass's shuffle,
-    worker seeds and per-batch augmentation seeds derive from ``(seed, epoch)``.
+    The loader itself gains the position (the same object comes back), so it goes into the state
+    like any part: ``{"loader": cl.resumable(train_loader)}``. Every pass's shuffle, worker seeds
+    and per-batch augmentation seeds derive from ``(seed, epoch)``.
 
     Args:
         loader: A ``torch.utils.data.DataLoader`` over a map-style dataset (any sampler, a
             ``batch_sampler``, ``DistributedSampler``, ``drop_last``, ``num_workers``, a
-            ``generator``). It is not changed.
+            ``generator``). Its sampler, generator and dataset are not changed.
         seed: Where every pass's randomness derives from. Default: the loader's generator's
             ``initial_seed()``, else ``torch.initial_seed()`` (so ``torch.manual_seed(s)`` sets
             it). A restore uses the saved seed.
 
     Returns:
-        A :class:`ResumableLoader`: ``state_dict()``/``load_state_dict()``, ``len()``, ``.epoch``
-        (where a resumed epoch loop starts) and the loader's attributes.
+        ``loader``, now a :class:`ResumableLoader`: ``state_dict()``/``load_state_dict()``,
+        ``.epoch`` (where a resumed epoch loop starts), ``.batches_consumed``, ``.seed``.
+        Called again on it, the same loader.
 
     Raises:
         CheckpointError: An ``IterableDataset`` (no indices to skip to), ``batch_size=None``,
-            or a loader that already has ``state_dict()`` (a ``StatefulDataLoader``: use it as is).
+            a loader that already has ``state_dict()`` (a ``StatefulDataLoader``: use it as is),
+            or another ``seed=`` for a loader already resumable.
 
     Example:
-        >>> loader = cl.resumable(DataLoader(dataset, batch_size=64, shuffle=True))  # doctest: +SKIP
-        >>> state = {"model": model, "optimizer": opt, "loader": loader}  # doctest: +SKIP
+        >>> loader = DataLoader(dataset, batch_size=64, shuffle=True)  # doctest: +SKIP
+        >>> state = {"model": model, "optimizer": opt, "loader": cl.resumable(loader)}  # doctest: +SKIP
         >>> restored = mgr.restore_latest(state)  # doctest: +SKIP
         >>> for epoch in range(loader.epoch, epochs):  # doctest: +SKIP
         ...     for x, y in loader: ...
     """
-    return ResumableLoader(loader, seed=seed)
+    if isinstance(loader, ResumableLoader):
+        if seed is not None and seed != loader.seed:
+            raise CheckpointError(
+                f"cl.resumable: the loader already derives from seed {loader.seed}, not {seed}."
+            )
+        return loader
+    _check_loader(loader)
+    return _adopt(loader, seed)
