@@ -22,7 +22,7 @@ workers, pinning, collation and worker_init_fn are the user's.
 Cost: a pass's indices come from the user's sampler as before (``randperm``
 for a ``RandomSampler``: O(N) per pass); skipping k batches on restore costs
 the sampler's work for k batches of indices (O(k * batch_size) integers) and
-no dataset read or collation at all. The state is five integers.
+no dataset read or collation at all. The state is six integers.
 """
 
 from __future__ import annotations
