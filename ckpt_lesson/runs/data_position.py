@@ -125,6 +125,9 @@ class ResumableLoader(DataLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``: the next ``iter()`` yields the saved pass's remaining batches.
 
+        Args:
+            state: A dict from :meth:`state_dict` (a restore passes it; the saved seed is adopted).
+
         Raises:
             StateMismatchError: The state is malformed, from a loader with another number of
                 batches per pass, or from another seed than the ``seed=`` given here.
@@ -136,7 +139,10 @@ class ResumableLoader(DataLoader):
                 "cl.resumable's loader."
             )
         if state["format"] != FORMAT:
-            raise StateMismatchError(f"data position: format {state['format']} is not {FORMAT}.")
+            raise StateMismatchError(
+                f"data position: format {state['format']} is not {FORMAT}; it was saved by another "
+                "version of ckpt_lesson: resume with that version."
+            )
         if state["batches"] != len(self):
             raise StateMismatchError(
                 f"data position: the save's loader had {state['batches']} batches per epoch, this one has "
