@@ -100,6 +100,7 @@ from .runs.cost import (  # noqa: E402
     expected_wall_time,
     young_interval,
 )
+from .runs.data_position import ResumableLoader, resumable  # noqa: E402
 from .runs.folder_manifest import latest_verified_folder, verify_folder, write_folder_manifest  # noqa: E402
 from .runs.manager import CheckpointManager  # noqa: E402
 from .runs.manager_config import ManagerConfig  # noqa: E402
@@ -141,6 +142,7 @@ __all__ = [
     "PreemptionHandler",
     "RecoveryRecorder",
     "Restored",
+    "ResumableLoader",
     "ResumeReport",
     "RunConfig",
     "SCHEMA_V1",
@@ -192,6 +194,7 @@ __all__ = [
     "read_recovery_log",
     "read_shard_index",
     "restore_rng_state",
+    "resumable",
     "resume_report",
     "run_campaign",
     "run_command",

@@ -337,6 +337,19 @@ def test_skill_markdown_is_deterministic_and_leaves_global_rng_alone(tmp_path) -
     assert "/tmp" not in first and 'digest": "<digest>' in first
 
 
+def test_the_skill_recipe_shows_the_shuffled_dataloader_case_and_the_state_api() -> None:
+    # issue 35: the recipe handed to "any new training script" covers the data position too.
+    text = render_skill_markdown()
+    own_loop = text[text.index("## 0. In your own training loop") : text.index("## 1.")]
+    for needed in (
+        "cl.resumable(train_loader)",
+        "range(train_loader.epoch, epochs)",
+        "restore_latest(state)",
+    ):
+        assert needed in own_loop
+    assert "`consumed`, `epoch`" in own_loop and "no placeholder" in own_loop
+
+
 def test_the_committed_skill_recipe_is_what_the_package_renders_now() -> None:
     committed = Path(__file__).resolve().parent.parent / "outputs" / "skill-checkpoint-save-resume.md"
     assert committed.read_text(encoding="utf-8") == render_skill_markdown(), (

@@ -1,4 +1,4 @@
-"""The five example loops (GPT, LSTM, GAN, AMP, DDP) resume bit for bit; each leave-a-part-out variant FAILs.
+"""The example loops (GPT, LSTM, GAN, AMP, DDP, epochs) resume bit for bit; each mistaken variant FAILs.
 
 Each case is a real ``resume-test`` run of a real training script (fresh interpreters, torch
 imported each time; the DDP loop under torchrun with 2 gloo ranks), so every case uses the fewest
@@ -33,17 +33,21 @@ CASES = {
     "amp": (PY, "loop_amp.py", TWO_KILLS, ()),
     "ddp": (TORCHRUN, "loop_ddp.py", TWO_KILLS, ()),  # DistributedCheckpointManager; saves at 5, 10, 15
     "ddp-rank0": (TORCHRUN, "loop_ddp.py", AFTER_SAVE, ("--manager", "rank0")),
+    "epochs": (PY, "loop_epochs.py", TWO_KILLS, ()),  # 16 batches an epoch, saves every 5: mid-epoch
     "gpt-rng-after-prefetch": (PY, "loop_gpt.py", AFTER_SAVE, (*SHORT, "--mistake", "rng-after-prefetch")),
     "lstm-hidden": (PY, "loop_lstm.py", AFTER_SAVE, (*SHORT, "--mistake", "hidden")),
     "gan-one-optimizer": (PY, "loop_gan.py", AFTER_SAVE, (*SHORT, "--mistake", "one-optimizer")),
     "amp-scaler": (PY, "loop_amp.py", AFTER_SAVE, (*SHORT, "--mistake", "scaler")),
     "ddp-optimizer": (TORCHRUN, "loop_ddp.py", AFTER_SAVE, ("--manager", "rank0", "--mistake", "optimizer")),
+    "epochs-loader": (PY, "loop_epochs.py", AFTER_SAVE, ("--mistake", "loader")),
 }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
+def reports(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("loops")
+    # Only the cases this session selected: `-k epochs` runs its resume-tests, not all of them.
+    chosen = {i.callspec.params.get("case") for i in request.session.items if hasattr(i, "callspec")}
 
     def one(case: str) -> tuple[int, dict]:
         launcher, script, options, script_args = CASES[case]
@@ -54,11 +58,11 @@ def reports(tmp_path_factory):
         return code, report
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {case: pool.submit(one, case) for case in CASES}
+        futures = {case: pool.submit(one, case) for case in CASES if case in chosen}
     return {case: future.result() for case, future in futures.items()}
 
 
-@pytest.mark.parametrize("case", ["gpt", "lstm", "gan", "amp", "ddp", "ddp-rank0"])
+@pytest.mark.parametrize("case", ["gpt", "lstm", "gan", "amp", "ddp", "ddp-rank0", "epochs"])
 def test_each_example_loop_resumes_bit_for_bit_after_every_kill(reports, case):
     code, report = reports[case]
     assert code == 0, report.get("diagnosis")
@@ -79,6 +83,10 @@ def test_each_example_loop_resumes_bit_for_bit_after_every_kill(reports, case):
         ("gan-one-optimizer", "optimizer (or LR scheduler) state not restored"),
         ("amp-scaler", "metric 'scale' is back at its first-step value (1024) at the first step after"),
         ("ddp-optimizer", "optimizer (or LR scheduler) state not restored"),
+        (
+            "epochs-loader",
+            "a shuffled DataLoader draws each epoch's order when the epoch starts: save the loader",
+        ),
     ],
 )
 def test_each_loop_that_leaves_a_part_out_fails_with_a_diagnosis_naming_it(reports, case, diagnosis):
@@ -86,3 +94,11 @@ def test_each_loop_that_leaves_a_part_out_fails_with_a_diagnosis_naming_it(repor
     assert code == 1 and report["verdict"] == "FAIL", report
     assert diagnosis in report["diagnosis"]
     assert report["trials"][0]["kills"][0]["kind"] == "after-save"
+
+
+def test_the_epoch_loop_is_killed_and_resumed_in_the_middle_of_its_epochs(reports):
+    # 500 samples in batches of 32: 16 steps an epoch; a resume from an epoch boundary proves less.
+    code, report = reports["epochs"]
+    assert code == 0
+    resumed = [r["resumed_from"] for r in report["trials"][0]["restarts"]]
+    assert resumed and all(step % 16 != 0 for step in resumed), resumed

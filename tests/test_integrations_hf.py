@@ -206,6 +206,20 @@ def test_the_helper_returns_none_without_a_verified_folder_and_refuses_a_missing
         latest_verified_checkpoint(tmp_path / "nope")
 
 
+def test_the_helper_defaults_to_the_resume_test_folder_or_the_trainers_default(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CKPT_LESSON_CKPT_DIR", raising=False)
+    assert latest_verified_checkpoint() is None  # no trainer_output yet: a first run
+    for root, step in (("trainer_output", 3), ("elsewhere", 7)):
+        folder = tmp_path / root / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        (folder / "a.bin").write_bytes(b"abc")
+        write_folder_manifest(folder)
+    assert latest_verified_checkpoint() == str(Path("trainer_output") / "checkpoint-3")
+    monkeypatch.setenv("CKPT_LESSON_CKPT_DIR", str(tmp_path / "elsewhere"))
+    assert latest_verified_checkpoint() == str(tmp_path / "elsewhere" / "checkpoint-7")
+
+
 def test_the_callback_is_a_trainer_callback():
     from transformers import TrainerCallback
 

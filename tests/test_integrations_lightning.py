@@ -193,6 +193,24 @@ def test_a_missing_or_empty_folder_has_no_latest_checkpoint_and_a_file_is_refuse
         latest_verified_checkpoint(tmp_path / "f")
 
 
+def test_the_default_folder_finds_the_previous_runs_save_under_another_version(tmp_path, monkeypatch):
+    # Lightning's default folder is lightning_logs/version_N/checkpoints, a new N on every start.
+    plugin = VerifiedCheckpointIO()
+    root = tmp_path / "lightning_logs"
+    for version, step in ((0, 4), (1, 8), (2, 6)):  # version_2: a restart that resumed from step 4
+        plugin.save_checkpoint({"epoch": 0, "global_step": step, "state_dict": {}},
+                               root / f"version_{version}" / "checkpoints" / f"step={step}.ckpt")  # fmt: skip
+    flip_byte(root / "version_1" / "checkpoints" / "step=8.ckpt")  # the newest is damaged: skipped
+    newest = str(root / "version_2" / "checkpoints" / "step=6.ckpt")
+    assert latest_verified_checkpoint(root) == newest
+    assert latest_verified_checkpoint(tmp_path) == newest  # the trainer's default_root_dir works too
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CKPT_LESSON_CKPT_DIR", raising=False)
+    assert Path(latest_verified_checkpoint()).resolve() == Path(newest).resolve()  # the default
+    monkeypatch.setenv("CKPT_LESSON_CKPT_DIR", str(root / "version_0" / "checkpoints"))
+    assert latest_verified_checkpoint() == str(root / "version_0" / "checkpoints" / "step=4.ckpt")
+
+
 def test_scan_lists_each_ckpt_of_a_lightning_run_with_epoch_and_step_and_names_the_newest(reference, capsys):
     ckdir = reference[0]
     results = scan_checkpoints(ckdir)

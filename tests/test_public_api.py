@@ -43,3 +43,9 @@ def test_every_name_in_a_modules_all_exists(module):
     mod = importlib.import_module(f"ckpt_lesson.{module}")
     missing = [n for n in getattr(mod, "__all__", []) if not hasattr(mod, n)]
     assert missing == []
+
+
+def test_the_data_position_for_a_plain_dataloader_is_exported():
+    # issue 35: cl.resumable(DataLoader(...)) is the adoption path the README shows
+    assert {"resumable", "ResumableLoader"} <= set(ckpt_lesson.__all__)
+    assert ckpt_lesson.resumable.__module__ == "ckpt_lesson.runs.data_position"

@@ -150,6 +150,8 @@ def test_unseen_sample_ids_mean_the_data_order_was_lost():
     other = {s: (100 + s,) for s in range(7, 13)}
     v = judge(trial(killed(run(1, range(1, 7))), run(2, range(7, 13), ids={**IDS, **other})))
     assert v.diagnosis.startswith("sample ids differ at the first step after resume: the data order")
+    # A plain shuffled DataLoader is the common cause: the diagnosis names the loader and its fix.
+    assert v.diagnosis.endswith("save the loader's position, cl.resumable(loader) in the state")
 
 
 def test_a_crash_after_a_kill_inside_a_plain_save_is_a_save_that_is_not_atomic(tmp_path):

@@ -104,13 +104,37 @@ def test_a_save_written_before_keys_were_canonical_still_restores(tmp_path):
 
 def test_the_single_file_pair_round_trips_and_names_missing_parts(tmp_path):
     model, opt = _build()
-    cl.save_state(tmp_path / "s.pt", 4, {"model": model, "optimizer": opt, "ema": torch.ones(2)})
+    ema = torch.nn.Linear(2, 2)
+    cl.save_state(tmp_path / "s.pt", 4, {"model": model, "optimizer": opt, "ema": ema})
     model2, opt2 = _build(seed=1)
     with pytest.raises(cl.StateMismatchError, match=r"parts \['ema'\].*strict=False"):
         cl.load_state(tmp_path / "s.pt", {"model": model2, "optimizer": opt2})
     assert _same(model2, _build(seed=1)[0])  # refused before anything changed
     restored = cl.load_state(tmp_path / "s.pt", {"model": model2, "optimizer": opt2}, strict=False)
     assert restored.step == 4 and _same(model, model2)
+
+
+def test_saved_values_come_back_without_placeholders_and_objects_are_still_refused_by_name(tmp_path):
+    model, opt = _build()
+    values = {"hidden": [torch.ones(2), torch.zeros(2)], "best": 0.25, "epoch": 3}
+    mgr = _manager(tmp_path)
+    mgr.save(5, {"model": model, "optimizer": opt, **values})
+    model2, opt2 = _build(seed=1)
+    restored = mgr.restore_latest({"model": model2, "optimizer": opt2})  # only the objects
+    assert restored.step == 5 and _same(model, model2)
+    assert restored.values["best"] == 0.25 and restored.values["epoch"] == 3
+    assert [t.tolist() for t in restored.values["hidden"]] == [[1.0, 1.0], [0.0, 0.0]]
+    # A placeholder still works, and its saved value comes back the same way.
+    again = _manager(tmp_path).restore_latest({"model": model2, "optimizer": opt2, "best": None})
+    assert again.values["best"] == 0.25 and set(again.values) == {"hidden", "best", "epoch"}
+    # An object left out is refused by name; so is a name the save lacks, object or placeholder.
+    with pytest.raises(cl.StateMismatchError, match=r"holds parts \['optimizer'\] that the state"):
+        _manager(tmp_path).restore_latest({"model": model2})
+    with pytest.raises(cl.StateMismatchError, match=r"has parts \['ema'\] that the save lacks"):
+        _manager(tmp_path).restore_latest({"model": model2, "optimizer": opt2, "ema": 0.0})
+    # An object where a value was saved: the message says to leave it out.
+    with pytest.raises(cl.StateMismatchError, match="leave it out of that state"):
+        _manager(tmp_path).restore_latest({"model": model2, "optimizer": opt2, "best": torch.nn.Linear(1, 1)})
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,8 @@ from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, build_payload
 from ckpt_lesson.files.integrity import DEFAULT_ALGO, FOOTER_MAGIC
 from ckpt_lesson.files.rng import RNG_SOURCES
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, KNOWN_SCHEMAS, MIGRATIONS
+from ckpt_lesson.files.state_payload import Restored
+from ckpt_lesson.runs.data_position import resumable
 
 __all__ = ["SKILL_FILE_NAME", "render_skill_markdown", "write_skill_markdown"]
 
@@ -85,6 +87,53 @@ def _sharded_section() -> list[str]:
         "```json",
         example,
         "```",
+    ]
+
+
+def _own_loop_section() -> list[str]:
+    """Section 0: the state API in a training loop of one's own, with the data position."""
+    # Real objects, so a renamed field or key changes the recipe: a DataLoader built without
+    # a shuffle draws nothing, and state_dict() does not iterate.
+    position = sorted(resumable(torch.utils.data.DataLoader(range(2), batch_size=1), seed=0).state_dict())
+    fields = [f for f in Restored.__dataclass_fields__ if not f.startswith("_")]
+    return [
+        "## 0. In your own training loop",
+        "",
+        "The state is a mapping of named parts. Objects with `state_dict()` (model, optimizer, "
+        "scheduler, `GradScaler`, the loader's position) are restored in place; plain values come back "
+        f"in `restored.values` (a `Restored`: {_codes(fields)}). A shuffled `DataLoader` needs its "
+        "position saved: it draws each epoch's order from the global generator when the epoch "
+        "starts, so a restored generator does not bring a mid-epoch order back.",
+        "",
+        "```python",
+        "import ckpt_lesson as cl",
+        "",
+        "train_loader = DataLoader(dataset, batch_size=64, shuffle=True, num_workers=2)",
+        'mgr = cl.CheckpointManager("runs/exp1", keep_last=3, every_steps=100)',
+        "state = dict(model=model, optimizer=opt, scheduler=scheduler, loader=cl.resumable(train_loader))",
+        "restored = mgr.restore_latest(state)   # None on a first run; verified, in place, RNG too",
+        "step = restored.step if restored else 0",
+        "for epoch in range(train_loader.epoch, epochs):   # the epoch in progress at the save",
+        "    for x, y in train_loader:                     # its remaining batches, then whole epochs",
+        "        ...  # one optimizer step",
+        "        step += 1",
+        "        if mgr.should_save(step):",
+        "            mgr.save(step, state)",
+        "    scheduler.step()",
+        "```",
+        "",
+        f"- `cl.resumable(loader)` adapts the loader in place and saves {_codes(position)}: each epoch's "
+        "shuffle, worker seeds and per-batch augmentation seeds derive from (seed, epoch), and a restore "
+        "skips the consumed batches as sampler indices: no sample is read twice. Any sampler, a "
+        "`batch_sampler`, `DistributedSampler`, `drop_last`, workers; an `IterableDataset` is refused "
+        "(it needs a position of its own: torchdata's `StatefulDataLoader`, saved as a part as it is).",
+        "- `restore_latest(state)`: every saved object must be in `state` (the live object, built as in "
+        "the saving run); saved values need no placeholder (all come back in `restored.values`); every "
+        "name in `state` must be in the save. Anything else is refused by name before anything "
+        "changes; `strict=False` ignores parts present on one side only.",
+        "- A loop that prefetches its next batch captures the RNG before the prefetch: "
+        "`snap = cl.capture_rng_state()`, then `mgr.save(step, state, rng=snap)`.",
+        "",
     ]
 
 
@@ -148,6 +197,7 @@ def render_skill_markdown() -> str:
         "Use it when a training job can be interrupted (spot / pre-emptible machines, time limits, "
         "crashes) and must continue as if nothing happened.",
         "",
+        *_own_loop_section(),
         f"## 1. What a checkpoint holds (schema `{CURRENT_SCHEMA}`)",
         "",
         f"A resume needs every bucket: {_codes(BUCKETS)}. Drop one and the run continues plausibly "

@@ -35,8 +35,13 @@ __all__ = ["apply_state_payload", "check_part_names"]
 def check_part_names(
     saved: Mapping[str, str], given: Mapping[str, Any], *, source: str, strict: bool
 ) -> None:
-    """Refuse parts present on one side only (unless ``strict=False``), and parts of the wrong kind."""
-    missing = [n for n in saved if n not in given]
+    """Refuse parts present on one side only (unless ``strict=False``), and parts of the wrong kind.
+
+    A saved *value* (not an object with ``state_dict()``) need not be named: it comes back in
+    ``restored.values`` either way. A name given to restore must be in the save, whether it holds
+    an object or a placeholder value.
+    """
+    missing = [n for n in saved if n not in given and saved[n] == OBJECT]
     extra = [n for n in given if n not in saved]
     if strict and (missing or extra):
         sides = [f"the save holds parts {missing} that the state given to restore lacks"] if missing else []
@@ -58,7 +63,7 @@ def check_part_names(
         if saved[name] == VALUE and is_object(part):
             raise StateMismatchError(
                 f"{source}: part {name!r} was saved as a plain value, but the state given to restore holds "
-                f"a {type(part).__name__} object; pass a placeholder value (its saved value comes back in "
+                f"a {type(part).__name__} object; leave it out of that state (its saved value comes back in "
                 "restored.values)."
             )
 
@@ -93,7 +98,7 @@ def apply_state_payload(
     Example:
         >>> net = torch.nn.Linear(2, 2)
         >>> p = build_state_payload(3, {"model": net, "best": 0.5}, rng=False)
-        >>> apply_state_payload(p, {"model": net, "best": None}, source="demo").values
+        >>> apply_state_payload(p, {"model": net}, source="demo").values  # values need no placeholder
         {'best': 0.5}
     """
     check_names(state, source)

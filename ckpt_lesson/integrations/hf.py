@@ -35,6 +35,7 @@ from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.runs.folder_manifest import latest_verified_folder, write_folder_manifest
+from ckpt_lesson.runs.steplog import CKPT_DIR_ENV
 
 __all__ = ["VerifiedCheckpointCallback", "latest_verified_checkpoint"]
 
@@ -50,6 +51,8 @@ except ImportError as exc:  # pragma: no cover - exercised only where transforme
 
 # The Trainer names its folders f"{PREFIX_CHECKPOINT_DIR}-{global_step}"; the prefix is "checkpoint".
 _PREFIX = "checkpoint"
+#: ``TrainingArguments(output_dir=None)`` becomes this folder (transformers 5).
+DEFAULT_OUTPUT_DIR = "trainer_output"
 
 
 class VerifiedCheckpointCallback(_CallbackBase):  # type: ignore[misc,valid-type]
@@ -108,7 +111,7 @@ def _wait_for_every_rank() -> None:
         dist.barrier()
 
 
-def latest_verified_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
+def latest_verified_checkpoint(output_dir: str | os.PathLike[str] | None = None) -> str | None:
     """The newest ``checkpoint-N`` folder in ``output_dir`` whose manifest verifies, as a string.
 
     Newer folders that fail (no manifest: the save was interrupted, or a file
@@ -116,11 +119,20 @@ def latest_verified_checkpoint(output_dir: str | os.PathLike[str]) -> str | None
     ``None`` when none verifies, which ``trainer.train(resume_from_checkpoint=None)``
     reads as "start fresh".
 
+    Args:
+        output_dir: The Trainer's ``output_dir``. Default: ``$CKPT_LESSON_CKPT_DIR`` when set
+            (``resume-test`` sets it), else the Trainer's own default, ``trainer_output``; a
+            default folder that does not exist yet is a first run (``None``).
+
     Raises:
-        CheckpointError: ``output_dir`` is not a directory.
+        CheckpointError: ``output_dir`` is given and is not a directory.
 
     Example:
         >>> trainer.train(resume_from_checkpoint=latest_verified_checkpoint("out"))  # doctest: +SKIP
     """
+    if output_dir is None:
+        output_dir = os.environ.get(CKPT_DIR_ENV) or DEFAULT_OUTPUT_DIR
+        if not Path(output_dir).exists():
+            return None  # a first run: nothing saved yet
     found = latest_verified_folder(output_dir)
     return str(found) if found is not None else None

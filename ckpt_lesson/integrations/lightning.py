@@ -55,6 +55,7 @@ from ckpt_lesson.files.atomic import atomic_save, fsync_dir
 from ckpt_lesson.files.loading import load_verified_file
 from ckpt_lesson.files.rng import capture_rng_state, restore_rng_state
 from ckpt_lesson.runs.lightning_files import LIGHTNING_SUFFIX, inspect_lightning_file, newness
+from ckpt_lesson.runs.steplog import CKPT_DIR_ENV
 
 __all__ = ["RNG_KEY", "OrderedAsyncCheckpointIO", "VerifiedCheckpointIO", "latest_verified_checkpoint"]
 
@@ -281,14 +282,21 @@ class OrderedAsyncCheckpointIO(_AsyncBase):  # type: ignore[misc,valid-type]
             raise self._error
 
 
-def latest_verified_checkpoint(dirpath: str | os.PathLike[str]) -> str | None:
-    """The newest ``.ckpt`` in ``dirpath`` whose integrity footer verifies, for ``fit(ckpt_path=...)``.
+def latest_verified_checkpoint(dirpath: str | os.PathLike[str] | None = None) -> str | None:
+    """The newest ``.ckpt`` whose integrity footer verifies, for ``fit(ckpt_path=...)``.
 
-    Newest means the highest ``global_step`` (then epoch, then the most recent
-    file: ``last.ckpt`` and ``epoch=3-step=12.ckpt`` hold the same step).
-    Damaged files, files without our footer and temp files of killed saves are
-    skipped with a warning naming the reason. Nothing is unpickled: epoch and
-    step come from the pickle's opcodes (see :mod:`ckpt_lesson.runs.lightning_files`).
+    ``dirpath`` is ``ModelCheckpoint``'s folder, or a Lightning log root: Lightning's default
+    folder, ``lightning_logs/version_N/checkpoints``, moves to a new ``version_N`` on every start,
+    so every ``version_*/checkpoints`` under it (and under its ``lightning_logs/``) is searched
+    too, and a restart finds the previous run's saves. Newest means the highest ``global_step``
+    (then epoch, then the most recent file: ``last.ckpt`` and ``epoch=3-step=12.ckpt`` hold the
+    same step). Damaged files, files without our footer and temp files of killed saves are
+    skipped with a warning naming the reason. Nothing is unpickled: epoch and step come from
+    the pickle's opcodes (see :mod:`ckpt_lesson.runs.lightning_files`).
+
+    Args:
+        dirpath: The folder. Default: ``$CKPT_LESSON_CKPT_DIR`` when set (``resume-test`` sets
+            it), else ``lightning_logs`` (the trainer's default, relative to the working folder).
 
     Returns:
         The file's path as a string, or ``None`` when the folder is missing,
@@ -299,8 +307,10 @@ def latest_verified_checkpoint(dirpath: str | os.PathLike[str]) -> str | None:
             or empty folder gives ``None``: a first run needs no special case).
 
     Example:
-        >>> trainer.fit(model, ckpt_path=latest_verified_checkpoint("checkpoints"))  # doctest: +SKIP
+        >>> trainer.fit(model, ckpt_path=latest_verified_checkpoint())  # doctest: +SKIP
     """
+    if dirpath is None:
+        dirpath = os.environ.get(CKPT_DIR_ENV) or "lightning_logs"
     dirpath = Path(dirpath)
     if not dirpath.exists():
         return None  # a first run: nothing saved yet, so fit starts fresh
@@ -308,7 +318,9 @@ def latest_verified_checkpoint(dirpath: str | os.PathLike[str]) -> str | None:
         raise CheckpointError(
             f"{dirpath}: is a file, not a checkpoint folder; pass ModelCheckpoint's dirpath."
         )
-    found = [inspect_lightning_file(p) for p in dirpath.iterdir() if _is_candidate(p)]
+    versions = [*dirpath.glob("version_*/checkpoints"), *dirpath.glob("lightning_logs/version_*/checkpoints")]
+    folders = [dirpath, *sorted(f for f in versions if f.is_dir() and not f.is_symlink())]
+    found = [inspect_lightning_file(p) for folder in folders for p in folder.iterdir() if _is_candidate(p)]
     for skipped in found:
         if skipped.status != "ok":
             log.warning("skipping %s: %s", skipped.path.name, skipped.reason)

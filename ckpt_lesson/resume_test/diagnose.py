@@ -342,5 +342,6 @@ def _data(diff: Difference, offset: int, baseline: dict[int, StepRecord]) -> str
     return (
         f"sample ids differ {where}: the data order is not restored (e.g. a shuffle whose generator "
         "is not seeded per epoch or not saved, or an RNG saved after the next batch was already drawn: "
-        "capture it before the prefetch and pass it to save as rng=)"
+        "capture it before the prefetch and pass it to save as rng=); a shuffled DataLoader draws each "
+        "epoch's order when the epoch starts: save the loader's position, cl.resumable(loader) in the state"
     )
