@@ -653,7 +653,7 @@ def uses_a_helper_save(payload, path):
 
 
 def test_function_source_collects_helpers_modules_and_constants():
-    from ckpt_lesson.course.kill_child import function_source
+    from ckpt_lesson.course.kept_source import function_source
 
     source = function_source(uses_a_helper_save)
     assert "import os as os" in source and "import uuid as uuid" in source

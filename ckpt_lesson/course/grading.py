@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GradeResult", "verdict_line"]
+__all__ = ["GradeResult", "kept_failure_line", "verdict_line"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,14 @@ def verdict_line(name: str, fn_name: str, result: GradeResult, nudge: str = "") 
     if result.passed:
         return f"PASS {name}: all {result.cases} cases agree with the reference and keep the invariants."
     return f"FAIL {name} (case {result.cases}): {result.first_failure}"
+
+
+def kept_failure_line(name: str, fn_name: str, broken: str) -> str:
+    """The verdict when the learner's function passed but its kept copy, loaded on its own, does not."""
+    return (
+        f"FAIL {name}: {fn_name} passed in this notebook, but not on its own as the next notebook loads "
+        f"it: {broken}. Define what it uses in a cell (or inside the function), then run this cell again."
+    )
 
 
 def _clip(text: str, limit: int) -> str:

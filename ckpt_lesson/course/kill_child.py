@@ -1,8 +1,8 @@
 """Lesson 02's strongest case: a child process runs the learner's ``atomic_save`` and is SIGKILLed.
 
 The child cannot import a function typed in a notebook cell, so it gets the
-function as source text: :func:`function_source` collects ``fn``'s source with
-the modules, helper functions, constants and imported names it uses. The child
+function as source text: :func:`~ckpt_lesson.course.kept_source.function_source`
+collects ``fn``'s source with everything it names. The child
 patches ``torch.save`` to pass every byte through a writer that stalls after
 64 KiB (a simulated slow disk) and touches a marker file; the parent waits for
 the marker, sends SIGKILL and then checks that the previous checkpoint still
@@ -11,14 +11,11 @@ loads, exactly as notebook 02 does for the package's own ``atomic_save``.
 
 from __future__ import annotations
 
-import inspect
 import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,8 +23,9 @@ from typing import Any
 import torch
 
 from ckpt_lesson.course.grading import _Case, _short
+from ckpt_lesson.course.kept_source import function_source
 
-__all__ = ["function_source", "kill_case"]
+__all__ = ["kill_case"]
 
 
 _PAYLOAD_OLD = {"step": 1, "w": torch.full((4,), 1.0)}
@@ -80,50 +78,6 @@ torch.save = slow_disk_save
 {name}({{"step": 2, "w": torch.full((2**18,), 2.0)}}, target)
 print("the save returned without ever writing past the stall point")
 """
-
-
-def function_source(fn: Callable[..., Any]) -> str:
-    """The source of ``fn`` plus what it names: modules, helpers and imported functions or classes.
-
-    Enough to run a function written in a notebook cell in a fresh process.
-
-    Raises:
-        OSError or TypeError: ``fn``'s source cannot be found (a lambda typed at a prompt,
-            a builtin).
-    """
-    lines: list[str] = []
-    helpers: list[str] = []
-    seen: set[str] = set()
-
-    def visit(code: types.CodeType, namespace: dict[str, Any]) -> None:
-        for name in code.co_names:
-            if name in seen or name not in namespace:
-                continue
-            seen.add(name)
-            obj = namespace[name]
-            if isinstance(obj, types.ModuleType):
-                lines.append(f"import {obj.__name__} as {name}")
-            elif isinstance(obj, types.FunctionType) and obj.__module__ in ("__main__", fn.__module__):
-                helpers.append(textwrap.dedent(inspect.getsource(obj)))
-                if obj.__name__ != name:  # bound under another name: `capture = yours("capture_rng_state")`
-                    helpers.append(f"{name} = {obj.__name__}\n")
-                visit(obj.__code__, obj.__globals__)
-            elif isinstance(obj, (str, bytes, int, float, bool, type(None))):
-                lines.append(f"{name} = {obj!r}")  # a constant such as a file-name marker
-            elif (
-                getattr(obj, "__module__", None)
-                and isinstance(getattr(obj, "__name__", None), str)  # a class or function, not an instance
-                and getattr(obj, "__qualname__", None) == obj.__name__
-            ):
-                lines.append(f"from {obj.__module__} import {obj.__name__} as {name}")
-        for const in code.co_consts:
-            if isinstance(const, types.CodeType):
-                visit(const, namespace)
-
-    source = textwrap.dedent(inspect.getsource(fn))
-    seen.add(fn.__name__)
-    visit(fn.__code__, fn.__globals__)
-    return "\n".join([*lines, "", *helpers, source])
 
 
 def kill_case(folder: Path) -> _Case:
