@@ -616,6 +616,31 @@ def test_atomic_fails_leaving_the_temp_file_after_an_error():
     )
 
 
+def catches_only_exception_save(payload, path):
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except Exception:  # misses KeyboardInterrupt (Ctrl-C), a BaseException
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+
+
+def test_atomic_fails_a_cleanup_that_catches_only_exception_so_ctrl_c_leaves_the_temp_file():
+    problem = _fails_pair(check_atomic_save, catches_only_exception_save)
+    assert problem.startswith("[torch.save Ctrl-C arrives]")
+    assert "except Exception misses it" in problem
+
+
+def test_atomic_reference_passes_the_ctrl_c_case():
+    assert check_atomic_save(solutions.atomic_save, verbose=False, kill=False).passed
+
+
 def test_atomic_kill_case_catches_plain_torch_save_in_a_child_process():
     from ckpt_lesson.course.kill_child import kill_case
 
@@ -806,6 +831,20 @@ def test_batch_position_fails_the_global_generator():
         return order[start : start + batch_size].tolist()
 
     assert "expected" in _fails(check_next_batch, global_rng)
+
+
+def test_batch_position_fails_reseeding_the_global_generator_although_the_ids_are_right():
+    def reseeds_global(state, data, *, seed, batch_size):
+        if state.batch_in_epoch >= len(data) // batch_size:
+            state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+        torch.manual_seed(seed * 1_000_003 + state.epoch)  # same order, but every step's dropout repeats
+        order = torch.randperm(len(data))
+        start = state.batch_in_epoch * batch_size
+        return order[start : start + batch_size].tolist()
+
+    problem = _fails(check_next_batch, reseeds_global)
+    assert "the right ids, but torch's global generator changed" in problem
+    assert check_next_batch(next_batch_ids, verbose=False).passed  # the reference leaves it alone
 
 
 def test_batch_position_fails_without_the_epoch_rollover():

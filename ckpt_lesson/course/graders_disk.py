@@ -3,8 +3,8 @@
 * 02 ``check_atomic_save(atomic_save)``: in this process, with ``os.fsync`` and
   ``os.replace`` watched, the save must load back, fsync the temp file before
   the rename, rename within the target's directory, fsync the directory after,
-  use a fresh temp name each time, and survive an error mid-write with the old
-  file intact and no temp file left. Then the real test: a child process runs
+  use a fresh temp name each time, and survive an error mid-write (a full disk,
+  then Ctrl-C) with the old file intact and no temp file left. Then the real test: a child process runs
   *your* function on a simulated slow disk and is killed with SIGKILL
   mid-write; the old checkpoint must still load.
 * 03 ``check_round_trip(save_checkpoint, load_checkpoint)``: a run saved at
@@ -95,6 +95,7 @@ def check_atomic_save(fn: Callable[..., Any], *, verbose: bool = True, kill: boo
             _overwrite_case(root / "overwrite"),
             _unique_case(root / "unique"),
             _error_case(root / "error"),
+            _error_case(root / "interrupt", interrupt=True),
         ]
         if kill:
             cases.append(kill_case(root / "kill"))
@@ -174,8 +175,13 @@ def _unique_case(folder: Path) -> _Case:
     return _Case("[two saves in a row] their temp file names differ", call, judge)
 
 
-def _error_case(folder: Path) -> _Case:
-    """torch.save fails after writing some bytes (a full disk): the old file stays, no temp file stays."""
+def _error_case(folder: Path, *, interrupt: bool = False) -> _Case:
+    """torch.save fails after writing some bytes: the old file stays, no temp file stays, the error goes up.
+
+    The failure is a full disk (``OSError``) or, with ``interrupt``, Ctrl-C (``KeyboardInterrupt``, a
+    ``BaseException``): a cleanup under ``except Exception`` misses the second one.
+    """
+    error: type[BaseException] = KeyboardInterrupt if interrupt else OSError
 
     def call(f: Callable[..., Any]) -> Any:
         folder.mkdir()
@@ -188,12 +194,14 @@ def _error_case(folder: Path) -> _Case:
                     fh.write(b"PK\x03\x04 half a zip archive")
             else:
                 file.write(b"PK\x03\x04 half a zip archive")
+            if interrupt:
+                raise KeyboardInterrupt("Ctrl-C (simulated by the grader)")
             raise OSError(28, "No space left on device (simulated by the grader)")
 
         torch.save = failing_save  # type: ignore[assignment]
         try:
             f(_PAYLOAD_NEW, folder / "ckpt.pt")
-        except OSError:
+        except error:
             return "raised"
         finally:
             torch.save = real_save  # type: ignore[assignment]
@@ -203,12 +211,18 @@ def _error_case(folder: Path) -> _Case:
         if not _same(_loads(folder / "ckpt.pt"), _PAYLOAD_OLD):
             return "the old checkpoint is damaged after a failed save"
         if _leftovers(folder, "ckpt.pt"):
-            return f"left {_leftovers(folder, 'ckpt.pt')} behind: remove the temp file when the save fails"
+            why = (
+                " (except Exception misses it: catch BaseException, or use try/finally)" if interrupt else ""
+            )
+            return (
+                f"left {_leftovers(folder, 'ckpt.pt')} behind: remove the temp file when the save fails{why}"
+            )
         if got != "raised":
-            return "returned normally although the save failed: let the OSError reach the caller"
+            return f"returned normally although the save failed: let the {error.__name__} reach the caller"
         return None
 
-    return _Case("[torch.save fails half way (disk full)] atomic_save(payload, 'ckpt.pt')", call, judge)
+    what = "Ctrl-C arrives" if interrupt else "fails half way (disk full)"
+    return _Case(f"[torch.save {what}] atomic_save(payload, 'ckpt.pt')", call, judge)
 
 
 def check_round_trip(

@@ -171,6 +171,13 @@ class _CountingRandperm:
         torch.randperm = self.real  # type: ignore[assignment]
 
 
+_GLOBAL_MOVED = (
+    "the right ids, but torch's global generator changed (torch.manual_seed, or a draw without "
+    "generator=): reseeding it every batch gives every step of an epoch the same dropout mask; draw "
+    "from a private torch.Generator().manual_seed(...) and leave the global one alone"
+)
+
+
 def check_next_batch(fn: Callable[..., Any], *, verbose: bool = True) -> GradeResult:
     """Grade a ``next_batch_ids(state, data, *, seed, batch_size) -> list[int]``.
 
@@ -178,8 +185,10 @@ def check_next_batch(fn: Callable[..., Any], *, verbose: bool = True) -> GradeRe
     function rolls it into the next epoch when this one is used up (a last
     partial batch is dropped) and returns the ids of the next batch, computed
     directly from ``(seed, epoch)``. Before every call the global torch
-    generator is reseeded (a resumed process never has the old one), and a
-    position in epoch 40 must be found drawing at most two permutations.
+    generator is reseeded (a resumed process never has the old one), and after
+    it that generator must be untouched: dropout draws from it, so a function
+    that reseeds it gives every step the same mask. A position in epoch 40
+    must be found drawing at most two permutations.
 
     Example:
         >>> from ckpt_lesson.course.training import next_batch_ids
@@ -218,9 +227,10 @@ def _position_case(label: str, n: int, bs: int, epoch: int, batch: int, *, seed:
     def call(f: Callable[..., Any]) -> Any:
         state = TrainState(epoch=epoch, batch_in_epoch=batch)
         torch.manual_seed(reseed)  # a resumed process: the global generator is not the old one
+        before = torch.get_rng_state()
         with _CountingRandperm() as count:
             got = f(state, data, seed=seed, batch_size=bs)
-        seen.update(state=state, draws=count.calls)
+        seen.update(state=state, draws=count.calls, moved=not torch.equal(before, torch.get_rng_state()))
         return got
 
     def judge(got: Any) -> str | None:
@@ -242,6 +252,8 @@ def _position_case(label: str, n: int, bs: int, epoch: int, batch: int, *, seed:
                 f"drew {seen['draws']} permutations for one batch: compute the epoch's order from (seed, "
                 "epoch)"
             )
+        if seen["moved"]:
+            return _GLOBAL_MOVED
         return None
 
     describe = f"[{label}] next_batch_ids(TrainState(epoch={epoch}, batch_in_epoch={batch}), "
