@@ -720,6 +720,16 @@ def test_round_trip_fails_a_checkpoint_without_the_rng():
     assert "restore all five buckets" in _fails_pair(check_round_trip, save, load)
 
 
+def test_round_trip_fails_a_save_written_in_place_with_plain_torch_save():
+    def save(model, optimizer, scheduler, state, path):
+        torch.save(_payload(model, optimizer, scheduler, state), path)  # all five buckets, not atomic
+
+    failure = _fails_pair(check_round_trip, save, solutions.load_checkpoint)
+    assert "writes a temp file, fsyncs it, renames it]" in failure
+    assert "never renaming a temp file onto it" in failure
+    assert check_round_trip(solutions.save_checkpoint, solutions.load_checkpoint, verbose=False).passed
+
+
 def test_round_trip_fails_a_loader_that_applies_before_validating():
     def load(path, model, optimizer, scheduler):
         try:

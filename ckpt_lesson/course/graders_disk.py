@@ -20,7 +20,6 @@ function written in a notebook cell works there too.
 from __future__ import annotations
 
 import os
-import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ckpt_lesson.course.grading import GradeResult, _Case, _grade
+from ckpt_lesson.course.grading import GradeResult, _Case, _grade, _Watch
 from ckpt_lesson.course.kill_child import _PAYLOAD_OLD, _same, kill_case
 from ckpt_lesson.course.round_trip_cases import round_trip_cases
 
@@ -43,35 +42,6 @@ def _loads(path: Path) -> Any:
 
 def _leftovers(folder: Path, keep: str) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name != keep)
-
-
-class _Watch:
-    """Record fsync (of a file or a directory) and rename calls, in order, while a save runs."""
-
-    def __enter__(self) -> _Watch:
-        self.events: list[tuple[str, str, str]] = []
-        self.real = (os.fsync, os.replace, os.rename)
-        real_fsync, real_replace, real_rename = self.real
-
-        def fsync(fd: Any) -> None:
-            number = fd if isinstance(fd, int) else fd.fileno()
-            kind = "dir" if stat.S_ISDIR(os.fstat(number).st_mode) else "file"
-            self.events.append(("fsync", kind, ""))
-            real_fsync(fd)
-
-        def replace(src: Any, dst: Any, **kw: Any) -> None:
-            self.events.append(("rename", os.fspath(src), os.fspath(dst)))
-            real_replace(src, dst, **kw)
-
-        def rename(src: Any, dst: Any, **kw: Any) -> None:
-            self.events.append(("rename", os.fspath(src), os.fspath(dst)))
-            real_rename(src, dst, **kw)
-
-        os.fsync, os.replace, os.rename = fsync, replace, rename
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        os.fsync, os.replace, os.rename = self.real
 
 
 def check_atomic_save(fn: Callable[..., Any], *, verbose: bool = True, kill: bool = True) -> GradeResult:

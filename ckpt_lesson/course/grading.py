@@ -16,6 +16,8 @@ compared bitwise, because a migration must not change a single bit).
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -89,6 +91,35 @@ def _grade(
     if verbose:
         print(verdict_line(name, fn_name, result))
     return result
+
+
+class _Watch:
+    """Record fsync (of a file or a directory) and rename calls, in order, while a save runs."""
+
+    def __enter__(self) -> _Watch:
+        self.events: list[tuple[str, str, str]] = []
+        self.real = (os.fsync, os.replace, os.rename)
+        real_fsync, real_replace, real_rename = self.real
+
+        def fsync(fd: Any) -> None:
+            number = fd if isinstance(fd, int) else fd.fileno()
+            kind = "dir" if stat.S_ISDIR(os.fstat(number).st_mode) else "file"
+            self.events.append(("fsync", kind, ""))
+            real_fsync(fd)
+
+        def replace(src: Any, dst: Any, **kw: Any) -> None:
+            self.events.append(("rename", os.fspath(src), os.fspath(dst)))
+            real_replace(src, dst, **kw)
+
+        def rename(src: Any, dst: Any, **kw: Any) -> None:
+            self.events.append(("rename", os.fspath(src), os.fspath(dst)))
+            real_rename(src, dst, **kw)
+
+        os.fsync, os.replace, os.rename = fsync, replace, rename
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.fsync, os.replace, os.rename = self.real
 
 
 def verdict_line(name: str, fn_name: str, result: GradeResult, nudge: str = "") -> str:
