@@ -818,6 +818,29 @@ def test_param_group_fails_groups_without_balancing():
     assert "largest-first into the lightest shard" in _fails(check_plan_param_group, unbalanced)
 
 
+def test_param_group_fails_balancing_by_element_count_instead_of_bytes():
+    def by_numel(state_dict, num_shards):
+        if num_shards < 2:
+            raise ValueError("need 2")
+        n_w = (num_shards + 1) // 2
+
+        def balance(keys, n):
+            shards, load = [[] for _ in range(n)], [0] * n
+            for k in sorted(keys, key=lambda k: state_dict[k].numel(), reverse=True):  # elements, not bytes
+                i = load.index(min(load))
+                shards[i].append(k)
+                load[i] += state_dict[k].numel()
+            return shards
+
+        w = [k for k in state_dict if k.endswith("weight")]
+        o = [k for k in state_dict if not k.endswith("weight")]
+        return balance(w, n_w) + balance(o, num_shards - n_w)
+
+    problem = _fails(check_plan_param_group, by_numel)
+    assert problem.startswith("[float64 and float16 weights: balance bytes, not elements, 3 shards]")
+    assert check_plan_param_group(solutions.plan_param_group, verbose=False).passed
+
+
 def test_param_group_fails_accepting_a_single_shard():
     def no_check(state_dict, num_shards):
         return solutions.plan_param_group(state_dict, max(num_shards, 2))[:num_shards] if num_shards else []
