@@ -8,6 +8,7 @@ notebooks' kernels would be.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import ckpt_lesson as cl
 from ckpt_lesson.course import solutions
 from ckpt_lesson.course.carry import YOURS_DIR, Kept, keep, yours
 from ckpt_lesson.course.exercises import EXERCISES
+from ckpt_lesson.course.grading import FAIL_MARK, PASS_MARK
 
 RNG_CELL = "import random\n\nimport numpy as np\nimport torch\n\n\n" + "\n\n".join(
     inspect.getsource(f) for f in (solutions.capture_rng_state, solutions.restore_rng_state)
@@ -56,7 +58,7 @@ def test_a_passing_check_keeps_the_learners_functions_and_a_fresh_process_uses_t
     )
     assert first.returncode == 0, first.stderr
     out = first.stdout.splitlines()
-    assert out[0].startswith("PASS rng_capture")
+    assert out[0].startswith(f"{PASS_MARK} capture_rng_state, restore_rng_state (rng_capture)")
     assert out[1] == (
         "Kept your capture_rng_state, restore_rng_state in ckpt_work/yours/: later cells and notebooks use "
         "them (yours(...))."
@@ -84,7 +86,9 @@ def test_the_package_reference_solutions_passed_to_a_check_are_never_kept(tmp_pa
     monkeypatch.chdir(tmp_path)
     exercise = EXERCISES["rng_capture"]
     assert exercise.check(*exercise.references).passed
-    assert capsys.readouterr().out.startswith("PASS rng_capture")
+    assert capsys.readouterr().out.startswith(
+        f"{PASS_MARK} capture_rng_state, restore_rng_state (rng_capture)"
+    )
     assert not (tmp_path / "ckpt_work").exists()
 
 
@@ -233,7 +237,7 @@ def test_a_kept_function_using_tuple_list_dict_set_and_regex_constants_works_in_
         [sys.executable, "lesson01.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600
     )
     assert first.returncode == 0, first.stderr
-    assert first.stdout.splitlines()[0].startswith("PASS rng_capture"), first.stdout
+    assert first.stdout.splitlines()[0].startswith(PASS_MARK), first.stdout
     kept = (tmp_path / YOURS_DIR / "capture_rng_state.py").read_text()
     assert "SOURCES = ('python'," in kept and "LISTED = {'keys'}" in kept and "re').compile(" in kept
     use = textwrap.dedent("""
@@ -273,13 +277,18 @@ def test_a_pass_whose_kept_copy_misses_a_name_is_a_fail_naming_it_and_nothing_is
                     return [s for s in sorted(steps) if s < good[-k]]
         """),
     )
-    result = EXERCISES["keep_k"].check(cell["keep_last_k"])
+    exercise = dataclasses.replace(EXERCISES["keep_k"])  # a fresh object: nothing earned yet
+    result = exercise.check(cell["keep_last_k"])
     out = capsys.readouterr().out
     assert not result.passed and result.attempted
-    assert out.startswith("FAIL keep_k:") and "PASS" not in out
-    assert "your keep_last_k reads GUARD (a lock), which cannot be written out as source" in out
+    lines = out.splitlines()
+    assert lines[0] == f"{FAIL_MARK} keep_last_k (keep_k): passed here, but not loaded on its own as the " + (
+        "next notebook loads it"
+    )
+    assert lines[1] == "  wrong: your keep_last_k reads GUARD (a lock), which cannot be written out as source"
+    assert "PASS" not in out and lines[2].startswith("  fix:   define every name it uses")
     assert not (tmp_path / YOURS_DIR / "keep_last_k.py").exists()
-    assert EXERCISES["keep_k"]._earned == [False]
+    assert exercise._earned == [False]  # the package's version stays hidden
 
 
 def test_keep_checks_the_copies_loaded_on_their_own_and_writes_nothing_when_they_fail(tmp_path):

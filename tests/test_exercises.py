@@ -23,6 +23,7 @@ from ckpt_lesson.course.graders_files import check_migration, check_verify_part
 from ckpt_lesson.course.graders_lessons import check_next_batch, check_plan_param_group
 from ckpt_lesson.course.graders_rng import check_rng
 from ckpt_lesson.course.graders_runs import check_cadence, check_keep_k
+from ckpt_lesson.course.grading import FAIL_MARK, PASS_MARK
 from ckpt_lesson.course.training import next_batch_ids
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.schema import migrate_v1_to_v2
@@ -58,7 +59,8 @@ def test_each_grader_passes_the_package_reference(grader, reference, capsys):
     assert (result.passed, result.attempted, result.first_failure) == (True, True, None)
     assert result.cases >= 40
     out = capsys.readouterr().out
-    assert out.startswith(f"PASS {grader.__name__}: all {result.cases} cases")
+    assert out.startswith(f"{PASS_MARK} ")
+    assert f"({grader.__name__}): all {result.cases} cases" in out
     assert out.count("\n") == 1
 
 
@@ -80,15 +82,43 @@ def test_graders_leave_the_global_random_generators_alone():
     assert after == (torch.rand(1).item(), random.random())
 
 
-def test_a_failure_prints_one_line_with_inputs_expected_and_got(capsys):
+def test_a_failure_prints_a_short_block_function_first_then_the_case_then_what_went_wrong(capsys):
     def deletes_nothing(steps, verified, k):
         return []
 
     result = check_keep_k(deletes_nothing)
-    line = capsys.readouterr().out
-    assert line.startswith("FAIL check_keep_k (case 1): [k=1, every step verified] keep_last_k(")
-    assert "expected [100, 200], got []" in line
-    assert result.cases == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{FAIL_MARK} keep_last_k (check_keep_k, case 1)"
+    assert lines[1].startswith("  case:  [k=1, every step verified] keep_last_k(")
+    assert lines[2] == "  wrong: expected [100, 200], got []"
+    assert result.cases == 1 and len(lines) == 3
+
+
+def test_a_failure_block_wraps_between_words_and_names_the_hint_last(capsys):
+    def deletes_nothing(steps, verified, k):
+        return []
+
+    EXERCISES["keep_k"].check(deletes_nothing)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "  next:  keep_k.hint() gives a hint, keep_k.solution() shows one answer."
+    assert all(len(line) <= 130 for line in lines)
+
+
+def test_torchs_weights_only_refusal_is_trimmed_to_its_reason_without_ansi_bold(capsys):
+    def capture():
+        return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+    def restore(state):
+        pass
+
+    check_rng(capture, restore)
+    out = capsys.readouterr().out
+    flat = " ".join(out.split())  # the block wraps between words
+    assert "(UnpicklingError: Unsupported global: GLOBAL numpy" in flat
+    assert "Please use" not in flat and "trust the source" not in flat
+    assert "\x1b[1m" not in out  # torch's bold; only the verdict word is coloured
+    assert out.count("\x1b[") == 2 and out.startswith(FAIL_MARK)
+    assert all(len(line) <= 100 for line in out.splitlines()[2:])
 
 
 def test_a_learner_exception_is_reported_as_a_failure_not_raised():
@@ -283,7 +313,7 @@ def test_verify_part_grader_prints_no_temp_paths(capsys):
 
     check_verify_part(always_ok)
     out = capsys.readouterr().out
-    assert out.startswith("FAIL check_verify_part")
+    assert out.startswith(f"{FAIL_MARK} verify_part (check_verify_part, case ")
     assert "/tmp" not in out and "ckpt-lesson-grader" not in out
 
 
@@ -366,8 +396,10 @@ def test_every_registered_reference_solution_passes_its_grader(name, capsys):
     exercise = EXERCISES[name]
     result = exercise.check(*exercise.references)
     assert (result.passed, result.attempted, result.first_failure) == (True, True, None)
+    names = exercise.function_names.replace(" or ", ", ")
     assert capsys.readouterr().out == (
-        f"PASS {name}: all {result.cases} cases agree with the reference and keep the invariants.\n"
+        f"{PASS_MARK} {names} ({name}): all {result.cases} cases agree with the reference and keep the "
+        "invariants.\n"
     )
 
 

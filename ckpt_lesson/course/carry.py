@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckpt_lesson.course.grading import exception_text
 from ckpt_lesson.course.kept_source import kept_source
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.atomic import atomic_write_bytes
@@ -121,7 +122,7 @@ def keep(
         try:
             copies[name] = _load_text(text, name, (folder / f"{name}.py").as_posix())  # as yours() will
         except Exception as exc:  # the learner's code, run again on its own
-            return Kept(None, f"your {name}, loaded on its own, raised {type(exc).__name__}: {exc}")
+            return Kept(None, f"your {name}, loaded on its own, raised {exception_text(exc)}")
     failure = recheck(list(copies.values())) if recheck is not None else None
     if failure is not None:
         return Kept(None, f"loaded on its own, as the next notebook loads it: {failure}")

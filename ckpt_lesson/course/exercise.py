@@ -4,8 +4,9 @@ The notebooks are committed *unsolved*. Each exercise is an :class:`Exercise`
 object the notebook imports (``from ckpt_lesson.course.exercises import keep_k``)
 and uses the way Kaggle Learn's exercises work:
 
-* ``keep_k.check(keep_last_k)`` grades the learner's function and prints one
-  line: PASS, FAIL with the first failing case, or NOT ATTEMPTED while the
+* ``keep_k.check(keep_last_k)`` grades the learner's function and prints a
+  green PASS line, a short red FAIL block (the function, the first failing
+  case, what went wrong, where to get help), or NOT ATTEMPTED while the
   scaffold still raises ``NotImplementedError`` (that line never changes, so a
   notebook stored unsolved passes nbval);
 * ``keep_k.hint()`` prints one more hint per call, most general first;
@@ -82,7 +83,7 @@ class Exercise:
         return " or ".join(f.__name__ for f in self.references)
 
     def check(self, *fns: Callable[..., Any], **kwargs: Any) -> GradeResult:
-        """Grade the learner's function(s) and print one verdict line.
+        """Grade the learner's function(s) and print the verdict (see :func:`verdict_line`).
 
         Args:
             *fns: The learner's functions, in the order of :attr:`function_names`.
