@@ -1,4 +1,8 @@
-"""Lesson 02's strongest case: a child process runs the learner's ``atomic_save`` and is SIGKILLed.
+"""Lesson 02's kill: a child process saves through a slow disk and is SIGKILLed mid-write.
+
+Two children share one slow disk (``_SLOW_DISK``) and one launcher (``_run_and_kill``):
+notebook 02's experiment (:func:`kill_mid_save`, 128 MiB saved naively or atomically) and the
+grader's strongest case (:func:`kill_case`, the learner's own ``atomic_save``).
 
 The child cannot import a function typed in a notebook cell, so it gets the
 function as source text: :func:`~ckpt_lesson.course.kept_source.function_source`
@@ -24,8 +28,9 @@ import torch
 
 from ckpt_lesson.course.grading import _Case, _short
 from ckpt_lesson.course.kept_source import function_source
+from ckpt_lesson.errors import CheckpointError
 
-__all__ = ["kill_case"]
+__all__ = ["kill_case", "kill_mid_save"]
 
 
 _PAYLOAD_OLD = {"step": 1, "w": torch.full((4,), 1.0)}
@@ -39,14 +44,16 @@ def _same(payload: Any, expected: dict[str, Any]) -> bool:
     )
 
 
-_CHILD = """
+# The slow disk every child runs: torch.save passes its bytes through a writer that stalls after
+# STALL_AFTER bytes, touches the marker file and sleeps until the parent's SIGKILL arrives.
+_SLOW_DISK = """
 from __future__ import annotations
 import sys, time
 from pathlib import Path
 import torch
 
 target, marker = sys.argv[1], Path(sys.argv[2])
-STALL_AFTER = 64 * 1024  # bytes: then this simulated slow disk stalls until the kill
+STALL_AFTER = {stall_after}  # bytes: then this simulated slow disk stalls until the kill
 
 class StallingWriter:
     def __init__(self, inner):
@@ -54,9 +61,9 @@ class StallingWriter:
     def write(self, data):
         n = memoryview(data).nbytes
         if self.written + n > STALL_AFTER:
-            self.inner.flush()
-            marker.touch()
-            time.sleep(3600)
+            self.inner.flush()     # what was written so far reaches the file ...
+            marker.touch()         # ... tell the parent we are mid-save ...
+            time.sleep(3600)       # ... and wait for the kill
         self.written += n
         return self.inner.write(data)
     def flush(self):
@@ -66,18 +73,101 @@ class StallingWriter:
 
 real_save = torch.save
 def slow_disk_save(obj, f, *args, **kwargs):
-    if isinstance(f, (str, Path)):
+    if isinstance(f, (str, Path)):  # torch.save(obj, "path") opens the file "wb" itself
         with open(f, "wb") as fh:
             return real_save(obj, StallingWriter(fh), *args, **kwargs)
     return real_save(obj, StallingWriter(f), *args, **kwargs)
 torch.save = slow_disk_save
+"""
 
+# The grader's child: the learner's function, as source, saves step 2 over step 1.
+_CHILD = (
+    _SLOW_DISK
+    + """
 # ---- the learner's function, as written ----
 {source}
 # ----
 {name}({{"step": 2, "w": torch.full((2**18,), 2.0)}}, target)
 print("the save returned without ever writing past the stall point")
 """
+)
+
+# Notebook 02's child: 128 MiB of step 2 saved naively, or with yours("atomic_save").
+_DEMO_CHILD = (
+    _SLOW_DISK
+    + """
+payload = {{"step": 2, "weights": {{f"layer{{i}}": torch.full((2**21,), 2.0) for i in range(16)}}}}
+if sys.argv[3] == "naive":
+    torch.save(payload, target)  # naive, do not use: truncates the old file first
+else:  # "atomic": your atomic_save once its check passed, the package's until then
+    from ckpt_lesson.course.carry import yours
+    yours("atomic_save")(payload, target)
+"""
+)
+
+
+def kill_mid_save(mode: str, target: str | os.PathLike[str], *, timeout_s: float = 90) -> bool:
+    """Notebook 02's experiment: a child process overwrites ``target`` and is SIGKILLed mid-write.
+
+    The child (``slow_disk_child.py``, written beside ``target``) builds a 128 MiB checkpoint of
+    step 2 and saves it over ``target`` through a simulated slow disk that stalls after 48 MiB;
+    once it stalls, it is killed with SIGKILL: no handler, no ``finally``, no clean-up.
+
+    Args:
+        mode: ``"naive"`` (plain ``torch.save`` onto the path) or ``"atomic"`` (the learner's
+            ``atomic_save`` once its check passed, the package's until then).
+        target: The checkpoint to overwrite; its marker file is ``target`` with suffix ``.stalled``.
+        timeout_s: How long to wait for the child to reach the stall point.
+
+    Returns:
+        True: the SIGKILL is what ended the child.
+
+    Raises:
+        CheckpointError: ``mode`` is neither, or the child ended or hung before the stall point
+            (its last line of error output is in the message).
+
+    Example:
+        >>> kill_mid_save("naive", "ckpt_work/02_atomic_saves/naive.pt")  # doctest: +SKIP
+        True
+    """
+    if mode not in ("naive", "atomic"):
+        raise CheckpointError(f"kill_mid_save: mode {mode!r} is not 'naive' or 'atomic'; pass one of them.")
+    target = Path(target)
+    marker = target.with_suffix(".stalled")
+    marker.unlink(missing_ok=True)  # a marker left by an earlier run would trigger the kill at once
+    script = target.parent / "slow_disk_child.py"
+    script.write_text(_DEMO_CHILD.format(stall_after=48 * 2**20))
+    argv = [sys.executable, str(script), str(target), str(marker), mode]
+    problem = _run_and_kill(argv, marker, timeout_s)
+    if problem is not None:
+        raise CheckpointError(f"{target.name}: the {mode} child was not killed mid-save: {problem}")
+    return True
+
+
+def _run_and_kill(argv: list[str], marker: Path, timeout_s: float) -> str | None:
+    """Start the child, wait for its stall marker, SIGKILL it; ``None`` when the kill ended it, else why."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not marker.exists():
+            if proc.poll() is not None:
+                out, err = proc.communicate()
+                last = (err.strip().splitlines() or out.strip().splitlines() or ["(no output)"])[-1]
+                return f"the child process ended before the kill: {last}"
+            if time.monotonic() > deadline:
+                return "the child process never reached the slow-disk stall point"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        if proc.wait() != -signal.SIGKILL:
+            return f"the child process ended with status {proc.returncode}, not by the SIGKILL"
+        return None
+    finally:
+        if proc.poll() is None:  # never leave a sleeping child behind, whatever happened
+            proc.kill()
+            proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 def kill_case(folder: Path) -> _Case:
@@ -92,33 +182,8 @@ def kill_case(folder: Path) -> _Case:
         except (OSError, TypeError) as exc:
             return f"the grader could not read your function's source ({exc}); define it with def in a cell"
         script = folder.parent / "child.py"
-        script.write_text(_CHILD.format(source=source, name=f.__name__))
-        proc = subprocess.Popen(
-            [sys.executable, str(script), str(target), str(marker)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            deadline = time.monotonic() + 120
-            while not marker.exists():
-                if proc.poll() is not None:
-                    out, err = proc.communicate()
-                    last = (err.strip().splitlines() or out.strip().splitlines() or ["(no output)"])[-1]
-                    return f"the child process ended before the kill: {last}"
-                if time.monotonic() > deadline:
-                    return "the child process never reached the slow-disk stall point"
-                time.sleep(0.01)
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            for pipe in (proc.stdout, proc.stderr):
-                if pipe is not None:
-                    pipe.close()
-        return None
+        script.write_text(_CHILD.format(stall_after=64 * 1024, source=source, name=f.__name__))
+        return _run_and_kill([sys.executable, str(script), str(target), str(marker)], marker, 120)
 
     def judge(got: str | None) -> str | None:
         if got is not None:
