@@ -3,9 +3,11 @@
 When a lesson's exercise check passes, :meth:`Exercise.check` calls :func:`keep`:
 each function the learner wrote (in a notebook cell, so in ``__main__``) is
 written to ``ckpt_work/yours/<function>.py``, relative to the working directory
-(a notebook's kernel runs in the notebook's folder), as source with the modules
-and helper functions it uses. Later cells, and later notebooks in a fresh
-kernel, call :func:`yours`::
+(a notebook's kernel runs in the notebook's folder), as source with every global
+it reads (:mod:`ckpt_lesson.course.kept_source`), but only after that copy,
+loaded on its own, passes the same check: otherwise the verdict is FAIL and
+names what went missing. Later cells, and later notebooks in a fresh kernel,
+call :func:`yours`::
 
     from ckpt_lesson.course.carry import yours
     capture, restore = yours("capture_rng_state", "restore_rng_state")
