@@ -8,6 +8,7 @@ notebooks' kernels would be.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import subprocess
 import sys
@@ -19,8 +20,9 @@ import pytest
 
 import ckpt_lesson as cl
 from ckpt_lesson.course import solutions
-from ckpt_lesson.course.carry import YOURS_DIR, keep, yours
+from ckpt_lesson.course.carry import YOURS_DIR, Kept, keep, yours
 from ckpt_lesson.course.exercises import EXERCISES
+from ckpt_lesson.course.grading import FAIL_MARK, PASS_MARK
 
 RNG_CELL = "import random\n\nimport numpy as np\nimport torch\n\n\n" + "\n\n".join(
     inspect.getsource(f) for f in (solutions.capture_rng_state, solutions.restore_rng_state)
@@ -56,7 +58,7 @@ def test_a_passing_check_keeps_the_learners_functions_and_a_fresh_process_uses_t
     )
     assert first.returncode == 0, first.stderr
     out = first.stdout.splitlines()
-    assert out[0].startswith("PASS rng_capture")
+    assert out[0].startswith(f"{PASS_MARK} capture_rng_state, restore_rng_state (rng_capture)")
     assert out[1] == (
         "Kept your capture_rng_state, restore_rng_state in ckpt_work/yours/: later cells and notebooks use "
         "them (yours(...))."
@@ -84,7 +86,9 @@ def test_the_package_reference_solutions_passed_to_a_check_are_never_kept(tmp_pa
     monkeypatch.chdir(tmp_path)
     exercise = EXERCISES["rng_capture"]
     assert exercise.check(*exercise.references).passed
-    assert capsys.readouterr().out.startswith("PASS rng_capture")
+    assert capsys.readouterr().out.startswith(
+        f"{PASS_MARK} capture_rng_state, restore_rng_state (rng_capture)"
+    )
     assert not (tmp_path / "ckpt_work").exists()
 
 
@@ -105,7 +109,7 @@ def test_a_kept_function_carries_its_modules_and_helpers_and_a_new_name_is_alias
         """),
     )
     folder = tmp_path / "kept"
-    line = keep({"atomic_save": cell["my_save"]}, exercise="atomic", folder=folder)
+    line = keep({"atomic_save": cell["my_save"]}, exercise="atomic", folder=folder).line
     assert (
         line
         == f"Kept your atomic_save in {folder.as_posix()}/: later cells and notebooks use it (yours(...))."
@@ -177,7 +181,7 @@ def test_keeping_into_a_folder_reached_through_a_symlink_is_refused(tmp_path):
     (tmp_path / "kept").symlink_to(target, target_is_directory=True)
     line = keep(
         {"capture_rng_state": cell["capture_rng_state"]}, exercise="rng_capture", folder=tmp_path / "kept"
-    )
+    ).line
     assert line is not None and line.startswith("Could not keep your capture_rng_state")
     assert "is a symbolic link" in line
     assert list(target.iterdir()) == []
@@ -190,3 +194,117 @@ def test_yours_refuses_a_name_no_exercise_asks_for():
 
 def test_the_kept_files_live_under_the_notebooks_work_folder():
     assert YOURS_DIR.as_posix() == "ckpt_work/yours"
+
+
+CONSTANTS_CELL = textwrap.dedent("""
+    import random
+    import re
+
+    import numpy as np
+    import torch
+
+    SOURCES = ("python", "numpy", "torch_cpu", "torch_cuda")  # a tuple
+    NUMPY_FIELDS = ["name", "keys", "pos", "has_gauss", "cached"]  # a list
+    EMPTY_CUDA = {"torch_cuda": []}  # a dict
+    LISTED = {"keys"}  # a set
+    SOURCE_NAME = re.compile(r"[a-z_]+")  # a compiled regex
+
+
+    def capture_rng_state():
+        numpy_state = dict(zip(NUMPY_FIELDS, np.random.get_state()))
+        numpy_state = {k: (v.tolist() if k in LISTED else v) for k, v in numpy_state.items()}
+        state = {"python": random.getstate(), "numpy": numpy_state, "torch_cpu": torch.get_rng_state()}
+        state.update(EMPTY_CUDA)
+        assert all(SOURCE_NAME.fullmatch(name) for name in SOURCES)
+        return {name: state[name] for name in SOURCES}
+
+
+    def restore_rng_state(state):
+        version, internal, gauss_next = state["python"]
+        random.setstate((version, tuple(internal), gauss_next))
+        n = state["numpy"]
+        parts = (np.array(n[k], dtype=np.uint32) if k in LISTED else n[k] for k in NUMPY_FIELDS)
+        np.random.set_state(tuple(parts))
+        torch.set_rng_state(state["torch_cpu"])
+""")
+
+
+def test_a_kept_function_using_tuple_list_dict_set_and_regex_constants_works_in_the_next_notebook(tmp_path):
+    check = CONSTANTS_CELL + "\nfrom ckpt_lesson.course.exercises import rng_capture\n"
+    check += "rng_capture.check(capture_rng_state, restore_rng_state)\n"
+    (tmp_path / "lesson01.py").write_text(check)
+    first = subprocess.run(
+        [sys.executable, "lesson01.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.splitlines()[0].startswith(PASS_MARK), first.stdout
+    kept = (tmp_path / YOURS_DIR / "capture_rng_state.py").read_text()
+    assert "SOURCES = ('python'," in kept and "LISTED = {'keys'}" in kept and "re').compile(" in kept
+    use = textwrap.dedent("""
+        import numpy as np
+        from ckpt_lesson.course.carry import yours
+        capture, restore = yours("capture_rng_state", "restore_rng_state")
+        snapshot = capture()
+        before = np.random.normal()
+        restore(snapshot)
+        print("replays:", np.random.normal() == before, sorted(snapshot))
+    """)
+    second = subprocess.run(
+        [sys.executable, "-c", use], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.splitlines() == [
+        "using your capture_rng_state, restore_rng_state from 01",
+        "replays: True ['numpy', 'python', 'torch_cpu', 'torch_cuda']",
+    ]
+
+
+def test_a_pass_whose_kept_copy_misses_a_name_is_a_fail_naming_it_and_nothing_is_kept(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    cell = learner_cell(
+        tmp_path,
+        textwrap.dedent("""
+            import threading
+            globals()["GUARD"] = threading.Lock()  # no statement binds GUARD: it cannot be written out
+
+            def keep_last_k(steps, verified, k):
+                with GUARD:
+                    good = sorted(s for s in steps if s in verified)
+                    if len(good) < k:
+                        return []
+                    return [s for s in sorted(steps) if s < good[-k]]
+        """),
+    )
+    exercise = dataclasses.replace(EXERCISES["keep_k"])  # a fresh object: nothing earned yet
+    result = exercise.check(cell["keep_last_k"])
+    out = capsys.readouterr().out
+    assert not result.passed and result.attempted
+    lines = out.splitlines()
+    assert lines[0] == f"{FAIL_MARK} keep_last_k (keep_k): passed here, but not loaded on its own as the " + (
+        "next notebook loads it"
+    )
+    assert lines[1] == "  wrong: your keep_last_k reads GUARD (a lock), which cannot be written out as source"
+    assert "PASS" not in out and lines[2].startswith("  fix:   define every name it uses")
+    assert not (tmp_path / YOURS_DIR / "keep_last_k.py").exists()
+    assert exercise._earned == [False]  # the package's version stays hidden
+
+
+def test_keep_checks_the_copies_loaded_on_their_own_and_writes_nothing_when_they_fail(tmp_path):
+    cell = learner_cell(tmp_path, "LAST = 2\n\ndef last_two(steps):\n    return sorted(steps)[-LAST:]\n")
+    seen = []
+
+    def recheck(copies):
+        seen.append(copies[0])
+        return None if copies[0]([3, 1, 2]) == [2, 3] else "the copy answers differently"
+
+    folder = tmp_path / "kept"
+    kept = keep({"keep_last_k": cell["last_two"]}, exercise="keep_k", folder=folder, recheck=recheck)
+    assert kept.broken is None and (folder / "keep_last_k.py").exists()
+    assert seen[0] is not cell["last_two"] and seen[0].__globals__ is not cell  # a fresh namespace
+    refused = keep(
+        {"keep_last_k": cell["last_two"]}, exercise="keep_k", folder=tmp_path / "b", recheck=lambda c: "no"
+    )
+    assert refused == Kept(None, "loaded on its own, as the next notebook loads it: no")
+    assert not (tmp_path / "b" / "keep_last_k.py").exists()

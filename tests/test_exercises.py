@@ -23,6 +23,7 @@ from ckpt_lesson.course.graders_files import check_migration, check_verify_part
 from ckpt_lesson.course.graders_lessons import check_next_batch, check_plan_param_group
 from ckpt_lesson.course.graders_rng import check_rng
 from ckpt_lesson.course.graders_runs import check_cadence, check_keep_k
+from ckpt_lesson.course.grading import FAIL_MARK, PASS_MARK
 from ckpt_lesson.course.training import next_batch_ids
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.schema import migrate_v1_to_v2
@@ -58,7 +59,8 @@ def test_each_grader_passes_the_package_reference(grader, reference, capsys):
     assert (result.passed, result.attempted, result.first_failure) == (True, True, None)
     assert result.cases >= 40
     out = capsys.readouterr().out
-    assert out.startswith(f"PASS {grader.__name__}: all {result.cases} cases")
+    assert out.startswith(f"{PASS_MARK} ")
+    assert f"({grader.__name__}): all {result.cases} cases" in out
     assert out.count("\n") == 1
 
 
@@ -80,15 +82,43 @@ def test_graders_leave_the_global_random_generators_alone():
     assert after == (torch.rand(1).item(), random.random())
 
 
-def test_a_failure_prints_one_line_with_inputs_expected_and_got(capsys):
+def test_a_failure_prints_a_short_block_function_first_then_the_case_then_what_went_wrong(capsys):
     def deletes_nothing(steps, verified, k):
         return []
 
     result = check_keep_k(deletes_nothing)
-    line = capsys.readouterr().out
-    assert line.startswith("FAIL check_keep_k (case 1): [k=1, every step verified] keep_last_k(")
-    assert "expected [100, 200], got []" in line
-    assert result.cases == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{FAIL_MARK} keep_last_k (check_keep_k, case 1)"
+    assert lines[1].startswith("  case:  [k=1, every step verified] keep_last_k(")
+    assert lines[2] == "  wrong: expected [100, 200], got []"
+    assert result.cases == 1 and len(lines) == 3
+
+
+def test_a_failure_block_wraps_between_words_and_names_the_hint_last(capsys):
+    def deletes_nothing(steps, verified, k):
+        return []
+
+    EXERCISES["keep_k"].check(deletes_nothing)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "  next:  keep_k.hint() gives a hint, keep_k.solution() shows one answer."
+    assert all(len(line) <= 130 for line in lines)
+
+
+def test_torchs_weights_only_refusal_is_trimmed_to_its_reason_without_ansi_bold(capsys):
+    def capture():
+        return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+    def restore(state):
+        pass
+
+    check_rng(capture, restore)
+    out = capsys.readouterr().out
+    flat = " ".join(out.split())  # the block wraps between words
+    assert "(UnpicklingError: Unsupported global: GLOBAL numpy" in flat
+    assert "Please use" not in flat and "trust the source" not in flat
+    assert "\x1b[1m" not in out  # torch's bold; only the verdict word is coloured
+    assert out.count("\x1b[") == 2 and out.startswith(FAIL_MARK)
+    assert all(len(line) <= 100 for line in out.splitlines()[2:])
 
 
 def test_a_learner_exception_is_reported_as_a_failure_not_raised():
@@ -283,7 +313,7 @@ def test_verify_part_grader_prints_no_temp_paths(capsys):
 
     check_verify_part(always_ok)
     out = capsys.readouterr().out
-    assert out.startswith("FAIL check_verify_part")
+    assert out.startswith(f"{FAIL_MARK} verify_part (check_verify_part, case ")
     assert "/tmp" not in out and "ckpt-lesson-grader" not in out
 
 
@@ -366,8 +396,10 @@ def test_every_registered_reference_solution_passes_its_grader(name, capsys):
     exercise = EXERCISES[name]
     result = exercise.check(*exercise.references)
     assert (result.passed, result.attempted, result.first_failure) == (True, True, None)
+    names = exercise.function_names.replace(" or ", ", ")
     assert capsys.readouterr().out == (
-        f"PASS {name}: all {result.cases} cases agree with the reference and keep the invariants.\n"
+        f"{PASS_MARK} {names} ({name}): all {result.cases} cases agree with the reference and keep the "
+        "invariants.\n"
     )
 
 
@@ -616,6 +648,31 @@ def test_atomic_fails_leaving_the_temp_file_after_an_error():
     )
 
 
+def catches_only_exception_save(payload, path):
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except Exception:  # misses KeyboardInterrupt (Ctrl-C), a BaseException
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+
+
+def test_atomic_fails_a_cleanup_that_catches_only_exception_so_ctrl_c_leaves_the_temp_file():
+    problem = _fails_pair(check_atomic_save, catches_only_exception_save)
+    assert problem.startswith("[torch.save Ctrl-C arrives]")
+    assert "except Exception misses it" in problem
+
+
+def test_atomic_reference_passes_the_ctrl_c_case():
+    assert check_atomic_save(solutions.atomic_save, verbose=False, kill=False).passed
+
+
 def test_atomic_kill_case_catches_plain_torch_save_in_a_child_process():
     from ckpt_lesson.course.kill_child import kill_case
 
@@ -653,7 +710,7 @@ def uses_a_helper_save(payload, path):
 
 
 def test_function_source_collects_helpers_modules_and_constants():
-    from ckpt_lesson.course.kill_child import function_source
+    from ckpt_lesson.course.kept_source import function_source
 
     source = function_source(uses_a_helper_save)
     assert "import os as os" in source and "import uuid as uuid" in source
@@ -693,6 +750,16 @@ def test_round_trip_fails_a_checkpoint_without_the_rng():
         return TrainState(**p["state"])
 
     assert "restore all five buckets" in _fails_pair(check_round_trip, save, load)
+
+
+def test_round_trip_fails_a_save_written_in_place_with_plain_torch_save():
+    def save(model, optimizer, scheduler, state, path):
+        torch.save(_payload(model, optimizer, scheduler, state), path)  # all five buckets, not atomic
+
+    failure = _fails_pair(check_round_trip, save, solutions.load_checkpoint)
+    assert "writes a temp file, fsyncs it, renames it]" in failure
+    assert "never renaming a temp file onto it" in failure
+    assert check_round_trip(solutions.save_checkpoint, solutions.load_checkpoint, verbose=False).passed
 
 
 def test_round_trip_fails_a_loader_that_applies_before_validating():
@@ -783,6 +850,29 @@ def test_param_group_fails_groups_without_balancing():
     assert "largest-first into the lightest shard" in _fails(check_plan_param_group, unbalanced)
 
 
+def test_param_group_fails_balancing_by_element_count_instead_of_bytes():
+    def by_numel(state_dict, num_shards):
+        if num_shards < 2:
+            raise ValueError("need 2")
+        n_w = (num_shards + 1) // 2
+
+        def balance(keys, n):
+            shards, load = [[] for _ in range(n)], [0] * n
+            for k in sorted(keys, key=lambda k: state_dict[k].numel(), reverse=True):  # elements, not bytes
+                i = load.index(min(load))
+                shards[i].append(k)
+                load[i] += state_dict[k].numel()
+            return shards
+
+        w = [k for k in state_dict if k.endswith("weight")]
+        o = [k for k in state_dict if not k.endswith("weight")]
+        return balance(w, n_w) + balance(o, num_shards - n_w)
+
+    problem = _fails(check_plan_param_group, by_numel)
+    assert problem.startswith("[float64 and float16 weights: balance bytes, not elements, 3 shards]")
+    assert check_plan_param_group(solutions.plan_param_group, verbose=False).passed
+
+
 def test_param_group_fails_accepting_a_single_shard():
     def no_check(state_dict, num_shards):
         return solutions.plan_param_group(state_dict, max(num_shards, 2))[:num_shards] if num_shards else []
@@ -806,6 +896,20 @@ def test_batch_position_fails_the_global_generator():
         return order[start : start + batch_size].tolist()
 
     assert "expected" in _fails(check_next_batch, global_rng)
+
+
+def test_batch_position_fails_reseeding_the_global_generator_although_the_ids_are_right():
+    def reseeds_global(state, data, *, seed, batch_size):
+        if state.batch_in_epoch >= len(data) // batch_size:
+            state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+        torch.manual_seed(seed * 1_000_003 + state.epoch)  # same order, but every step's dropout repeats
+        order = torch.randperm(len(data))
+        start = state.batch_in_epoch * batch_size
+        return order[start : start + batch_size].tolist()
+
+    problem = _fails(check_next_batch, reseeds_global)
+    assert "the right ids, but torch's global generator changed" in problem
+    assert check_next_batch(next_batch_ids, verbose=False).passed  # the reference leaves it alone
 
 
 def test_batch_position_fails_without_the_epoch_rollover():

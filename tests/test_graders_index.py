@@ -14,6 +14,7 @@ import torch
 import ckpt_lesson as cl
 from ckpt_lesson.course import solutions
 from ckpt_lesson.course.graders_index import check_write_shards
+from ckpt_lesson.course.grading import PASS_MARK
 from ckpt_lesson.course.shard_files import write_shards
 
 
@@ -59,7 +60,7 @@ def _entry(name: str, data: bytes) -> dict:
 
 def test_the_reference_solution_and_the_package_version_pass(capsys):
     assert check_write_shards(solutions.write_shards).passed
-    assert capsys.readouterr().out.startswith("PASS check_write_shards: all 4 cases")
+    assert capsys.readouterr().out.startswith(f"{PASS_MARK} write_shards (check_write_shards): all 4 cases")
     assert check_write_shards(write_shards, verbose=False).passed
 
 

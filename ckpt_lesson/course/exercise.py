@@ -4,8 +4,9 @@ The notebooks are committed *unsolved*. Each exercise is an :class:`Exercise`
 object the notebook imports (``from ckpt_lesson.course.exercises import keep_k``)
 and uses the way Kaggle Learn's exercises work:
 
-* ``keep_k.check(keep_last_k)`` grades the learner's function and prints one
-  line: PASS, FAIL with the first failing case, or NOT ATTEMPTED while the
+* ``keep_k.check(keep_last_k)`` grades the learner's function and prints a
+  green PASS line, a short red FAIL block (the function, the first failing
+  case, what went wrong, where to get help), or NOT ATTEMPTED while the
   scaffold still raises ``NotImplementedError`` (that line never changes, so a
   notebook stored unsolved passes nbval);
 * ``keep_k.hint()`` prints one more hint per call, most general first;
@@ -24,12 +25,12 @@ import ast
 import importlib
 import inspect
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_lesson.course.carry import keep
-from ckpt_lesson.course.grading import GradeResult, verdict_line
+from ckpt_lesson.course.grading import GradeResult, kept_failure_line, verdict_line
 
 __all__ = ["SOLVE_FIRST", "Exercise", "show_source"]
 
@@ -82,29 +83,41 @@ class Exercise:
         return " or ".join(f.__name__ for f in self.references)
 
     def check(self, *fns: Callable[..., Any], **kwargs: Any) -> GradeResult:
-        """Grade the learner's function(s) and print one verdict line.
+        """Grade the learner's function(s) and print the verdict (see :func:`verdict_line`).
 
         Args:
             *fns: The learner's functions, in the order of :attr:`function_names`.
             **kwargs: Passed on to the grader.
 
         When the check passes, the learner's functions (those defined in ``__main__``)
-        are kept for later lessons: see :mod:`ckpt_lesson.course.carry`.
+        are kept for later lessons (see :mod:`ckpt_lesson.course.carry`): each is loaded
+        on its own, as the next notebook loads it, and checked again; when that copy
+        fails (a constant it reads was not kept, say) the verdict is FAIL, naming why.
 
         Returns:
             The grader's :class:`GradeResult`.
         """
         result = self.grader(*fns, verbose=False, **kwargs)
+        kept = None
+        if result.passed:  # the learner's functions are kept for later lessons (course/carry.py)
+
+            def recheck(copies: Sequence[Callable[..., Any]]) -> str | None:
+                again = self.grader(*copies, verbose=False, **kwargs)
+                return None if again.passed else again.first_failure or "raised NotImplementedError"
+
+            functions = {ref.__name__: fn for ref, fn in zip(self.references, fns, strict=False)}
+            kept = keep(functions, exercise=self.name, recheck=recheck)
+            if kept.broken is not None:  # a PASS the next notebook would crash on is not a PASS
+                result = GradeResult(False, True, result.cases, kept.broken)
         if result.passed:
             self._earned[0] = True
         nudge = f" {self.name}.hint() gives a hint, {self.name}.solution() shows one answer."
-        print(verdict_line(self.name, self.function_names, result, nudge))
-        if result.passed:  # the learner's functions are kept for later lessons (course/carry.py)
-            kept = keep(
-                {ref.__name__: fn for ref, fn in zip(self.references, fns, strict=False)}, exercise=self.name
-            )
-            if kept:
-                print(kept)
+        if kept is not None and kept.broken is not None:
+            print(kept_failure_line(self.name, self.function_names, kept.broken))
+        else:
+            print(verdict_line(self.name, self.function_names, result, nudge))
+        if kept is not None and kept.line:
+            print(kept.line)
         return result
 
     def hint(self, n: int | None = None) -> None:

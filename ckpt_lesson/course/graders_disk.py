@@ -3,8 +3,8 @@
 * 02 ``check_atomic_save(atomic_save)``: in this process, with ``os.fsync`` and
   ``os.replace`` watched, the save must load back, fsync the temp file before
   the rename, rename within the target's directory, fsync the directory after,
-  use a fresh temp name each time, and survive an error mid-write with the old
-  file intact and no temp file left. Then the real test: a child process runs
+  use a fresh temp name each time, and survive an error mid-write (a full disk,
+  then Ctrl-C) with the old file intact and no temp file left. Then the real test: a child process runs
   *your* function on a simulated slow disk and is killed with SIGKILL
   mid-write; the old checkpoint must still load.
 * 03 ``check_round_trip(save_checkpoint, load_checkpoint)``: a run saved at
@@ -20,7 +20,6 @@ function written in a notebook cell works there too.
 from __future__ import annotations
 
 import os
-import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ckpt_lesson.course.grading import GradeResult, _Case, _grade
+from ckpt_lesson.course.grading import GradeResult, _Case, _grade, _Watch
 from ckpt_lesson.course.kill_child import _PAYLOAD_OLD, _same, kill_case
 from ckpt_lesson.course.round_trip_cases import round_trip_cases
 
@@ -43,35 +42,6 @@ def _loads(path: Path) -> Any:
 
 def _leftovers(folder: Path, keep: str) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name != keep)
-
-
-class _Watch:
-    """Record fsync (of a file or a directory) and rename calls, in order, while a save runs."""
-
-    def __enter__(self) -> _Watch:
-        self.events: list[tuple[str, str, str]] = []
-        self.real = (os.fsync, os.replace, os.rename)
-        real_fsync, real_replace, real_rename = self.real
-
-        def fsync(fd: Any) -> None:
-            number = fd if isinstance(fd, int) else fd.fileno()
-            kind = "dir" if stat.S_ISDIR(os.fstat(number).st_mode) else "file"
-            self.events.append(("fsync", kind, ""))
-            real_fsync(fd)
-
-        def replace(src: Any, dst: Any, **kw: Any) -> None:
-            self.events.append(("rename", os.fspath(src), os.fspath(dst)))
-            real_replace(src, dst, **kw)
-
-        def rename(src: Any, dst: Any, **kw: Any) -> None:
-            self.events.append(("rename", os.fspath(src), os.fspath(dst)))
-            real_rename(src, dst, **kw)
-
-        os.fsync, os.replace, os.rename = fsync, replace, rename
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        os.fsync, os.replace, os.rename = self.real
 
 
 def check_atomic_save(fn: Callable[..., Any], *, verbose: bool = True, kill: bool = True) -> GradeResult:
@@ -95,6 +65,7 @@ def check_atomic_save(fn: Callable[..., Any], *, verbose: bool = True, kill: boo
             _overwrite_case(root / "overwrite"),
             _unique_case(root / "unique"),
             _error_case(root / "error"),
+            _error_case(root / "interrupt", interrupt=True),
         ]
         if kill:
             cases.append(kill_case(root / "kill"))
@@ -174,8 +145,13 @@ def _unique_case(folder: Path) -> _Case:
     return _Case("[two saves in a row] their temp file names differ", call, judge)
 
 
-def _error_case(folder: Path) -> _Case:
-    """torch.save fails after writing some bytes (a full disk): the old file stays, no temp file stays."""
+def _error_case(folder: Path, *, interrupt: bool = False) -> _Case:
+    """torch.save fails after writing some bytes: the old file stays, no temp file stays, the error goes up.
+
+    The failure is a full disk (``OSError``) or, with ``interrupt``, Ctrl-C (``KeyboardInterrupt``, a
+    ``BaseException``): a cleanup under ``except Exception`` misses the second one.
+    """
+    error: type[BaseException] = KeyboardInterrupt if interrupt else OSError
 
     def call(f: Callable[..., Any]) -> Any:
         folder.mkdir()
@@ -188,12 +164,14 @@ def _error_case(folder: Path) -> _Case:
                     fh.write(b"PK\x03\x04 half a zip archive")
             else:
                 file.write(b"PK\x03\x04 half a zip archive")
+            if interrupt:
+                raise KeyboardInterrupt("Ctrl-C (simulated by the grader)")
             raise OSError(28, "No space left on device (simulated by the grader)")
 
         torch.save = failing_save  # type: ignore[assignment]
         try:
             f(_PAYLOAD_NEW, folder / "ckpt.pt")
-        except OSError:
+        except error:
             return "raised"
         finally:
             torch.save = real_save  # type: ignore[assignment]
@@ -203,12 +181,18 @@ def _error_case(folder: Path) -> _Case:
         if not _same(_loads(folder / "ckpt.pt"), _PAYLOAD_OLD):
             return "the old checkpoint is damaged after a failed save"
         if _leftovers(folder, "ckpt.pt"):
-            return f"left {_leftovers(folder, 'ckpt.pt')} behind: remove the temp file when the save fails"
+            why = (
+                " (except Exception misses it: catch BaseException, or use try/finally)" if interrupt else ""
+            )
+            return (
+                f"left {_leftovers(folder, 'ckpt.pt')} behind: remove the temp file when the save fails{why}"
+            )
         if got != "raised":
-            return "returned normally although the save failed: let the OSError reach the caller"
+            return f"returned normally although the save failed: let the {error.__name__} reach the caller"
         return None
 
-    return _Case("[torch.save fails half way (disk full)] atomic_save(payload, 'ckpt.pt')", call, judge)
+    what = "Ctrl-C arrives" if interrupt else "fails half way (disk full)"
+    return _Case(f"[torch.save {what}] atomic_save(payload, 'ckpt.pt')", call, judge)
 
 
 def check_round_trip(

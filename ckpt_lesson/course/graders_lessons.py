@@ -33,9 +33,19 @@ __all__ = ["check_next_batch", "check_plan_param_group"]
 # ---------------------------------------------------------------- 04 a param-group shard plan
 
 
-def _tensors(sizes: dict[str, int]) -> dict[str, torch.Tensor]:
-    # uint8 tensors: a tensor of n elements is n bytes, and allocating them is cheap.
-    return {key: torch.empty(n, dtype=torch.uint8) for key, n in sizes.items()}
+def _tensors(sizes: dict[str, int], dtypes: dict[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
+    # uint8 tensors unless told: a tensor of n elements is n bytes, and allocating them is cheap.
+    # Sizes are always bytes; a float64 tensor of 800 bytes has 100 elements.
+    out = {}
+    for key, n in sizes.items():
+        dtype = (dtypes or {}).get(key, torch.uint8)
+        out[key] = torch.empty(n // torch.empty(0, dtype=dtype).element_size(), dtype=dtype)
+    return out
+
+
+# Mixed precision: counting elements instead of bytes puts the float64 weight on top of a float16 one.
+_MIXED_SIZES = {"a.weight": 8000, "b.weight": 3000, "c.weight": 3000, "a.bias": 64, "b.bias": 16}
+_MIXED_DTYPES = {"a.weight": torch.float64, "b.weight": torch.float16, "c.weight": torch.float16}
 
 
 def _mlp_sizes() -> dict[str, int]:
@@ -75,7 +85,8 @@ def check_plan_param_group(fn: Callable[..., Any], *, verbose: bool = True) -> G
 
     Judged by invariants, not by one exact answer: ``num_shards`` lists; every key
     exactly once; keys ending in ``weight`` only in the first ``ceil(num_shards / 2)``
-    shards, all other keys only in the rest; in each group the heaviest shard no
+    shards, all other keys only in the rest; in each group the heaviest shard (in bytes, with
+    float64, float16 and uint8 tensors mixed in one case) no
     heavier than largest-first into the lightest shard gives
     (``plan_shards(..., "param_group")``); the input unchanged; ``num_shards < 2``
     raises ``ValueError``.
@@ -92,13 +103,16 @@ def check_plan_param_group(fn: Callable[..., Any], *, verbose: bool = True) -> G
     fixed += [("24 transformer blocks of 12 tensors", _transformer_sizes(), n) for n in (4, 8)]
     fixed += [("conv + batch norm buffers", _batchnorm_sizes(), 4), ("an empty state_dict", {}, 4)]
     fixed += [("more shards than keys", {"a.weight": 40, "a.bias": 4}, 6)]
+    cases = [
+        _plan_case("float64 and float16 weights: balance bytes, not elements", _MIXED_SIZES, 3, _MIXED_DTYPES)
+    ]
     for i in range(60):
         keys = [
             f"m{j}." + rng.choice(["weight", "bias", "running_mean", "scale"])
             for j in range(rng.randint(1, 30))
         ]
         fixed.append((f"random state_dict {i}", {k: rng.randint(1, 5000) for k in keys}, rng.randint(2, 9)))
-    cases = [_plan_case(label, sizes, n) for label, sizes, n in fixed]
+    cases += [_plan_case(label, sizes, n) for label, sizes, n in fixed]
     for n in (1, 0):
         state_dict = _tensors(_mlp_sizes())
         cases.append(
@@ -112,8 +126,10 @@ def check_plan_param_group(fn: Callable[..., Any], *, verbose: bool = True) -> G
     return _grade("check_plan_param_group", "plan_param_group", fn, cases, verbose)
 
 
-def _plan_case(label: str, sizes: dict[str, int], n: int) -> _Case:
-    state_dict = _tensors(sizes)
+def _plan_case(
+    label: str, sizes: dict[str, int], n: int, dtypes: dict[str, torch.dtype] | None = None
+) -> _Case:
+    state_dict = _tensors(sizes, dtypes)
     expected = plan_shards(state_dict, n, "param_group")
     n_weights = (n + 1) // 2
 
@@ -171,6 +187,13 @@ class _CountingRandperm:
         torch.randperm = self.real  # type: ignore[assignment]
 
 
+_GLOBAL_MOVED = (
+    "the right ids, but torch's global generator changed (torch.manual_seed, or a draw without "
+    "generator=): reseeding it every batch gives every step of an epoch the same dropout mask; draw "
+    "from a private torch.Generator().manual_seed(...) and leave the global one alone"
+)
+
+
 def check_next_batch(fn: Callable[..., Any], *, verbose: bool = True) -> GradeResult:
     """Grade a ``next_batch_ids(state, data, *, seed, batch_size) -> list[int]``.
 
@@ -178,8 +201,10 @@ def check_next_batch(fn: Callable[..., Any], *, verbose: bool = True) -> GradeRe
     function rolls it into the next epoch when this one is used up (a last
     partial batch is dropped) and returns the ids of the next batch, computed
     directly from ``(seed, epoch)``. Before every call the global torch
-    generator is reseeded (a resumed process never has the old one), and a
-    position in epoch 40 must be found drawing at most two permutations.
+    generator is reseeded (a resumed process never has the old one), and after
+    it that generator must be untouched: dropout draws from it, so a function
+    that reseeds it gives every step the same mask. A position in epoch 40
+    must be found drawing at most two permutations.
 
     Example:
         >>> from ckpt_lesson.course.training import next_batch_ids
@@ -218,9 +243,10 @@ def _position_case(label: str, n: int, bs: int, epoch: int, batch: int, *, seed:
     def call(f: Callable[..., Any]) -> Any:
         state = TrainState(epoch=epoch, batch_in_epoch=batch)
         torch.manual_seed(reseed)  # a resumed process: the global generator is not the old one
+        before = torch.get_rng_state()
         with _CountingRandperm() as count:
             got = f(state, data, seed=seed, batch_size=bs)
-        seen.update(state=state, draws=count.calls)
+        seen.update(state=state, draws=count.calls, moved=not torch.equal(before, torch.get_rng_state()))
         return got
 
     def judge(got: Any) -> str | None:
@@ -242,6 +268,8 @@ def _position_case(label: str, n: int, bs: int, epoch: int, batch: int, *, seed:
                 f"drew {seen['draws']} permutations for one batch: compute the epoch's order from (seed, "
                 "epoch)"
             )
+        if seen["moved"]:
+            return _GLOBAL_MOVED
         return None
 
     describe = f"[{label}] next_batch_ids(TrainState(epoch={epoch}, batch_in_epoch={batch}), "

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt_lesson.course.grading import GradeResult, _Case, _grade, _short
+from ckpt_lesson.course.grading import GradeResult, _Case, _grade, _short, exception_text
 from ckpt_lesson.course.training import make_model
 from ckpt_lesson.files.rng import capture_rng_state, restore_rng_state
 
@@ -112,7 +112,7 @@ def _weights_only_case() -> _Case:
         try:
             _weights_only_copy(snapshot)
         except Exception as exc:  # the finding: which type the restricted unpickler refused
-            return ("refused", f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+            return ("refused", exception_text(exc))
         return ("ok", None)
 
     def judge(got: Any) -> str | None:

@@ -1,8 +1,12 @@
-"""Lesson 02's strongest case: a child process runs the learner's ``atomic_save`` and is SIGKILLed.
+"""Lesson 02's kill: a child process saves through a slow disk and is SIGKILLed mid-write.
+
+Two children share one slow disk (``_SLOW_DISK``) and one launcher (``_run_and_kill``):
+notebook 02's experiment (:func:`kill_mid_save`, 128 MiB saved naively or atomically) and the
+grader's strongest case (:func:`kill_case`, the learner's own ``atomic_save``).
 
 The child cannot import a function typed in a notebook cell, so it gets the
-function as source text: :func:`function_source` collects ``fn``'s source with
-the modules, helper functions, constants and imported names it uses. The child
+function as source text: :func:`~ckpt_lesson.course.kept_source.function_source`
+collects ``fn``'s source with everything it names. The child
 patches ``torch.save`` to pass every byte through a writer that stalls after
 64 KiB (a simulated slow disk) and touches a marker file; the parent waits for
 the marker, sends SIGKILL and then checks that the previous checkpoint still
@@ -11,14 +15,11 @@ loads, exactly as notebook 02 does for the package's own ``atomic_save``.
 
 from __future__ import annotations
 
-import inspect
 import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,10 @@ from typing import Any
 import torch
 
 from ckpt_lesson.course.grading import _Case, _short
+from ckpt_lesson.course.kept_source import function_source
+from ckpt_lesson.errors import CheckpointError
 
-__all__ = ["function_source", "kill_case"]
+__all__ = ["kill_case", "kill_mid_save"]
 
 
 _PAYLOAD_OLD = {"step": 1, "w": torch.full((4,), 1.0)}
@@ -41,14 +44,16 @@ def _same(payload: Any, expected: dict[str, Any]) -> bool:
     )
 
 
-_CHILD = """
+# The slow disk every child runs: torch.save passes its bytes through a writer that stalls after
+# STALL_AFTER bytes, touches the marker file and sleeps until the parent's SIGKILL arrives.
+_SLOW_DISK = """
 from __future__ import annotations
 import sys, time
 from pathlib import Path
 import torch
 
 target, marker = sys.argv[1], Path(sys.argv[2])
-STALL_AFTER = 64 * 1024  # bytes: then this simulated slow disk stalls until the kill
+STALL_AFTER = {stall_after}  # bytes: then this simulated slow disk stalls until the kill
 
 class StallingWriter:
     def __init__(self, inner):
@@ -56,9 +61,9 @@ class StallingWriter:
     def write(self, data):
         n = memoryview(data).nbytes
         if self.written + n > STALL_AFTER:
-            self.inner.flush()
-            marker.touch()
-            time.sleep(3600)
+            self.inner.flush()     # what was written so far reaches the file ...
+            marker.touch()         # ... tell the parent we are mid-save ...
+            time.sleep(3600)       # ... and wait for the kill
         self.written += n
         return self.inner.write(data)
     def flush(self):
@@ -68,62 +73,101 @@ class StallingWriter:
 
 real_save = torch.save
 def slow_disk_save(obj, f, *args, **kwargs):
-    if isinstance(f, (str, Path)):
+    if isinstance(f, (str, Path)):  # torch.save(obj, "path") opens the file "wb" itself
         with open(f, "wb") as fh:
             return real_save(obj, StallingWriter(fh), *args, **kwargs)
     return real_save(obj, StallingWriter(f), *args, **kwargs)
 torch.save = slow_disk_save
+"""
 
+# The grader's child: the learner's function, as source, saves step 2 over step 1.
+_CHILD = (
+    _SLOW_DISK
+    + """
 # ---- the learner's function, as written ----
 {source}
 # ----
 {name}({{"step": 2, "w": torch.full((2**18,), 2.0)}}, target)
 print("the save returned without ever writing past the stall point")
 """
+)
+
+# Notebook 02's child: 128 MiB of step 2 saved naively, or with yours("atomic_save").
+_DEMO_CHILD = (
+    _SLOW_DISK
+    + """
+payload = {{"step": 2, "weights": {{f"layer{{i}}": torch.full((2**21,), 2.0) for i in range(16)}}}}
+if sys.argv[3] == "naive":
+    torch.save(payload, target)  # naive, do not use: truncates the old file first
+else:  # "atomic": your atomic_save once its check passed, the package's until then
+    from ckpt_lesson.course.carry import yours
+    yours("atomic_save")(payload, target)
+"""
+)
 
 
-def function_source(fn: Callable[..., Any]) -> str:
-    """The source of ``fn`` plus what it names: modules, helpers and imported functions or classes.
+def kill_mid_save(mode: str, target: str | os.PathLike[str], *, timeout_s: float = 90) -> bool:
+    """Notebook 02's experiment: a child process overwrites ``target`` and is SIGKILLed mid-write.
 
-    Enough to run a function written in a notebook cell in a fresh process.
+    The child (``slow_disk_child.py``, written beside ``target``) builds a 128 MiB checkpoint of
+    step 2 and saves it over ``target`` through a simulated slow disk that stalls after 48 MiB;
+    once it stalls, it is killed with SIGKILL: no handler, no ``finally``, no clean-up.
+
+    Args:
+        mode: ``"naive"`` (plain ``torch.save`` onto the path) or ``"atomic"`` (the learner's
+            ``atomic_save`` once its check passed, the package's until then).
+        target: The checkpoint to overwrite; its marker file is ``target`` with suffix ``.stalled``.
+        timeout_s: How long to wait for the child to reach the stall point.
+
+    Returns:
+        True: the SIGKILL is what ended the child.
 
     Raises:
-        OSError or TypeError: ``fn``'s source cannot be found (a lambda typed at a prompt,
-            a builtin).
+        CheckpointError: ``mode`` is neither, or the child ended or hung before the stall point
+            (its last line of error output is in the message).
+
+    Example:
+        >>> kill_mid_save("naive", "ckpt_work/02_atomic_saves/naive.pt")  # doctest: +SKIP
+        True
     """
-    lines: list[str] = []
-    helpers: list[str] = []
-    seen: set[str] = set()
+    if mode not in ("naive", "atomic"):
+        raise CheckpointError(f"kill_mid_save: mode {mode!r} is not 'naive' or 'atomic'; pass one of them.")
+    target = Path(target)
+    marker = target.with_suffix(".stalled")
+    marker.unlink(missing_ok=True)  # a marker left by an earlier run would trigger the kill at once
+    script = target.parent / "slow_disk_child.py"
+    script.write_text(_DEMO_CHILD.format(stall_after=48 * 2**20))
+    argv = [sys.executable, str(script), str(target), str(marker), mode]
+    problem = _run_and_kill(argv, marker, timeout_s)
+    if problem is not None:
+        raise CheckpointError(f"{target.name}: the {mode} child was not killed mid-save: {problem}")
+    return True
 
-    def visit(code: types.CodeType, namespace: dict[str, Any]) -> None:
-        for name in code.co_names:
-            if name in seen or name not in namespace:
-                continue
-            seen.add(name)
-            obj = namespace[name]
-            if isinstance(obj, types.ModuleType):
-                lines.append(f"import {obj.__name__} as {name}")
-            elif isinstance(obj, types.FunctionType) and obj.__module__ in ("__main__", fn.__module__):
-                helpers.append(textwrap.dedent(inspect.getsource(obj)))
-                if obj.__name__ != name:  # bound under another name: `capture = yours("capture_rng_state")`
-                    helpers.append(f"{name} = {obj.__name__}\n")
-                visit(obj.__code__, obj.__globals__)
-            elif isinstance(obj, (str, bytes, int, float, bool, type(None))):
-                lines.append(f"{name} = {obj!r}")  # a constant such as a file-name marker
-            elif (
-                getattr(obj, "__module__", None)
-                and isinstance(getattr(obj, "__name__", None), str)  # a class or function, not an instance
-                and getattr(obj, "__qualname__", None) == obj.__name__
-            ):
-                lines.append(f"from {obj.__module__} import {obj.__name__} as {name}")
-        for const in code.co_consts:
-            if isinstance(const, types.CodeType):
-                visit(const, namespace)
 
-    source = textwrap.dedent(inspect.getsource(fn))
-    seen.add(fn.__name__)
-    visit(fn.__code__, fn.__globals__)
-    return "\n".join([*lines, "", *helpers, source])
+def _run_and_kill(argv: list[str], marker: Path, timeout_s: float) -> str | None:
+    """Start the child, wait for its stall marker, SIGKILL it; ``None`` when the kill ended it, else why."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not marker.exists():
+            if proc.poll() is not None:
+                out, err = proc.communicate()
+                last = (err.strip().splitlines() or out.strip().splitlines() or ["(no output)"])[-1]
+                return f"the child process ended before the kill: {last}"
+            if time.monotonic() > deadline:
+                return "the child process never reached the slow-disk stall point"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        if proc.wait() != -signal.SIGKILL:
+            return f"the child process ended with status {proc.returncode}, not by the SIGKILL"
+        return None
+    finally:
+        if proc.poll() is None:  # never leave a sleeping child behind, whatever happened
+            proc.kill()
+            proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 def kill_case(folder: Path) -> _Case:
@@ -138,33 +182,8 @@ def kill_case(folder: Path) -> _Case:
         except (OSError, TypeError) as exc:
             return f"the grader could not read your function's source ({exc}); define it with def in a cell"
         script = folder.parent / "child.py"
-        script.write_text(_CHILD.format(source=source, name=f.__name__))
-        proc = subprocess.Popen(
-            [sys.executable, str(script), str(target), str(marker)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            deadline = time.monotonic() + 120
-            while not marker.exists():
-                if proc.poll() is not None:
-                    out, err = proc.communicate()
-                    last = (err.strip().splitlines() or out.strip().splitlines() or ["(no output)"])[-1]
-                    return f"the child process ended before the kill: {last}"
-                if time.monotonic() > deadline:
-                    return "the child process never reached the slow-disk stall point"
-                time.sleep(0.01)
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            for pipe in (proc.stdout, proc.stderr):
-                if pipe is not None:
-                    pipe.close()
-        return None
+        script.write_text(_CHILD.format(stall_after=64 * 1024, source=source, name=f.__name__))
+        return _run_and_kill([sys.executable, str(script), str(target), str(marker)], marker, 120)
 
     def judge(got: str | None) -> str | None:
         if got is not None:

@@ -3,7 +3,10 @@
 The learner's ``save_checkpoint(model, optimizer, scheduler, state, path)``
 writes a dict with ``"schema": "lesson.v1"`` and the five buckets ``model``,
 ``optimizer``, ``scheduler``, ``state`` and ``rng``. The grader reads that file
-back with ``torch.load(weights_only=True)`` and writes broken copies of it (a
+back with ``torch.load(weights_only=True)``, checks that it was written the
+way lesson 02 teaches (a temp file, fsynced, renamed onto the target: a
+``torch.save`` straight onto the path would lose the last checkpoint to a
+crash mid-save), and writes broken copies of it (a
 bucket missing, no schema, an unknown schema, the file cut in half, a pickle
 that runs code when fully unpickled). ``load_checkpoint`` must refuse each one
 with a ``ValueError`` (the malicious one with any exception) and leave the
@@ -19,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ckpt_lesson.course.grading import _Case, _short
+from ckpt_lesson.course.grading import _Case, _short, _Watch
 from ckpt_lesson.course.training import (
     SyntheticRegression,
     make_model,
@@ -71,6 +74,7 @@ def round_trip_cases(folder: Path) -> list[_Case]:
     torch.set_num_threads(threads)
     path = folder / "step8.pt"
     raw: dict[str, Any] = {}
+    saves: list[tuple[str, str, str]] = []  # fsyncs and renames while save_checkpoint ran
 
     def tidy(call: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def wrapped(fns: Any) -> Any:
@@ -89,7 +93,9 @@ def round_trip_cases(folder: Path) -> list[_Case]:
         state = TrainState()
         train(model, optimizer, scheduler, state, data, until_step=_CUT, seed=_SEED, batch_size=_BATCH)
         saved = (state.step, state.epoch, state.batch_in_epoch, list(state.losses))
-        save(model, optimizer, scheduler, state, path)
+        with _Watch() as watch:
+            save(model, optimizer, scheduler, state, path)
+        saves.extend(watch.events)
         data, model, optimizer, scheduler = _build()  # a fresh process builds everything anew
         loaded = load(path, model, optimizer, scheduler)
         if not isinstance(loaded, TrainState):
@@ -123,6 +129,17 @@ def round_trip_cases(folder: Path) -> list[_Case]:
         raw.update(payload)
         return None
 
+    def atomically(fns: Any) -> Any:
+        onto = [e for e in saves if e[0] == "rename" and Path(e[2]) == path]
+        if not onto:
+            return (
+                f"wrote {path.name} in place, never renaming a temp file onto it: a crash mid-save destroys "
+                "the last checkpoint; save through your atomic_save from 02"
+            )
+        if ("fsync", "file", "") not in saves[: saves.index(onto[-1])]:
+            return "renamed a temp file onto the checkpoint without fsyncing it first (02's atomic_save does)"
+        return None
+
     cases = [
         _Case(
             f"[save at step {_CUT}, load into fresh objects, train to step {_TOTAL}]",
@@ -136,6 +153,11 @@ def round_trip_cases(folder: Path) -> list[_Case]:
             raw_file,
             lambda g: g,
         ),  # fmt: skip
+        _Case(
+            f"[save_checkpoint(..., {path.name!r}) writes a temp file, fsyncs it, renames it]",
+            atomically,
+            lambda g: g,
+        ),
     ]
     variants: list[tuple[str, Callable[[Path], None], bool]] = []
     for bucket in BUCKETS:

@@ -1,0 +1,138 @@
+"""Take docs/screenshots/*.png in a real JupyterLab, driven in headless Chromium over the DevTools protocol.
+
+How they were taken (issue 36), from a scratch folder holding a copy of notebooks/ (running cells
+there touches no tracked file):
+
+    apt-get install -y chromium
+    PYTHONPATH=<repo> jupyter lab --no-browser --port 8899 --ip 127.0.0.1 --ServerApp.token=tok36 \
+        --ServerApp.root_dir=<scratch> --LabApp.expose_app_in_browser=True --LabApp.news_url=None
+    chromium --headless --no-sandbox --disable-gpu --no-first-run --disable-background-networking \
+        --user-data-dir=<empty dir> --remote-debugging-port=9333 about:blank
+    python take_screenshots.py <out dir>
+
+It opens 01, shows the "predict, then run" cell with its output hidden, runs it, types a typical
+first wrong answer into the exercise (NumPy's raw state kept) and runs the check. It needs
+websocket-client; images are saved at 1400x1000 (then reduced to 96 colours for the repository).
+"""
+import base64, json, sys, time, urllib.request
+import websocket
+
+PORT_LAB, PORT_CDP, TOKEN = 8899, 9333, "tok36"
+OUT = sys.argv[1]
+
+def cdp_page():
+    targets = json.load(urllib.request.urlopen(f"http://127.0.0.1:{PORT_CDP}/json"))
+    page = next(t for t in targets if t["type"] == "page")
+    return websocket.create_connection(page["webSocketDebuggerUrl"], timeout=120)
+
+ws = cdp_page()
+_id = [0]
+def call(method, **params):
+    _id[0] += 1
+    ws.send(json.dumps({"id": _id[0], "method": method, "params": params}))
+    while True:
+        msg = json.loads(ws.recv())
+        if msg.get("id") == _id[0]:
+            if "error" in msg:
+                raise RuntimeError(msg["error"])
+            return msg.get("result", {})
+
+def js(expr, await_promise=True):
+    r = call("Runtime.evaluate", expression=expr, awaitPromise=await_promise, returnByValue=True)
+    if "exceptionDetails" in r:
+        raise RuntimeError(r["exceptionDetails"])
+    return r["result"].get("value")
+
+def wait_for(expr, timeout=180):
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            if js(expr):
+                return
+        except RuntimeError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(expr)
+
+def shot(name):
+    time.sleep(1.0)
+    data = call("Page.captureScreenshot", format="png")["data"]
+    open(f"{OUT}/{name}.png", "wb").write(base64.b64decode(data))
+    print("saved", name)
+
+call("Emulation.setDeviceMetricsOverride", width=1400, height=1000, deviceScaleFactor=1, mobile=False)
+call("Emulation.setFocusEmulationEnabled", enabled=True)  # headless has no focused window: JupyterLab tracks focus
+
+PANEL = "[...jupyterapp.shell.widgets('main')].find(w => w.content && w.content.widgets)"
+
+
+def open_notebook(path):
+    call("Page.navigate", url=f"http://127.0.0.1:{PORT_LAB}/lab/tree/{path}?reset&token={TOKEN}")
+    wait_for("!!(window.jupyterapp && [...jupyterapp.shell.widgets('main')].some(w => w.content && w.content.widgets && w.content.widgets.length > 3))")
+    js(f"(() => {{ const w = {PANEL}; jupyterapp.shell.activateById(w.id); w.content.node.focus(); return true }})()")
+    wait_for(f"{PANEL}.sessionContext.session && {PANEL}.sessionContext.session.kernel"
+             f" && {PANEL}.sessionContext.session.kernel.status === 'idle'")
+    # close the news / notification toasts if any
+    js("document.querySelectorAll('.jp-Notification-Toast-Close, .Toastify__close-button').forEach(b => b.click()); true")
+
+NB = PANEL + ".content"
+
+def show(i, top=True):
+    js(f"{NB}.activeCellIndex = {i}; {NB}.widgets[{i}].node.scrollIntoView({{block: '{'start' if top else 'center'}'}}); true")
+
+async_run = """(async () => {{
+  const nb = {NB};
+  nb.activeCellIndex = {i};
+  nb.widgets[{i}].node.scrollIntoView({{block: 'start'}});
+  await jupyterapp.commands.execute('notebook:run-cell');
+  const ctx = {PANEL}.sessionContext;
+  for (let k = 0; k < 600; k++) {{
+    await new Promise(r => setTimeout(r, 200));
+    if (ctx.session.kernel.status === 'idle' && nb.widgets[{i}].model.executionCount !== null) return true;
+  }}
+  return false;
+}})()"""
+
+def run(i):
+    ok = js(async_run.format(NB=NB, i=i, PANEL=PANEL))
+    time.sleep(0.5)
+    return ok
+
+def set_source(i, text):
+    js(f"{NB}.widgets[{i}].model.sharedModel.setSource({json.dumps(text)}); true")
+
+def hidden(i):
+    return js(f"{NB}.widgets[{i}].outputHidden")
+
+# 1. 01: a hidden prediction before and after running it
+open_notebook("notebooks/01_rng_capture.ipynb")
+print("cell 3 output hidden on open:", hidden(3))
+show(2)
+shot("01-prediction-hidden-before-run")
+print("run cell 1:", run(1))
+print("run cell 3:", run(3))
+print("cell 3 output hidden after run:", hidden(3))
+show(2)
+shot("01-prediction-shown-after-run")
+
+# 2. 01's first exercise after a wrong answer (NumPy's raw state kept: a typical first try)
+wrong = '''def capture_rng_state():
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),  # the raw state, an ndarray inside
+        "torch_cpu": torch.get_rng_state(),
+        "torch_cuda": [],
+    }
+
+
+def restore_rng_state(snapshot):
+    random.setstate(snapshot["python"])
+    np.random.set_state(snapshot["numpy"])
+    torch.set_rng_state(snapshot["torch_cpu"])
+'''
+set_source(5, wrong)
+print("run cell 5:", run(5))
+print("run cell 6:", run(6))
+print("verdict text:", js(f"{NB}.widgets[6].outputArea.node.innerText")[:600])
+show(5)
+shot("01-exercise-after-a-wrong-answer")
