@@ -37,6 +37,7 @@ from ckpt_lesson.runs.async_report import forget_failure, note_failure_of
 from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale
 from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, clean_unmarked
+from ckpt_lesson.runs.loop_api import LoopMethods
 from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
 from ckpt_lesson.runs.scan import step_dir_name
 from ckpt_lesson.runs.state_args import positional_restore_args
@@ -51,7 +52,7 @@ __all__ = ["DistributedCheckpointManager"]
 log = logging.getLogger("ckpt_lesson.distributed")
 
 
-class DistributedCheckpointManager:
+class DistributedCheckpointManager(LoopMethods):
     """Save, purge and restore the DCP checkpoints of a multi-rank run.
 
     Args:

@@ -46,6 +46,7 @@ from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale, open_staging, publish
 from ckpt_lesson.runs.contract import ENV_POLICIES
 from ckpt_lesson.runs.deleter import BackgroundRetention
+from ckpt_lesson.runs.loop_api import LoopMethods
 from ckpt_lesson.runs.manager_config import EventHook, ManagerConfig
 from ckpt_lesson.runs.restore import check_resume_contract, restore_newest
 from ckpt_lesson.runs.restore_state import loader_for
@@ -60,7 +61,7 @@ __all__ = ["CheckpointManager"]
 log = logging.getLogger(__name__)
 
 
-class CheckpointManager:
+class CheckpointManager(LoopMethods):
     """Save, purge, scan and restore the checkpoints of one run directory.
 
     Args:
@@ -94,11 +95,10 @@ class CheckpointManager:
 
     Example:
         >>> with CheckpointManager("runs/a", keep_last=2, every_steps=50) as mgr:  # doctest: +SKIP
-        ...     restored = mgr.restore_latest({"model": model, "optimizer": opt})
-        ...     for step in range(restored.step + 1 if restored else 1, 501):
+        ...     start, state = mgr.resume(model=model, optimizer=opt)  # 0 on a first run
+        ...     for step in range(start + 1, 501):
         ...         train_one_step(model, opt)
-        ...         if mgr.should_save(step):
-        ...             mgr.save(step, {"model": model, "optimizer": opt})
+        ...         mgr.save_if_due(step, state)
     """
 
     def __new__(cls, run_dir: Any = None, *args: Any, **kwargs: Any) -> CheckpointManager:
@@ -171,8 +171,6 @@ class CheckpointManager:
         #: What the last :meth:`save` did (step, path, save_id, seconds).
         self.last_save: dict[str, Any] | None = None
         self.clean_stale()
-
-    # ------------------------------------------------------------------ basics
 
     def __enter__(self) -> CheckpointManager:
         return self
