@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -80,3 +82,16 @@ def test_resume_refuses_a_part_the_save_lacks_by_name_as_restore_latest_does(tmp
     mgr.save_if_due(1, {"model": model})
     with pytest.raises(cl.CheckpointError, match="optimizer"):
         cl.CheckpointManager(tmp_path / "run", every_steps=1).resume(model=model, optimizer=opt)
+
+
+def test_a_manager_given_no_folder_saves_into_the_variable_else_checkpoints(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CKPT_LESSON_CKPT_DIR", raising=False)
+    assert cl.CheckpointManager(every_steps=1).run_dir == Path("checkpoints")
+    monkeypatch.setenv("CKPT_LESSON_CKPT_DIR", str(tmp_path / "under-test"))
+    assert cl.CheckpointManager(every_steps=1).run_dir == tmp_path / "under-test"
+    # A folder the script names wins: the variable never moves it.
+    assert cl.CheckpointManager(tmp_path / "named", every_steps=1).run_dir == tmp_path / "named"
+    monkeypatch.setenv("CKPT_LESSON_CKPT_DIR", "s3://bucket/run")
+    with pytest.raises(cl.CheckpointError, match=r"is a URL; pass it to the manager explicitly"):
+        cl.CheckpointManager(every_steps=1)

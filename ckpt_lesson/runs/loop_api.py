@@ -5,11 +5,15 @@ alone: the state dict, the restore, ``restored.step if restored is not None else
 cadence check and the save. Those are the same in every loop, so the managers share these two
 methods (issue 35: a common loop resumable in five changed lines)::
 
-    mgr = cl.CheckpointManager(run_dir, every_steps=10)
+    mgr = cl.CheckpointManager(every_steps=10)  # $CKPT_LESSON_CKPT_DIR, else checkpoints/
     start, state = mgr.resume(model=model, optimizer=optimizer, scaler=scaler)
     for step in range(start + 1, steps + 1):
         ...
         mgr.save_if_due(step, state)
+
+A manager given no folder saves into ``$CKPT_LESSON_CKPT_DIR`` when it is set (``resume-test``
+sets it), else into ``checkpoints`` (:func:`default_run_dir`), so the loop needs no ``os`` import
+and no flag to be tested.
 
 They are thin on purpose: ``resume`` is ``restore_latest(state)`` and ``save_if_due`` is
 ``should_save(step)`` then ``save(step, state)``; the rules of those two hold unchanged.
@@ -17,13 +21,43 @@ They are thin on purpose: ``resume`` is ``restore_latest(state)`` and ``save_if_
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.storage import is_store_url
+from ckpt_lesson.runs.steplog import CKPT_DIR_ENV
 
-__all__ = ["LoopMethods"]
+__all__ = ["DEFAULT_RUN_DIR", "LoopMethods", "default_run_dir"]
+
+#: The folder a manager saves into when given none and ``$CKPT_LESSON_CKPT_DIR`` is unset.
+DEFAULT_RUN_DIR = "checkpoints"
+
+
+def default_run_dir(run_dir: str | os.PathLike[str] | None) -> str | os.PathLike[str]:
+    """``run_dir`` if given, else ``$CKPT_LESSON_CKPT_DIR`` if set (resume-test sets it), else checkpoints.
+
+    A folder given explicitly always wins: the variable never moves a save the script named.
+
+    Raises:
+        CheckpointError: ``run_dir`` is None and the variable holds a URL (a store manager
+            takes its URL explicitly, with its storage options).
+
+    Example:
+        >>> default_run_dir("runs/a")
+        'runs/a'
+    """
+    if run_dir is not None:
+        return run_dir
+    value = os.environ.get(CKPT_DIR_ENV) or DEFAULT_RUN_DIR
+    if is_store_url(value):
+        raise CheckpointError(
+            f"${CKPT_DIR_ENV}={value} is a URL; pass it to the manager explicitly, "
+            f"e.g. CheckpointManager(os.environ[{CKPT_DIR_ENV!r}])."
+        )
+    return value
 
 
 class LoopMethods:

@@ -46,7 +46,7 @@ from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale, open_staging, publish
 from ckpt_lesson.runs.contract import ENV_POLICIES
 from ckpt_lesson.runs.deleter import BackgroundRetention
-from ckpt_lesson.runs.loop_api import LoopMethods
+from ckpt_lesson.runs.loop_api import LoopMethods, default_run_dir
 from ckpt_lesson.runs.manager_config import EventHook, ManagerConfig
 from ckpt_lesson.runs.restore import check_resume_contract, restore_newest
 from ckpt_lesson.runs.restore_state import loader_for
@@ -65,7 +65,8 @@ class CheckpointManager(LoopMethods):
     """Save, purge, scan and restore the checkpoints of one run directory.
 
     Args:
-        run_dir: The run's folder (created if missing).
+        run_dir: The run's folder (created if missing). Default: ``$CKPT_LESSON_CKPT_DIR``
+            when set (``resume-test`` sets it), else ``checkpoints``.
         keep_last: How many verified saves retention keeps.
         every_steps: Cadence for :meth:`should_save`: every this many steps.
         every_seconds: Cadence for :meth:`should_save`: this many seconds after the last save
@@ -103,7 +104,7 @@ class CheckpointManager(LoopMethods):
 
     def __new__(cls, run_dir: Any = None, *args: Any, **kwargs: Any) -> CheckpointManager:
         # A URL (s3://bucket/prefix): same API, plus an object store's commit (runs/store_manager.py).
-        if cls is CheckpointManager and is_store_url(run_dir):
+        if cls is CheckpointManager and is_store_url(default_run_dir(run_dir)):
             from ckpt_lesson.runs.store_manager import StoreCheckpointManager
 
             return super().__new__(StoreCheckpointManager)
@@ -111,7 +112,7 @@ class CheckpointManager(LoopMethods):
 
     def __init__(
         self,
-        run_dir: str | os.PathLike[str],
+        run_dir: str | os.PathLike[str] | None = None,
         *,
         keep_last: int = 3,
         every_steps: int | None = None,
@@ -149,7 +150,7 @@ class CheckpointManager(LoopMethods):
             scrub_bytes_per_s=scrub_bytes_per_s,
             background_retention=background_retention,
         )
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(default_run_dir(run_dir))
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise CheckpointError(f"{self.run_dir}: exists and is not a directory; pass a run directory.")
         self.run_dir.mkdir(parents=True, exist_ok=True)
