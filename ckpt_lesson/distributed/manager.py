@@ -139,7 +139,8 @@ class DistributedCheckpointManager(LoopMethods):
             raise problem
 
     def __new__(cls, run_dir: Any = None, *args: Any, **kwargs: Any) -> DistributedCheckpointManager:
-        if cls is DistributedCheckpointManager and is_store_url(default_run_dir(run_dir)):  # s3://bucket/prefix
+        # s3://bucket/prefix: the store variant
+        if cls is DistributedCheckpointManager and is_store_url(default_run_dir(run_dir)):
             from .store_manager import StoreDistributedCheckpointManager
 
             return super().__new__(StoreDistributedCheckpointManager)
