@@ -21,7 +21,8 @@ EXAMPLES = ROOT / "examples"
 PAGE = ROOT / "docs" / "your-loop.md"
 MAX_CHANGED = 5
 #: example -> the loop it starts from
-LOOPS = ("loop_amp.py", "loop_ddp.py", "loop_epochs.py", "loop_gan.py", "loop_gpt.py", "loop_lstm.py")
+LOOPS = ("loop_amp.py", "loop_ddp.py", "loop_epochs.py", "loop_gan.py", "loop_gpt.py", "loop_lstm.py",
+         "resume_hf.py", "resume_lightning.py")  # fmt: skip
 RECIPES = {name: f"before/{name}" for name in LOOPS}
 #: The recipes that do not fit in five, with their exact count; docs/your-loop.md says so and why
 #: (the LSTM's hidden state is reassigned every step, so its restored value needs a line of its
