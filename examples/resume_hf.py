@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     callbacks = [VerifiedCheckpointCallback(), LogSteps()]
     trainer = Trainer(model=model, args=training, train_dataset=data, callbacks=callbacks)
     if args.mistake == "no-resume":  # MISTAKE: without resume_from_checkpoint, every restart starts at 0
-        return trainer.train() and 0  # MISTAKE
+        trainer.train()  # MISTAKE
+        return 0  # MISTAKE
     trainer.train(resume_from_checkpoint=latest_verified_checkpoint())  # None: a fresh start
     return 0
 
