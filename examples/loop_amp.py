@@ -1,18 +1,21 @@
 """A mixed-precision loop: bf16 autocast on the CPU and a ``GradScaler`` as one more part of the state.
 
-The forward pass runs under ``torch.autocast("cpu", dtype=torch.bfloat16)``;
-the loss is scaled before ``backward`` and unscaled before the step by a
-``torch.amp.GradScaler("cpu")``, as the AMP recipe does. The scaler has state
-of its own: its current scale and how many good steps it has seen since it
-last grew. A restart that rebuilds it fresh starts from the initial scale
-again. The scaler has ``state_dict()`` / ``load_state_dict()``, so it is
-saved and restored in place like the model:
+examples/before/loop_amp.py is the loop as the AMP recipe writes it: the
+forward pass under ``torch.autocast("cpu", dtype=torch.bfloat16)``, the loss
+scaled before ``backward`` and unscaled before the step by a
+``torch.amp.GradScaler("cpu")``. The scaler has state of its own (its scale,
+and how many good steps it has seen since it last grew); a restart that
+rebuilds it fresh starts from the initial scale again. It has
+``state_dict()``/``load_state_dict()``, so it is one more part, restored in
+place like the model. This file adds five lines (``tests/test_recipes.py``
+counts them):
 
     python -m ckpt_lesson resume-test -- python examples/loop_amp.py
 
-``--mistake scaler`` leaves it out. The loop logs the scale each step used
-(a metric), and ``resume-test`` names it: back at its first-step value at
-the first step after a restart.
+``--mistake scaler`` puts the scaler back to its initial state after the
+restore (the lines marked MISTAKE). The loop logs the scale each step used
+(a metric), and ``resume-test`` names it: back at its first-step value at the
+first step after a restart.
 
 With bf16, whose range is fp32's, scaling by a power of two rarely changes
 the numbers; with float16 (``--dtype float16``) a lost scale changes which
@@ -22,7 +25,6 @@ steps overflow and are skipped.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
@@ -30,14 +32,12 @@ from torch import nn
 
 import ckpt_lesson as cl
 
-MISTAKES = ("scaler",)
-SAMPLES, BATCH, SAVE_EVERY = 512, 32, 10
+SAMPLES, BATCH = 512, 32
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mistake", choices=MISTAKES, help="leave the GradScaler out of the save")
-    parser.add_argument("--ckpt-dir", default=os.environ.get("CKPT_LESSON_CKPT_DIR", "runs/loop_amp"))
+    parser.add_argument("--mistake", choices=("scaler",), help="start the scaler afresh")  # MISTAKE
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
@@ -53,13 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     # A short growth interval so that the scale moves within a few steps of this tiny run.
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
-
-    state = {"model": model, "optimizer": optimizer, "scaler": scaler}  # RESUME
-    if args.mistake == "scaler":
-        del state["scaler"]  # MISTAKE (scaler): a resumed run starts again from the initial scale
-    mgr = cl.CheckpointManager(args.ckpt_dir, keep_last=2, every_steps=SAVE_EVERY)  # RESUME
-    restored = mgr.restore_latest(state)  # RESUME
-    start = restored.step if restored is not None else 0  # RESUME
+    mgr = cl.CheckpointManager(every_steps=10)  # into $CKPT_LESSON_CKPT_DIR if set, else checkpoints/
+    start, state = mgr.resume(model=model, optimizer=optimizer, scaler=scaler)  # in place; 0: a first run
+    if args.mistake == "scaler":  # MISTAKE: a resumed run starts again from the initial scale
+        fresh = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)  # MISTAKE
+        scaler.load_state_dict(fresh.state_dict())  # MISTAKE
 
     per_epoch = SAMPLES // BATCH
     for step in range(start + 1, args.steps + 1):
@@ -76,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         scaler.step(optimizer)  # skipped when a gradient overflowed
         scaler.update()
         cl.log_step(step, loss.item(), sample_ids=ids, scale=scale)
-        if step % SAVE_EVERY == 0:
-            mgr.save(step, state)  # RESUME
+        mgr.save_if_due(step, state)  # every 10 steps
     return 0
 
 

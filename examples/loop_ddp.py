@@ -4,24 +4,22 @@
 
 Each rank trains on its half of every global batch; DDP averages the
 gradients, so the weights and the optimizer state are the same on every
-rank. Two ways to save them, both taking the DDP-wrapped model as it is
-(its ``module.`` keys are normalised on save and on restore):
+rank. A ``DistributedCheckpointManager`` saves them: every rank calls
+``resume`` and ``save_if_due`` (collectives), DCP writes the tensors once
+across ranks, and each rank's generators go into a file of its own, so ranks
+may seed differently. It takes the DDP-wrapped model as it is (its
+``module.`` keys are normalised on save and on restore).
+examples/before/loop_ddp.py is the loop without checkpoints; this file
+changes six lines of it, one over the recipes' five (``tests/test_recipes.py``
+counts them): the manager, the restore, the start step (a modified line, 2),
+the save, and ``mgr.close()``, which waits for the last save's retention and
+frees the manager's process groups before the default group is destroyed.
 
-* ``--manager dcp`` (the default): a ``DistributedCheckpointManager``; every
-  rank calls ``save`` and ``restore_latest`` (collectives), DCP writes the
-  tensors once across ranks, and each rank's generators go into a file of
-  its own, so ranks may seed differently;
-* ``--manager rank0``: rank 0 saves alone with a ``CheckpointManager`` and
-  every rank restores that one save. It then holds rank 0's generators
-  only; every rank here seeds alike and draws alike (dropout of the same
-  shapes), so they are every rank's and restoring them everywhere is exact.
-
-``--mistake optimizer`` leaves the optimizer out of the state: a restart
-gets a fresh AdamW on every rank, the first step after it still matches (the
-weights and generators came back), the second does not, and ``resume-test``
-says the optimizer state was not restored. It runs with ``--manager rank0``
-for now: ``DistributedCheckpointManager`` does not yet take a state without
-an optimizer part (torch's ``get_state_dict`` fails on ``None``).
+``--mistake optimizer`` empties the optimizer's state after the restore (the
+lines marked MISTAKE): a restart trains on with a fresh AdamW on every rank,
+the first step after it still matches (the weights and generators came
+back), the second does not, and ``resume-test`` says the optimizer state was
+not restored.
 """
 
 from __future__ import annotations
@@ -37,20 +35,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ckpt_lesson as cl
 
-MISTAKES = ("optimizer",)
-SAMPLES, GLOBAL_BATCH, SAVE_EVERY = 256, 32, 5
+SAMPLES, GLOBAL_BATCH = 256, 32
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mistake", choices=MISTAKES, help="leave the optimizer out of the state")
-    parser.add_argument("--ckpt-dir", default=os.environ.get("CKPT_LESSON_CKPT_DIR", "runs/loop_ddp"))
+    parser.add_argument("--mistake", choices=("optimizer",), help="start AdamW afresh")  # MISTAKE
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--seed", type=int, default=11)
-    parser.add_argument("--manager", choices=("dcp", "rank0"), default="dcp", help="who saves (see above)")
     args = parser.parse_args(argv)
-    if args.mistake == "optimizer" and args.manager == "dcp":
-        parser.error("--mistake optimizer needs --manager rank0 (the DCP manager needs an optimizer part)")
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -61,22 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     y = x @ torch.randn(16, 1, generator=g) + 0.1 * torch.randn(SAMPLES, 1, generator=g)
     model = DDP(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    state = {"model": model, "optimizer": optimizer}  # RESUME: the DDP wrapper as it is
-    if args.mistake == "optimizer":
-        del state["optimizer"]  # MISTAKE (optimizer): a restart trains on with a fresh AdamW
-
-    if args.manager == "dcp":
-        mgr = cl.DistributedCheckpointManager(args.ckpt_dir, keep_last=2, every_steps=SAVE_EVERY)  # RESUME
-    else:
-        # Rank 0 opens the folder first (a manager tidies what a killed save left behind when it
-        # opens it); the others open it once that is done, only to restore.
-        if rank == 0:
-            mgr = cl.CheckpointManager(args.ckpt_dir, keep_last=2, every_steps=SAVE_EVERY)
-        dist.barrier()
-        if rank != 0:
-            mgr = cl.CheckpointManager(args.ckpt_dir, keep_last=2, every_steps=SAVE_EVERY)
-    restored = mgr.restore_latest(state)  # RESUME: every rank, the same save
-    start = restored.step if restored is not None else 0  # RESUME
+    mgr = cl.DistributedCheckpointManager(every_steps=5)  # $CKPT_LESSON_CKPT_DIR if set, else checkpoints/
+    start, state = mgr.resume(model=model, optimizer=optimizer)  # every rank, the same save; 0: a first run
+    if args.mistake == "optimizer":  # MISTAKE: a restart trains on with a fresh AdamW
+        optimizer.state.clear()  # MISTAKE
 
     model.train()
     per_epoch = SAMPLES // GLOBAL_BATCH
@@ -93,9 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.all_reduce(mean)  # the global batch's loss, so every rank's divergence shows
         if rank == 0:
             cl.log_step(step, mean.item() / world, sample_ids=batch)
-        if step % SAVE_EVERY == 0 and (args.manager == "dcp" or rank == 0):
-            mgr.save(step, state)  # RESUME
-    mgr.close()  # DCP: its own process groups go before the default one; a folder: retention ends
+        mgr.save_if_due(step, state)  # every 5 steps; a collective
+    mgr.close()  # waits for the last save's retention, frees the manager's groups before the default one
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -3,15 +3,16 @@
 The generator learns to draw points on a ring of eight Gaussian blobs. Every
 step updates the discriminator first (real points against detached fakes),
 then the generator through the updated discriminator. The training state is
-four parts, saved and restored by name; nothing is special about having two
-of each:
+four parts, restored in place and saved by name; nothing is special about
+having two of each. examples/before/loop_gan.py is the loop without
+checkpoints; this file adds five lines (``tests/test_recipes.py`` counts them):
 
     python -m ckpt_lesson resume-test -- python examples/loop_gan.py
 
-``--mistake one-optimizer`` leaves the discriminator's Adam out of the saved
-state. The first step after a restart still matches (its loss is measured
-before any update), the second does not, and ``resume-test`` says the
-optimizer state was not restored.
+``--mistake one-optimizer`` empties the discriminator's Adam after the
+restore (the lines marked MISTAKE). The first step after a restart still
+matches (its loss is measured before any update), the second does not, and
+``resume-test`` says the optimizer state was not restored.
 
 The step's logged loss is the discriminator's, measured before the step's
 updates; the generator's loss of the same step is printed, not logged: it
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 
 import torch
@@ -31,8 +31,7 @@ from torch import nn
 
 import ckpt_lesson as cl
 
-MISTAKES = ("one-optimizer",)
-SAMPLES, BATCH, NOISE, SAVE_EVERY = 512, 32, 8, 10
+SAMPLES, BATCH, NOISE = 512, 32, 8
 
 
 def ring(seed: int) -> torch.Tensor:
@@ -58,8 +57,7 @@ def batch_ids(seed: int, step: int) -> torch.Tensor:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mistake", choices=MISTAKES, help="leave the discriminator's optimizer out")
-    parser.add_argument("--ckpt-dir", default=os.environ.get("CKPT_LESSON_CKPT_DIR", "runs/loop_gan"))
+    parser.add_argument("--mistake", choices=("one-optimizer",), help="start optD afresh")  # MISTAKE
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=5)
     args = parser.parse_args(argv)
@@ -71,13 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     optG = torch.optim.Adam(netG.parameters(), lr=2e-3, betas=(0.5, 0.999))
     optD = torch.optim.Adam(netD.parameters(), lr=2e-3, betas=(0.5, 0.999))
     criterion = nn.BCEWithLogitsLoss()
-
-    state = {"netG": netG, "netD": netD, "optG": optG, "optD": optD}  # RESUME
-    if args.mistake == "one-optimizer":
-        del state["optD"]  # MISTAKE (one-optimizer): a resumed run gets a fresh Adam for D
-    mgr = cl.CheckpointManager(args.ckpt_dir, keep_last=2, every_steps=SAVE_EVERY)  # RESUME
-    restored = mgr.restore_latest(state)  # RESUME
-    start = restored.step if restored is not None else 0  # RESUME
+    mgr = cl.CheckpointManager(every_steps=10)  # into $CKPT_LESSON_CKPT_DIR if set, else checkpoints/
+    start, state = mgr.resume(netG=netG, netD=netD, optG=optG, optD=optD)  # in place; 0: a first run
+    if args.mistake == "one-optimizer":  # MISTAKE: a resumed run gets a fresh Adam for D
+        optD.state.clear()  # MISTAKE
 
     for step in range(start + 1, args.steps + 1):
         ids = batch_ids(args.seed, step)
@@ -97,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         cl.log_step(step, lossD.item(), sample_ids=ids)
         if step % 10 == 0:
             print(f"step {step}: loss_D {lossD.item():.4f} loss_G {lossG.item():.4f}")
-        if step % SAVE_EVERY == 0:
-            mgr.save(step, state)  # RESUME
+        mgr.save_if_due(step, state)  # every 10 steps
     return 0
 
 

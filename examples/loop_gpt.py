@@ -5,17 +5,20 @@ the current one is still in flight (the "prefetch"). It resumes bit for bit:
 
     python -m ckpt_lesson resume-test -- python examples/loop_gpt.py
 
-What it adds to a plain loop is five lines, marked ``# RESUME``. The one that
-needs thought is the RNG: batches are drawn from the global generator, and the
-loop draws step N+1's batch *before* step N is saved. A save that captured the
-RNG at save time would hold a generator that has already drawn that batch, so
-a resumed run would skip it. The loop therefore takes a snapshot with
-``cl.capture_rng_state()`` just before each prefetch and hands the last one to
-``save(..., rng=snapshot)``.
+examples/before/loop_gpt.py is the loop without checkpoints, in nanoGPT's
+shape (``iter_num = 0``, then ``while``); this file adds four lines
+(``tests/test_recipes.py`` counts them). The one that needs thought is the
+RNG: batches are drawn from the global generator, and the loop draws step
+N+1's batch *before* step N is saved. A save that captured the RNG at save
+time would hold a generator that has already drawn that batch, so a resumed
+run would skip it. The loop therefore takes a snapshot with
+``cl.capture_rng_state()`` just before each prefetch and hands the last one
+to ``save_if_due(..., rng=snapshot)``.
 
-``--mistake rng-after-prefetch`` saves without that snapshot (the default:
-the RNG as it is at save time); ``resume-test`` then FAILs, because the first
-batch after a restart is not the one the uninterrupted run trained on.
+``--mistake rng-after-prefetch`` saves without that snapshot (the lines
+marked MISTAKE: the RNG as it is at save time); ``resume-test`` then FAILs,
+because the first batch after a restart is not the one the uninterrupted run
+trained on.
 
 ``--backend inductor`` compiles for real (tens of seconds on a small CPU);
 the default ``eager`` backend gives the same wrapper, the same ``_orig_mod.``
@@ -26,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 
 import torch
@@ -35,8 +37,7 @@ from torch.nn import functional as F
 
 import ckpt_lesson as cl
 
-MISTAKES = ("rng-after-prefetch",)
-BLOCK, BATCH, ACCUM, SAVE_EVERY = 16, 8, 2, 10
+BLOCK, BATCH, ACCUM = 16, 8, 2
 TEXT = (
     "first citizen: before we proceed any further, hear me speak. all: speak, speak. "
     "first citizen: you are all resolved rather to die than to famish? all: resolved. "
@@ -88,8 +89,7 @@ def get_lr(step: int, steps: int, base: float = 3e-3, warmup: int = 5) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mistake", choices=MISTAKES, help="leave the pre-prefetch RNG snapshot out")
-    parser.add_argument("--ckpt-dir", default=os.environ.get("CKPT_LESSON_CKPT_DIR", "runs/loop_gpt"))
+    parser.add_argument("--mistake", choices=("rng-after-prefetch",), help="save the RNG late")  # MISTAKE
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--backend", choices=("eager", "inductor"), default="eager")
@@ -108,20 +108,21 @@ def main(argv: list[str] | None = None) -> int:
 
     model = torch.compile(GPT(len(chars)), backend=args.backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
-    mgr = cl.CheckpointManager(args.ckpt_dir, keep_last=2, every_steps=SAVE_EVERY)  # RESUME
-    restored = mgr.restore_latest({"model": model, "optimizer": optimizer})  # RESUME: the compiled model
-    start = restored.step if restored is not None else 0  # RESUME
+    step = 0  # nanoGPT's iter_num
+    mgr = cl.CheckpointManager(every_steps=10)  # into $CKPT_LESSON_CKPT_DIR if set, else checkpoints/
+    step, state = mgr.resume(model=model, optimizer=optimizer)  # the compiled model as it is
 
     model.train()
     x, y, ix = get_batch()  # the first batch, fetched before the loop
-    for step in range(start + 1, args.steps + 1):
+    while step < args.steps:
+        step += 1
         for group in optimizer.param_groups:
             group["lr"] = get_lr(step, args.steps)
         seen, total = [], 0.0
         for _ in range(ACCUM):
             loss = model(x, y) / ACCUM
             seen += ix.tolist()
-            snapshot = cl.capture_rng_state()  # RESUME: the generator before it draws the next batch
+            snapshot = cl.capture_rng_state()  # the generator before it draws the next batch
             x, y, ix = get_batch()  # prefetch: the next micro-batch, while this one's backward is pending
             loss.backward()
             total += loss.item()
@@ -129,12 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         cl.log_step(step, total, sample_ids=seen, lr=optimizer.param_groups[0]["lr"])
-        if step % SAVE_EVERY == 0 and args.mistake == "rng-after-prefetch":
-            # MISTAKE (rng-after-prefetch): without rng= the save captures the generator as it is
-            # now, after it drew the next batch; a resumed run draws the one after that instead.
-            mgr.save(step, {"model": model, "optimizer": optimizer})
-        elif step % SAVE_EVERY == 0:
-            mgr.save(step, {"model": model, "optimizer": optimizer}, rng=snapshot)  # RESUME
+        if args.mistake == "rng-after-prefetch":  # MISTAKE: the generator as it is at the save, after
+            snapshot = None  # MISTAKE: it drew the next batch; a resumed run draws the one after that
+        mgr.save_if_due(step, state, rng=snapshot)  # every 10 steps, the RNG as it was before the prefetch
     return 0
 
 

@@ -5,11 +5,17 @@ time; the hidden state at the end of one chunk is where the next chunk
 starts (detached, so backpropagation stops at the chunk's edge). That
 hidden state is training state like the weights: lose it at a restart and
 the next chunk starts from zeros. It is a plain value, so it goes into the
-saved state as one and comes back in ``restored.values``:
+saved state as one and comes back in the state ``resume`` returns.
+examples/before/loop_lstm.py is the loop without checkpoints; this file
+changes six lines of it, one over the recipes' five (``tests/test_recipes.py``
+counts them): the hidden state is reassigned every step, so besides the
+manager, the restore, the start step (a modified line, 2) and the save, it
+needs a line that takes the restored value back out of the state:
 
     python -m ckpt_lesson resume-test -- python examples/loop_lstm.py
 
-``--mistake hidden`` leaves it out; the step after a restart then differs,
+``--mistake hidden`` starts from zeros after the restore (the lines marked
+MISTAKE); the step after a restart then differs,
 and ``resume-test`` names the metric ``hidden_in`` (the norm of the state a
 step starts from, logged for exactly this reason) in its diagnosis.
 
@@ -20,7 +26,6 @@ The position in the data is a function of the step (chunk ``i`` of epoch
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
@@ -28,8 +33,7 @@ from torch import nn
 
 import ckpt_lesson as cl
 
-MISTAKES = ("hidden",)
-VOCAB, BSZ, BPTT, SAVE_EVERY = 24, 4, 8, 10
+VOCAB, BSZ, BPTT = 24, 4, 8
 
 
 class RNNModel(nn.Module):
@@ -65,8 +69,7 @@ def make_corpus(seed: int, n: int = 1200) -> torch.Tensor:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mistake", choices=MISTAKES, help="leave the hidden state out of the save")
-    parser.add_argument("--ckpt-dir", default=os.environ.get("CKPT_LESSON_CKPT_DIR", "runs/loop_lstm"))
+    parser.add_argument("--mistake", choices=("hidden",), help="start from zeros at a restart")  # MISTAKE
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=1111)
     args = parser.parse_args(argv)
@@ -78,18 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     model = RNNModel(VOCAB)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
     hidden = model.init_hidden(BSZ)
-
-    def state() -> dict:  # the training state, by name: objects restore in place, values come back
-        parts = {"model": model, "optimizer": optimizer, "hidden": list(hidden)}
-        if args.mistake == "hidden":
-            del parts["hidden"]  # MISTAKE (hidden): a resumed run starts its next chunk from zeros
-        return parts
-
-    mgr = cl.CheckpointManager(args.ckpt_dir, keep_last=2, every_steps=SAVE_EVERY)  # RESUME
-    restored = mgr.restore_latest(state())  # RESUME
-    start = restored.step if restored is not None else 0  # RESUME
-    if restored is not None and args.mistake != "hidden":
-        hidden = tuple(restored.values["hidden"])  # RESUME: the (h, c) pair the last save held
+    mgr = cl.CheckpointManager(every_steps=10)  # into $CKPT_LESSON_CKPT_DIR if set, else checkpoints/
+    start, state = mgr.resume(model=model, optimizer=optimizer, hidden=hidden)  # in place; 0: a first run
+    hidden = state["hidden"]  # the (h, c) pair the last save held (the zeros above on a first run)
+    if args.mistake == "hidden":  # MISTAKE: a resumed run starts its next chunk from zeros
+        hidden = model.init_hidden(BSZ)  # MISTAKE
 
     model.train()
     for step in range(start + 1, args.steps + 1):
@@ -108,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.step()
         hidden = tuple(h.detach() for h in hidden)
         cl.log_step(step, loss.item(), sample_ids=[i], hidden_in=hidden_in)
-        if step % SAVE_EVERY == 0:
-            mgr.save(step, state())  # RESUME
+        mgr.save_if_due(step, {**state, "hidden": hidden})  # every 10 steps, with this step's hidden state
     return 0
 
 

@@ -4,9 +4,12 @@
 
     python -m ckpt_lesson resume-test -- python examples/resume_hf.py
 
-``--mistake no-resume`` forgets ``resume_from_checkpoint=`` (marked
-``# MISTAKE`` below): every restart begins again at step 0, and resume-test
-says so.
+examples/before/resume_hf.py is the script without ckpt_lesson; this file
+changes five lines of it (``tests/test_recipes.py`` counts them): the import,
+the callback, and ``resume_from_checkpoint=`` in ``train``.
+
+``--mistake no-resume`` forgets ``resume_from_checkpoint=`` (the lines marked
+MISTAKE): every restart begins again at step 0, and resume-test says so.
 
 The Trainer restores weights, optimizer, scheduler, RNG (``rng_state.pth``)
 and its counters by itself, and skips the batches of the interrupted epoch
@@ -19,25 +22,23 @@ the newest folder whose manifest verifies.
 
 The model is a GPT-2 of about 3k parameters built from a config (nothing is
 downloaded), dropout on, 3 epochs of 6 steps, a save every 4 steps. The
-checkpoint folder (the Trainer's ``output_dir``) is ``$CKPT_LESSON_CKPT_DIR``
-when set (``resume-test`` sets it), else ``--ckpt-dir``.
+checkpoint folder is the Trainer's default ``output_dir`` (``trainer_output``),
+or ``$CKPT_LESSON_CKPT_DIR`` when set (``resume-test`` sets it; the callback
+then points the Trainer there).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from pathlib import Path
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging as hf_logging
 
-from ckpt_lesson import log_step
+import ckpt_lesson as cl
 from ckpt_lesson.integrations.hf import VerifiedCheckpointCallback, latest_verified_checkpoint
 
-MISTAKES = ("no-resume",)
 SEQUENCES, LENGTH, BATCH, EPOCHS, SAVE_EVERY = 48, 8, 8, 3, 4
 
 
@@ -46,13 +47,14 @@ class LogSteps(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
-            log_step(state.global_step, logs["loss"], grad_norm=logs["grad_norm"], lr=logs["learning_rate"])
+            cl.log_step(
+                state.global_step, logs["loss"], grad_norm=logs["grad_norm"], lr=logs["learning_rate"]
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mistake", choices=MISTAKES, help="make one classic resume mistake")
-    parser.add_argument("--ckpt-dir", default=os.environ.get("CKPT_LESSON_CKPT_DIR", "runs/resume_hf"))
+    parser.add_argument("--mistake", choices=("no-resume",), help="forget resume_from_checkpoint")  # MISTAKE
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args(argv)
     hf_logging.set_verbosity_error()
@@ -64,20 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     model = GPT2LMHeadModel(config)
     ids = torch.randint(0, 32, (SEQUENCES, LENGTH), generator=torch.Generator().manual_seed(args.seed))
     data = [{"input_ids": row, "labels": row} for row in ids]
-    output_dir = Path(args.ckpt_dir)
     training = TrainingArguments(
-        output_dir=str(output_dir), num_train_epochs=EPOCHS, per_device_train_batch_size=BATCH,
+        num_train_epochs=EPOCHS, per_device_train_batch_size=BATCH,
         save_steps=SAVE_EVERY, logging_steps=1, seed=args.seed, use_cpu=True, report_to=[],
         disable_tqdm=True, dataloader_num_workers=0,
     )  # fmt: skip
     callbacks = [VerifiedCheckpointCallback(), LogSteps()]
     trainer = Trainer(model=model, args=training, train_dataset=data, callbacks=callbacks)
-    # The newest folder whose manifest verifies; None (a fresh start) when there is none yet.
-    resume = latest_verified_checkpoint(output_dir) if output_dir.is_dir() else None
-    if args.mistake == "no-resume":
-        # MISTAKE (no-resume): without resume_from_checkpoint, every restart starts at step 0.
-        resume = None
-    trainer.train(resume_from_checkpoint=resume)
+    if args.mistake == "no-resume":  # MISTAKE: without resume_from_checkpoint, every restart starts at 0
+        trainer.train()  # MISTAKE
+        return 0  # MISTAKE
+    trainer.train(resume_from_checkpoint=latest_verified_checkpoint())  # None: a fresh start
     return 0
 
 

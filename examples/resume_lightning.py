@@ -4,9 +4,12 @@
 
     python -m ckpt_lesson resume-test -- python examples/resume_lightning.py
 
-``--mistake no-resume`` forgets ``ckpt_path=`` in ``trainer.fit`` (marked
-``# MISTAKE`` below): every restart begins again at step 0, and resume-test
-says so.
+examples/before/resume_lightning.py is the script without ckpt_lesson; this
+file changes four lines of it (``tests/test_recipes.py`` counts them): the
+import, ``plugins=[VerifiedCheckpointIO()]``, and ``ckpt_path=`` in ``fit``.
+
+``--mistake no-resume`` forgets ``ckpt_path=`` in ``trainer.fit`` (the lines
+marked MISTAKE): every restart begins again at step 0, and resume-test says so.
 
 What Lightning restores by itself from a checkpoint: weights, optimizer and
 scheduler state, the loop counters (epoch, step). What it does not, and this
@@ -26,8 +29,9 @@ script adds:
   ``training_epoch_loop.py``). ``latest_verified_checkpoint`` names the newest
   file whose integrity footer verifies; the plugin writes every file atomically.
 
-The checkpoint folder is ``$CKPT_LESSON_CKPT_DIR`` when set (``resume-test``
-sets it), else ``--ckpt-dir``. Tiny on purpose: 3 epochs of 6 steps of a
+The checkpoint folder is the trainer's own (``checkpoints/`` here: there is
+no logger), or ``$CKPT_LESSON_CKPT_DIR`` when set (``resume-test`` sets it;
+the plugin then saves there). Tiny on purpose: 3 epochs of 6 steps of a
 small MLP; nearly all of its run time is importing Lightning.
 """
 
@@ -35,20 +39,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import warnings
-from pathlib import Path
 
 import lightning as L
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
-from ckpt_lesson import log_step
+import ckpt_lesson as cl
 from ckpt_lesson.integrations.lightning import VerifiedCheckpointIO, latest_verified_checkpoint
 
-MISTAKES = ("no-resume",)
 SAMPLES, BATCH, EPOCHS = 48, 8, 3
 
 
@@ -80,7 +81,7 @@ class Tiny(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         # global_step counts optimizer steps and has already moved past this one.
-        log_step(self.trainer.global_step, outputs["loss"].item(), sample_ids=batch[2])
+        cl.log_step(self.trainer.global_step, outputs["loss"].item(), sample_ids=batch[2])
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
@@ -95,8 +96,7 @@ def make_data(seed: int) -> TensorDataset:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mistake", choices=MISTAKES, help="make one classic resume mistake")
-    parser.add_argument("--ckpt-dir", default=os.environ.get("CKPT_LESSON_CKPT_DIR", "runs/resume_lightning"))
+    parser.add_argument("--mistake", choices=("no-resume",), help="forget ckpt_path")  # MISTAKE
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")  # Lightning's advice about workers and loggers, on every run
@@ -108,21 +108,19 @@ def main(argv: list[str] | None = None) -> int:
     loader = DataLoader(
         data, batch_size=BATCH, sampler=EpochSampler(SAMPLES, args.seed), generator=torch.Generator()
     )
-    ckpt_dir = Path(args.ckpt_dir)
     every_epoch = L.pytorch.callbacks.ModelCheckpoint(
-        dirpath=ckpt_dir, filename="{epoch}-{step}", every_n_epochs=1, save_top_k=-1
+        filename="{epoch}-{step}", every_n_epochs=1, save_top_k=-1
     )
     trainer = L.Trainer(
-        max_epochs=EPOCHS, accelerator="cpu", devices=1, plugins=[VerifiedCheckpointIO()],
+        max_epochs=EPOCHS, accelerator="cpu", devices=1,
+        plugins=[VerifiedCheckpointIO()],
         callbacks=[every_epoch], logger=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0,
     )  # fmt: skip
-    # The newest file whose footer verifies; None (a fresh start) when there is none yet.
-    resume = latest_verified_checkpoint(ckpt_dir)
-    if args.mistake == "no-resume":
-        # MISTAKE (no-resume): without ckpt_path, fit starts from step 0 on every restart.
-        resume = None
-    trainer.fit(Tiny(), loader, ckpt_path=resume)
+    if args.mistake == "no-resume":  # MISTAKE: without ckpt_path, fit starts from step 0 on every restart
+        trainer.fit(Tiny(), loader)  # MISTAKE
+        return 0  # MISTAKE
+    trainer.fit(Tiny(), loader, ckpt_path=latest_verified_checkpoint())  # newest that verifies; None: fresh
     return 0
 
 

@@ -32,13 +32,12 @@ CASES = {
     "gan": (PY, "loop_gan.py", TWO_KILLS, ()),
     "amp": (PY, "loop_amp.py", TWO_KILLS, ()),
     "ddp": (TORCHRUN, "loop_ddp.py", TWO_KILLS, ()),  # DistributedCheckpointManager; saves at 5, 10, 15
-    "ddp-rank0": (TORCHRUN, "loop_ddp.py", AFTER_SAVE, ("--manager", "rank0")),
     "epochs": (PY, "loop_epochs.py", TWO_KILLS, ()),  # 16 batches an epoch, saves every 5: mid-epoch
     "gpt-rng-after-prefetch": (PY, "loop_gpt.py", AFTER_SAVE, (*SHORT, "--mistake", "rng-after-prefetch")),
     "lstm-hidden": (PY, "loop_lstm.py", AFTER_SAVE, (*SHORT, "--mistake", "hidden")),
     "gan-one-optimizer": (PY, "loop_gan.py", AFTER_SAVE, (*SHORT, "--mistake", "one-optimizer")),
     "amp-scaler": (PY, "loop_amp.py", AFTER_SAVE, (*SHORT, "--mistake", "scaler")),
-    "ddp-optimizer": (TORCHRUN, "loop_ddp.py", AFTER_SAVE, ("--manager", "rank0", "--mistake", "optimizer")),
+    "ddp-optimizer": (TORCHRUN, "loop_ddp.py", AFTER_SAVE, ("--mistake", "optimizer")),
     "epochs-loader": (PY, "loop_epochs.py", AFTER_SAVE, ("--mistake", "loader")),
 }  # fmt: skip
 
@@ -62,7 +61,7 @@ def reports(request, tmp_path_factory):
     return {case: future.result() for case, future in futures.items()}
 
 
-@pytest.mark.parametrize("case", ["gpt", "lstm", "gan", "amp", "ddp", "ddp-rank0", "epochs"])
+@pytest.mark.parametrize("case", ["gpt", "lstm", "gan", "amp", "ddp", "epochs"])
 def test_each_example_loop_resumes_bit_for_bit_after_every_kill(reports, case):
     code, report = reports[case]
     assert code == 0, report.get("diagnosis")

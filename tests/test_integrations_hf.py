@@ -220,6 +220,20 @@ def test_the_helper_defaults_to_the_resume_test_folder_or_the_trainers_default(t
     assert latest_verified_checkpoint() == str(tmp_path / "elsewhere" / "checkpoint-7")
 
 
+def test_with_the_variable_set_the_callback_moves_the_trainers_saves_there_and_the_helper_finds_them(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CKPT_LESSON_CKPT_DIR", str(tmp_path / "under-test"))
+    train(tmp_path / "given", max_steps=2)
+    assert not list((tmp_path / "given").glob("checkpoint-*"))  # (the Trainer makes the folder at init)
+    assert verify_folder(tmp_path / "under-test" / "checkpoint-2") is None  # None: it verifies
+    assert latest_verified_checkpoint() == str(tmp_path / "under-test" / "checkpoint-2")
+    monkeypatch.delenv("CKPT_LESSON_CKPT_DIR")
+    train(tmp_path / "given", max_steps=2)  # unset: output_dir stays as given
+    assert verify_folder(tmp_path / "given" / "checkpoint-2") is None
+
+
 def test_the_callback_is_a_trainer_callback():
     from transformers import TrainerCallback
 

@@ -211,6 +211,33 @@ def test_the_default_folder_finds_the_previous_runs_save_under_another_version(t
     assert latest_verified_checkpoint() == str(root / "version_0" / "checkpoints" / "step=4.ckpt")
 
 
+def test_with_the_variable_set_the_plugin_saves_and_removes_there_and_the_helper_resumes_from_there(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    under_test = tmp_path / "under-test"
+    under_test.mkdir()
+    monkeypatch.setenv("CKPT_LESSON_CKPT_DIR", str(under_test))
+    train(tmp_path / "given", max_steps=4)
+    assert not list((tmp_path / "given").glob("*.ckpt"))  # nothing where ModelCheckpoint pointed
+    assert sorted(p.name for p in under_test.glob("*.ckpt")) == ["last.ckpt", "step=2.ckpt", "step=4.ckpt"]
+    plugin = VerifiedCheckpointIO()
+    plugin.remove_checkpoint(tmp_path / "given" / "step=2.ckpt")  # Lightning's path, removed there
+    assert not (under_test / "step=2.ckpt").exists()
+    newest = latest_verified_checkpoint()
+    assert Path(newest).parent == under_test and plugin.load_checkpoint(newest)["global_step"] == 4
+    result = train(tmp_path / "given", max_steps=6, resume=newest)  # a restart resumes from there
+    assert result["global_step"] == 6 and (under_test / "step=6.ckpt").is_file()
+
+
+def test_without_the_variable_the_helper_finds_a_logger_less_trainers_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CKPT_LESSON_CKPT_DIR", raising=False)
+    VerifiedCheckpointIO().save_checkpoint({"epoch": 0, "global_step": 3, "state_dict": {}},
+                                           tmp_path / "checkpoints" / "epoch=0-step=3.ckpt")  # fmt: skip
+    assert Path(latest_verified_checkpoint()).resolve() == tmp_path / "checkpoints" / "epoch=0-step=3.ckpt"
+
+
 def test_scan_lists_each_ckpt_of_a_lightning_run_with_epoch_and_step_and_names_the_newest(reference, capsys):
     ckdir = reference[0]
     results = scan_checkpoints(ckdir)

@@ -37,6 +37,7 @@ from ckpt_lesson.runs.async_report import forget_failure, note_failure_of
 from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale
 from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, clean_unmarked
+from ckpt_lesson.runs.loop_api import LoopMethods, default_run_dir
 from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
 from ckpt_lesson.runs.scan import step_dir_name
 from ckpt_lesson.runs.state_args import positional_restore_args
@@ -51,11 +52,12 @@ __all__ = ["DistributedCheckpointManager"]
 log = logging.getLogger("ckpt_lesson.distributed")
 
 
-class DistributedCheckpointManager:
+class DistributedCheckpointManager(LoopMethods):
     """Save, purge and restore the DCP checkpoints of a multi-rank run.
 
     Args:
         run_dir: The run's folder on a file system every rank shares, or an fsspec URL.
+            Default: ``$CKPT_LESSON_CKPT_DIR`` when set, else ``checkpoints``.
         keep_last: How many verified saves retention keeps (ignored when ``retention`` is given).
         every_steps: Save every this many steps (with ``every_seconds``, at least one is set).
         every_seconds: Save when this many seconds passed since the last save; the time rule
@@ -88,7 +90,7 @@ class DistributedCheckpointManager:
 
     def __init__(
         self,
-        run_dir: str | os.PathLike[str],
+        run_dir: str | os.PathLike[str] | None = None,
         *,
         keep_last: int = 3,
         every_steps: int | None = None,
@@ -111,7 +113,7 @@ class DistributedCheckpointManager:
             self.metadata = json.loads(json.dumps(dict(metadata or {}), allow_nan=False))
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"metadata must be a JSON dict: {exc}") from exc
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(default_run_dir(run_dir))
         self.algo, self.thread_count, self.on_event, self.publish = algo, thread_count, on_event, publish
         # Two groups of our own: control decisions on the training thread, and DCP's collectives,
         # which an asynchronous save issues from its background thread (see comm.py).
@@ -137,7 +139,8 @@ class DistributedCheckpointManager:
             raise problem
 
     def __new__(cls, run_dir: Any = None, *args: Any, **kwargs: Any) -> DistributedCheckpointManager:
-        if cls is DistributedCheckpointManager and is_store_url(run_dir):  # s3://bucket/prefix
+        # s3://bucket/prefix: the store variant
+        if cls is DistributedCheckpointManager and is_store_url(default_run_dir(run_dir)):
             from .store_manager import StoreDistributedCheckpointManager
 
             return super().__new__(StoreDistributedCheckpointManager)

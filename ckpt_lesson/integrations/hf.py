@@ -15,6 +15,12 @@ fsynced the files and the folder (see :mod:`ckpt_lesson.runs.folder_manifest`).
 :func:`latest_verified_checkpoint` returns the newest folder whose manifest
 verifies, logging why newer ones were skipped.
 
+Where: the Trainer's ``output_dir`` (its default is ``trainer_output``), or
+``$CKPT_LESSON_CKPT_DIR`` when that is set (``resume-test`` sets it): the
+callback points the Trainer there when the Trainer is built (``on_init_end``),
+and ``latest_verified_checkpoint()`` looks in the same place, so a script is
+tested without a flag or a path of its own.
+
 One caveat, from the Trainer's order of work: with ``save_total_limit`` the
 Trainer deletes old folders *before* ``on_save`` runs, so the newest verified
 folder can be deleted while the newest folder is still unrecorded. Keep
@@ -23,7 +29,7 @@ folder can be deleted while the newest folder is still unrecorded. Keep
 Example:
     >>> callbacks = [VerifiedCheckpointCallback()]
     >>> trainer = Trainer(model, args, train_dataset=ds, callbacks=callbacks)  # doctest: +SKIP
-    >>> trainer.train(resume_from_checkpoint=latest_verified_checkpoint(args.output_dir))  # doctest: +SKIP
+    >>> trainer.train(resume_from_checkpoint=latest_verified_checkpoint())  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -63,6 +69,10 @@ class VerifiedCheckpointCallback(_CallbackBase):  # type: ignore[misc,valid-type
     barrier when a process group is running). Pass it as
     ``Trainer(..., callbacks=[VerifiedCheckpointCallback()])``.
 
+    When ``$CKPT_LESSON_CKPT_DIR`` is set, the callback sets the Trainer's
+    ``args.output_dir`` to it as the Trainer is built, so every save lands in the
+    folder ``resume-test`` watches; unset, ``output_dir`` stays as given.
+
     Raises:
         CheckpointError: transformers is not installed.
 
@@ -77,6 +87,14 @@ class VerifiedCheckpointCallback(_CallbackBase):  # type: ignore[misc,valid-type
                 "install it with 'pip install transformers>=4.46 accelerate'."
             )
         super().__init__()
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """Point ``args.output_dir`` at ``$CKPT_LESSON_CKPT_DIR`` when it is set (logged), else leave it."""
+        folder = os.environ.get(CKPT_DIR_ENV)
+        if folder and os.fspath(args.output_dir) != folder:
+            log.info("saving into $%s=%s instead of output_dir=%s", CKPT_DIR_ENV, folder, args.output_dir)
+            args.output_dir = folder
+        return control
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         """Record ``output_dir/checkpoint-{global_step}``; a missing folder is logged, not fatal.

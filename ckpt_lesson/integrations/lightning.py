@@ -34,6 +34,14 @@ the save, and is skipped if that save failed.
 To resume, :func:`latest_verified_checkpoint` names the newest ``.ckpt`` whose
 footer verifies (``ckpt_path="last"`` trusts ``last.ckpt`` unread).
 
+Where: wherever the trainer saves (its default is
+``lightning_logs/version_N/checkpoints``, or ``checkpoints/`` without a logger),
+or, when ``$CKPT_LESSON_CKPT_DIR`` is set (``resume-test`` sets it), that folder:
+the plugin then writes each file there under the name Lightning gave it, and
+removes it from there. ``latest_verified_checkpoint()`` with no argument looks
+in the same places, every ``version_N`` included, so adoption is two changes:
+``plugins=[VerifiedCheckpointIO()]`` and ``ckpt_path=latest_verified_checkpoint()``.
+
 Example:
     >>> from ckpt_lesson.integrations.lightning import VerifiedCheckpointIO  # doctest: +SKIP
     >>> trainer = lightning.Trainer(plugins=[VerifiedCheckpointIO()])  # doctest: +SKIP
@@ -113,6 +121,10 @@ class VerifiedCheckpointIO(_CheckpointIOBase):  # type: ignore[misc,valid-type]
             training thread when the save is requested and restored when
             ``fit(ckpt_path=...)`` loads the file, before the first resumed step.
 
+    With ``$CKPT_LESSON_CKPT_DIR`` set, saves and removals go to that folder, each file under
+    the name Lightning gave it (two checkpoint callbacks that use the same file names in
+    different folders would then share one; give them distinct ``filename`` patterns).
+
     Raises:
         CheckpointError: Lightning is not installed.
 
@@ -146,7 +158,7 @@ class VerifiedCheckpointIO(_CheckpointIOBase):  # type: ignore[misc,valid-type]
             )
         if self.rng and RNG_KEY not in checkpoint:  # the async wrapper captured it already, on time
             checkpoint = {**checkpoint, RNG_KEY: capture_rng_state()}
-        digest = atomic_save(checkpoint, _local_path(path))
+        digest = atomic_save(checkpoint, _redirected(_local_path(path)))
         log.debug("saved %s (%d bytes, %s %s)", path, digest.size, digest.algo, digest.digest[:12])
 
     def load_checkpoint(
@@ -206,7 +218,7 @@ class VerifiedCheckpointIO(_CheckpointIOBase):  # type: ignore[misc,valid-type]
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Delete ``path`` (missing is fine) and fsync its directory, so the deletion is durable too."""
-        path = _local_path(path)
+        path = _redirected(_local_path(path))
         if path.is_dir() and not path.is_symlink():
             raise CheckpointError(
                 f"{path}: is a directory; VerifiedCheckpointIO removes checkpoint files only."
@@ -288,7 +300,8 @@ def latest_verified_checkpoint(dirpath: str | os.PathLike[str] | None = None) ->
     ``dirpath`` is ``ModelCheckpoint``'s folder, or a Lightning log root: Lightning's default
     folder, ``lightning_logs/version_N/checkpoints``, moves to a new ``version_N`` on every start,
     so every ``version_*/checkpoints`` under it (and under its ``lightning_logs/``) is searched
-    too, and a restart finds the previous run's saves. Newest means the highest ``global_step``
+    too, and a restart finds the previous run's saves; so is its ``checkpoints/`` (the default
+    folder of a trainer without a logger). Newest means the highest ``global_step``
     (then epoch, then the most recent file: ``last.ckpt`` and ``epoch=3-step=12.ckpt`` hold the
     same step). Damaged files, files without our footer and temp files of killed saves are
     skipped with a warning naming the reason. Nothing is unpickled: epoch and step come from
@@ -296,7 +309,8 @@ def latest_verified_checkpoint(dirpath: str | os.PathLike[str] | None = None) ->
 
     Args:
         dirpath: The folder. Default: ``$CKPT_LESSON_CKPT_DIR`` when set (``resume-test`` sets
-            it), else ``lightning_logs`` (the trainer's default, relative to the working folder).
+            it, and the plugin then saves there), else the working folder (the trainer's
+            ``default_root_dir``), searched as above.
 
     Returns:
         The file's path as a string, or ``None`` when the folder is missing,
@@ -310,7 +324,7 @@ def latest_verified_checkpoint(dirpath: str | os.PathLike[str] | None = None) ->
         >>> trainer.fit(model, ckpt_path=latest_verified_checkpoint())  # doctest: +SKIP
     """
     if dirpath is None:
-        dirpath = os.environ.get(CKPT_DIR_ENV) or "lightning_logs"
+        dirpath = os.environ.get(CKPT_DIR_ENV) or "."
     dirpath = Path(dirpath)
     if not dirpath.exists():
         return None  # a first run: nothing saved yet, so fit starts fresh
@@ -318,7 +332,8 @@ def latest_verified_checkpoint(dirpath: str | os.PathLike[str] | None = None) ->
         raise CheckpointError(
             f"{dirpath}: is a file, not a checkpoint folder; pass ModelCheckpoint's dirpath."
         )
-    versions = [*dirpath.glob("version_*/checkpoints"), *dirpath.glob("lightning_logs/version_*/checkpoints")]
+    versions = [*dirpath.glob("checkpoints"), *dirpath.glob("version_*/checkpoints"),
+                *dirpath.glob("lightning_logs/version_*/checkpoints")]  # fmt: skip
     folders = [dirpath, *sorted(f for f in versions if f.is_dir() and not f.is_symlink())]
     found = [inspect_lightning_file(p) for folder in folders for p in folder.iterdir() if _is_candidate(p)]
     for skipped in found:
@@ -326,6 +341,12 @@ def latest_verified_checkpoint(dirpath: str | os.PathLike[str] | None = None) ->
             log.warning("skipping %s: %s", skipped.path.name, skipped.reason)
     good = [f for f in found if f.status == "ok"]
     return str(max(good, key=newness).path) if good else None
+
+
+def _redirected(path: Path) -> Path:
+    # resume-test's folder, when it set one, in place of the folder Lightning chose.
+    folder = os.environ.get(CKPT_DIR_ENV)
+    return Path(folder) / path.name if folder else path
 
 
 def _on_cpu(tree: Any) -> Any:

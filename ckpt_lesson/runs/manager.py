@@ -46,6 +46,7 @@ from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale, open_staging, publish
 from ckpt_lesson.runs.contract import ENV_POLICIES
 from ckpt_lesson.runs.deleter import BackgroundRetention
+from ckpt_lesson.runs.loop_api import LoopMethods, default_run_dir
 from ckpt_lesson.runs.manager_config import EventHook, ManagerConfig
 from ckpt_lesson.runs.restore import check_resume_contract, restore_newest
 from ckpt_lesson.runs.restore_state import loader_for
@@ -60,11 +61,12 @@ __all__ = ["CheckpointManager"]
 log = logging.getLogger(__name__)
 
 
-class CheckpointManager:
+class CheckpointManager(LoopMethods):
     """Save, purge, scan and restore the checkpoints of one run directory.
 
     Args:
-        run_dir: The run's folder (created if missing).
+        run_dir: The run's folder (created if missing). Default: ``$CKPT_LESSON_CKPT_DIR``
+            when set (``resume-test`` sets it), else ``checkpoints``.
         keep_last: How many verified saves retention keeps.
         every_steps: Cadence for :meth:`should_save`: every this many steps.
         every_seconds: Cadence for :meth:`should_save`: this many seconds after the last save
@@ -94,16 +96,15 @@ class CheckpointManager:
 
     Example:
         >>> with CheckpointManager("runs/a", keep_last=2, every_steps=50) as mgr:  # doctest: +SKIP
-        ...     restored = mgr.restore_latest({"model": model, "optimizer": opt})
-        ...     for step in range(restored.step + 1 if restored else 1, 501):
+        ...     start, state = mgr.resume(model=model, optimizer=opt)  # 0 on a first run
+        ...     for step in range(start + 1, 501):
         ...         train_one_step(model, opt)
-        ...         if mgr.should_save(step):
-        ...             mgr.save(step, {"model": model, "optimizer": opt})
+        ...         mgr.save_if_due(step, state)
     """
 
     def __new__(cls, run_dir: Any = None, *args: Any, **kwargs: Any) -> CheckpointManager:
         # A URL (s3://bucket/prefix): same API, plus an object store's commit (runs/store_manager.py).
-        if cls is CheckpointManager and is_store_url(run_dir):
+        if cls is CheckpointManager and is_store_url(default_run_dir(run_dir)):
             from ckpt_lesson.runs.store_manager import StoreCheckpointManager
 
             return super().__new__(StoreCheckpointManager)
@@ -111,7 +112,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        run_dir: str | os.PathLike[str],
+        run_dir: str | os.PathLike[str] | None = None,
         *,
         keep_last: int = 3,
         every_steps: int | None = None,
@@ -149,7 +150,7 @@ class CheckpointManager:
             scrub_bytes_per_s=scrub_bytes_per_s,
             background_retention=background_retention,
         )
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(default_run_dir(run_dir))
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise CheckpointError(f"{self.run_dir}: exists and is not a directory; pass a run directory.")
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -171,8 +172,6 @@ class CheckpointManager:
         #: What the last :meth:`save` did (step, path, save_id, seconds).
         self.last_save: dict[str, Any] | None = None
         self.clean_stale()
-
-    # ------------------------------------------------------------------ basics
 
     def __enter__(self) -> CheckpointManager:
         return self
