@@ -23,6 +23,7 @@ A missing *object* stays a ``FileNotFoundError`` for the caller to judge.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import uuid
 from collections.abc import Iterator, Mapping
@@ -32,7 +33,7 @@ from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, LoadEnvironmentError
 from ckpt_lesson.files.hashing import DEFAULT_ALGO, digest_bytes, new_hasher
-from ckpt_lesson.files.storage import CHUNK_BYTES, Storage, check_key
+from ckpt_lesson.files.storage import CHUNK_BYTES, Storage, check_key, is_plain_key
 from ckpt_lesson.files.storage_transfer import (
     DOWNLOAD_CONCURRENCY,
     UPLOAD_BLOCK_BYTES,
@@ -43,6 +44,8 @@ from ckpt_lesson.files.storage_transfer import (
 )
 
 __all__ = ["FsspecStorage", "INSTALL_HINT"]
+
+log = logging.getLogger("ckpt_lesson.files.storage")
 
 INSTALL_HINT = "pip install ckpt_lesson[s3]"
 #: Parts below this size go up in one PUT, as s3fs's own put_file does (below 2 x 50 MiB);
@@ -102,6 +105,7 @@ class FsspecStorage(Storage):
         self.bucket = self.root.split("/", 1)[0]
         #: Multipart block for large parts (S3's minimum is 5 MiB); tests lower it.
         self.upload_block_bytes = UPLOAD_BLOCK_BYTES
+        self._warned: set[str] = set()  # odd keys already named in a warning (once each)
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.url!r})"
@@ -299,7 +303,22 @@ class FsspecStorage(Storage):
         if not prefix and not found:
             self._check_bucket()
         cut = len(self.root) + 1
-        return sorted(p[cut:] for p in found if p.startswith(self.root + "/"))
+        keys = {p[cut:] for p in found if p.startswith(self.root + "/")} - {""}  # "" : a folder marker
+        odd = sorted(k for k in keys if not is_plain_key(k))
+        if odd:
+            # Anyone who can write to the bucket can put any key there: one we cannot even name
+            # safely (``..``, ``//``, ``/./``) is skipped and never read, deleted or counted.
+            new = [k for k in odd if k not in self._warned]
+            self._warned.update(new)
+            if new:
+                log.warning(
+                    "%s: skipped %d key(s) this package never writes and will not touch: %s",
+                    self.url, len(new), ", ".join(repr(k) for k in new[:10]),
+                )  # fmt: skip
+        return sorted(keys.difference(odd))
+
+    def check_reachable(self) -> None:
+        self._check_bucket()
 
     def _check_bucket(self) -> None:
         """An empty listing from a missing bucket must not read as "no saves yet"."""
@@ -342,7 +361,11 @@ class FsspecStorage(Storage):
         key_prefix = f"{self.root}/{prefix}".split("/", 1)[1]
         with self._reaching("listing unfinished uploads"):
             listed = call("list_multipart_uploads", Bucket=self.bucket, Prefix=key_prefix)
-            uploads = listed.get("Uploads", [])
+            root_key = self.root.partition("/")[2]
+            uploads = [  # an upload whose key we cannot name safely is someone else's: never aborted
+                up for up in listed.get("Uploads", [])
+                if is_plain_key(up["Key"][len(root_key) + 1 :] if root_key else up["Key"])
+            ]  # fmt: skip
             for up in uploads:
                 call("abort_multipart_upload", Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
         return len(uploads)

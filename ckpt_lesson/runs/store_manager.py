@@ -66,12 +66,14 @@ class StoreCheckpointManager(CheckpointManager):
             nothing in it. A fresh temporary folder by default, removed by :meth:`close`.
         lease_seconds: How long this writer's uploads count as alive after its
             last sign of life; a dead writer's leftovers go after that.
+        read_only: Refuse every save (one-line ``CheckpointError``). Without it a manager
+            writes nothing either until its first save: the conditional-write probe and the
+            cleanup of dead writers' uploads run then, so read-only credentials can restore.
         **kwargs: Everything :class:`CheckpointManager` accepts.
 
     Raises:
-        CheckpointError: The store client is missing (``pip install
-            ckpt_lesson[s3]``), or the store lacks conditional writes.
-        LoadEnvironmentError: The bucket cannot be reached.
+        CheckpointError: The store client is missing (``pip install ckpt_lesson[s3]``).
+        LoadEnvironmentError: The bucket cannot be reached (or does not exist).
 
     Example:
         >>> mgr = CheckpointManager("s3://my-bucket/runs/exp1", keep_last=2)  # doctest: +SKIP
@@ -85,13 +87,18 @@ class StoreCheckpointManager(CheckpointManager):
         storage_options: Mapping[str, Any] | None = None,
         cache_dir: str | Path | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        read_only: bool = False,
         **kwargs: Any,
     ) -> None:
         if not lease_seconds > 0:
             raise CheckpointError(f"lease_seconds must be > 0, got {lease_seconds!r}.")
         self.url = str(url).rstrip("/")
         self.storage = open_storage(self.url, storage_options)
-        self.storage.check_conditional_writes()
+        self.read_only = bool(read_only)
+        # A manager opened to restore, scan or report writes nothing to the store (an eval job
+        # may hold read-only credentials): the probe and the cleanup wait for the first save.
+        self._writing = False
+        self.storage.check_reachable()  # a read: a missing bucket or wrong credentials named now
         self.lease_seconds = float(lease_seconds)
         self._own_cache = cache_dir is None
         self._downloaded: list[Path] = []  # sharded saves fetched by the restore in progress
@@ -132,11 +139,26 @@ class StoreCheckpointManager(CheckpointManager):
             CommitConflictError: Another writer committed this step first.
             CheckpointError: As :meth:`CheckpointManager.save`.
         """
+        self._open_for_writing()
         return self._upload(Path(super().save(*args, **kwargs)))
 
     def save_payload(self, payload: dict[str, Any]) -> str:  # type: ignore[override]
         """:meth:`save` for a state-API payload (what :class:`AsyncCheckpointer` hands over)."""
+        self._open_for_writing()
         return self._upload(Path(super().save_payload(payload)))
+
+    def _open_for_writing(self) -> None:
+        """Before the first save: refuse a reader, prove the marker fences, clean up dead writers."""
+        if self.read_only:
+            raise CheckpointError(
+                f"{self.url}: this manager was opened with read_only=True and never writes to the store; "
+                "open one without read_only=True (and with write credentials) to save."
+            )
+        if self._writing:
+            return
+        self.storage.check_conditional_writes()  # a store whose marker fences nothing is refused
+        self._writing = True
+        clean_uncommitted(self.storage)
 
     def _upload(self, local: Path) -> str:
         step = int(self.last_save["step"]) if self.last_save else -1
@@ -189,8 +211,9 @@ class StoreCheckpointManager(CheckpointManager):
         return True
 
     def clean_stale(self, *, spare_own: bool = False) -> list[str]:
-        """Local leftovers, then uploads in the store whose writer's lease has expired."""
-        return super().clean_stale(spare_own=spare_own) + clean_uncommitted(self.storage)
+        """Local leftovers, then (once this manager has saved) uploads whose writer's lease has expired."""
+        local = super().clean_stale(spare_own=spare_own)
+        return local + clean_uncommitted(self.storage) if self._writing else local
 
     # ------------------------------------------------------------------ restore
 
