@@ -23,8 +23,6 @@ to the local manager, every call form it accepts works here unchanged.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -46,6 +44,7 @@ from ckpt_lesson.runs.store_commit import (
     upload_save,
 )
 from ckpt_lesson.runs.store_restore import open_verified, verify_store_save
+from ckpt_lesson.runs.store_staging import StagingFolder
 
 __all__ = ["StoreCheckpointManager"]
 
@@ -63,7 +62,10 @@ class StoreCheckpointManager(CheckpointManager):
         cache_dir: Local scratch folder where each save is staged before its
             upload (and a sharded save is downloaded for its restore); not a
             cache of downloads: a restore reads nothing from it and keeps
-            nothing in it. A fresh temporary folder by default, removed by :meth:`close`.
+            nothing in it. By default a fresh ``ckpt-lesson-cache-*`` folder in
+            the temp dir (``$TMPDIR``), removed by :meth:`close` or at exit, and
+            reclaimed by a later manager if this process is killed
+            (:mod:`~ckpt_lesson.runs.store_staging`). A folder passed here is never removed.
         lease_seconds: How long this writer's uploads count as alive after its
             last sign of life; a dead writer's leftovers go after that.
         read_only: Refuse every save (one-line ``CheckpointError``). Without it a manager
@@ -100,19 +102,20 @@ class StoreCheckpointManager(CheckpointManager):
         self._writing = False
         self.storage.check_reachable()  # a read: a missing bucket or wrong credentials named now
         self.lease_seconds = float(lease_seconds)
-        self._own_cache = cache_dir is None
         self._downloaded: list[Path] = []  # sharded saves fetched by the restore in progress
-        cache = Path(tempfile.mkdtemp(prefix="ckpt-lesson-cache-")) if cache_dir is None else Path(cache_dir)
-        super().__init__(cache, **kwargs)
+        # Default staging: $TMPDIR/ckpt-lesson-cache-*, locked for this manager's life, removed by
+        # close() or interpreter exit; a killed process's folder is reclaimed by the next manager.
+        self._staging = StagingFolder() if cache_dir is None else None
+        super().__init__(self._staging.path if self._staging else Path(cache_dir), **kwargs)
 
     def __repr__(self) -> str:
         return f"StoreCheckpointManager({self.url!r}, keep_last={self.config.keep_last})"
 
     def close(self) -> None:
-        """Stop accepting saves and remove the temporary cache folder (if this manager made it)."""
+        """Stop accepting saves and remove the staging folder (if this manager made it)."""
         super().close()
-        if self._own_cache:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self._staging is not None:
+            self._staging.remove()
 
     # ------------------------------------------------------------------ discovery
 
