@@ -231,7 +231,12 @@ class LocalStorage(Storage):
             self._path(key).unlink(missing_ok=True)
 
 
-def open_storage(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Storage:
+def open_storage(
+    url: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    timeout: float | None = None,
+) -> Storage:
     """The storage behind ``url``: :class:`LocalStorage` for a path, fsspec for a URL.
 
     Args:
@@ -239,6 +244,7 @@ def open_storage(url: str | os.PathLike[str], storage_options: Mapping[str, Any]
         storage_options: Passed to the fsspec filesystem (``key``, ``secret``,
             ``client_kwargs={"endpoint_url": ...}``); by default credentials and
             endpoint come from the environment, as for boto3.
+        timeout: Seconds any one request to a store may wait (default 300); ignored for a folder.
 
     Returns:
         A :class:`Storage`.
@@ -255,4 +261,4 @@ def open_storage(url: str | os.PathLike[str], storage_options: Mapping[str, Any]
         return LocalStorage(url)
     from ckpt_lesson.files.storage_fsspec import FsspecStorage
 
-    return FsspecStorage(str(url), storage_options)
+    return FsspecStorage(str(url), storage_options, timeout=timeout)

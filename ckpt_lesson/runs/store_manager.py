@@ -30,6 +30,7 @@ from typing import Any
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from ckpt_lesson.files.state_payload import Restored
 from ckpt_lesson.files.storage import open_storage
+from ckpt_lesson.files.storage_transfer import DEFAULT_TIMEOUT, check_timeout
 from ckpt_lesson.runs.commit import delete_save
 from ckpt_lesson.runs.manager import CheckpointManager, log
 from ckpt_lesson.runs.save_source import Candidates, SaveSource
@@ -71,6 +72,8 @@ class StoreCheckpointManager(CheckpointManager):
         read_only: Refuse every save (one-line ``CheckpointError``). Without it a manager
             writes nothing either until its first save: the conditional-write probe and the
             cleanup of dead writers' uploads run then, so read-only credentials can restore.
+        timeout: Seconds any one store request may wait (default 300): a store that goes
+            silent is a one-line ``LoadEnvironmentError`` naming the bucket and what waited.
         **kwargs: Everything :class:`CheckpointManager` accepts.
 
     Raises:
@@ -90,12 +93,13 @@ class StoreCheckpointManager(CheckpointManager):
         cache_dir: str | Path | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         read_only: bool = False,
+        timeout: float = DEFAULT_TIMEOUT,
         **kwargs: Any,
     ) -> None:
         if not lease_seconds > 0:
             raise CheckpointError(f"lease_seconds must be > 0, got {lease_seconds!r}.")
         self.url = str(url).rstrip("/")
-        self.storage = open_storage(self.url, storage_options)
+        self.storage = open_storage(self.url, storage_options, timeout=check_timeout(timeout))
         self.read_only = bool(read_only)
         # A manager opened to restore, scan or report writes nothing to the store (an eval job
         # may hold read-only credentials): the probe and the cleanup wait for the first save.
