@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from _s3_server import options_for
+from _s3_server import options_for, read_only_options
 
 from ckpt_lesson.errors import LoadEnvironmentError
 from ckpt_lesson.files.checkpoint import TrainState
@@ -282,29 +282,6 @@ def test_odd_keys_under_the_prefix_are_skipped_with_a_warning_and_never_touched(
     assert set(odd) <= {o["Key"] for o in fs.call_s3("list_objects_v2", Bucket=s3_bucket.name)["Contents"]}
 
 
-def _read_only_options(bucket):
-    """Credentials of a new IAM user allowed only s3:Get*, s3:List*, s3:Describe* (AWS's read-only policy)."""
-    import json
-
-    import boto3
-
-    iam = boto3.client(
-        "iam",
-        endpoint_url=bucket.endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )
-    user = f"reader-{bucket.name}"
-    iam.create_user(UserName=user)
-    arns = [f"arn:aws:s3:::{bucket.name}", f"arn:aws:s3:::{bucket.name}/*"]
-    allow = {"Effect": "Allow", "Action": ["s3:Get*", "s3:List*", "s3:Describe*"], "Resource": arns}
-    policy = {"Version": "2012-10-17", "Statement": [allow]}
-    iam.put_user_policy(UserName=user, PolicyName="read-only", PolicyDocument=json.dumps(policy))
-    key = iam.create_access_key(UserName=user)["AccessKey"]
-    return options_for(bucket.endpoint, key=key["AccessKeyId"], secret=key["SecretAccessKey"])
-
-
 def _objects(bucket):
     listed = bucket.fs().call_s3("list_objects_v2", Bucket=bucket.name).get("Contents", [])
     return {(o["Key"], o["ETag"]) for o in listed}
@@ -323,7 +300,7 @@ def test_read_only_credentials_restore_scan_and_report_and_write_nothing(tiny_ru
     # A dead writer's upload (no LEASE): any cleanup would delete it, so it shows that none ran.
     dead = "run/step-00000006/" + "d" * 32 + "/checkpoint.pt"
     s3_bucket.fs().call_s3("put_object", Bucket=s3_bucket.name, Key=dead, Body=b"partial")
-    reader = _read_only_options(s3_bucket)
+    reader = read_only_options(s3_bucket)
     before = _objects(s3_bucket)
     # moto enforces IAM policies once asked to; from here every request is checked against them.
     monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
