@@ -278,7 +278,22 @@ class FsspecStorage(Storage):
         return sorted(keys.difference(odd))
 
     def check_reachable(self) -> None:
-        self._check_bucket()
+        if getattr(self.fs, "call_s3", None) is None:
+            return self._check_bucket()
+        # S3: one key of the run's own prefix, which a policy scoped to that prefix allows
+        # (HeadBucket, what fs.exists asks, needs rights on the whole bucket).
+        prefix = self.root.partition("/")[2]
+        try:
+            with self._reaching("listing the run"):
+                self._io(
+                    "call_s3",
+                    "list_objects_v2",
+                    Bucket=self.bucket,
+                    Prefix=f"{prefix}/" if prefix else "",
+                    MaxKeys=1,
+                )
+        except FileNotFoundError:  # NoSuchBucket
+            raise self._no_bucket() from None
 
     def _check_bucket(self) -> None:
         """An empty listing from a missing bucket must not read as "no saves yet"."""
