@@ -7,6 +7,7 @@ gets its own bucket, so tests never see each other's objects.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Iterator
@@ -48,6 +49,27 @@ def options_for(endpoint: str, key: str = "testing", secret: str = "testing") ->
         "secret": secret,
         "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
     }
+
+
+def read_only_options(bucket: Bucket) -> dict[str, Any]:
+    """Credentials of a new IAM user allowed only s3:Get*, s3:List*, s3:Describe* (AWS's read-only policy)."""
+    import boto3
+
+    iam = boto3.client(
+        "iam",
+        endpoint_url=bucket.endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    user = f"reader-{bucket.name}"
+    iam.create_user(UserName=user)
+    arns = [f"arn:aws:s3:::{bucket.name}", f"arn:aws:s3:::{bucket.name}/*"]
+    allow = {"Effect": "Allow", "Action": ["s3:Get*", "s3:List*", "s3:Describe*"], "Resource": arns}
+    policy = {"Version": "2012-10-17", "Statement": [allow]}
+    iam.put_user_policy(UserName=user, PolicyName="read-only", PolicyDocument=json.dumps(policy))
+    key = iam.create_access_key(UserName=user)["AccessKey"]
+    return options_for(bucket.endpoint, key=key["AccessKeyId"], secret=key["SecretAccessKey"])
 
 
 @pytest.fixture(scope="session")

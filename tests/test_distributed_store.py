@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from _distributed_workers import launch, make_run, train_step
-from _s3_server import Bucket, options_for
+from _s3_server import Bucket, options_for, read_only_options
 from _store_dcp_workers import w_open, w_restore, w_save_and_restore, w_zombie
 
 from ckpt_lesson import CheckpointError
@@ -201,3 +201,34 @@ def test_retention_on_the_store_keeps_the_newest_and_leaves_nothing_of_a_dropped
     ]
     assert store.list_keys("step-00000002") == []
     assert ("retention_delete", 2) in events
+
+
+def test_read_only_credentials_restore_a_multi_rank_run_and_write_nothing(
+    s3_bucket: Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import moto.settings
+
+    # One process is enough: opening, probing and cleaning are rank 0's; the restore is every rank's.
+    model, opt, sched, sampler = make_run("plain", 1, 0)
+    with DistributedCheckpointManager(
+        s3_bucket.url(), storage_options=s3_bucket.options, every_steps=2
+    ) as mgr:
+        train_step(model, opt, sched, sampler)
+        mgr.save(2, {"model": model, "optimizer": opt})
+    dead = "run/step-00000004/" + "d" * 32 + "/__0_0.distcp"  # no LEASE: any cleanup would delete it
+    s3_bucket.fs().call_s3("put_object", Bucket=s3_bucket.name, Key=dead, Body=b"partial")
+    reader = read_only_options(s3_bucket)
+
+    def objects() -> set[tuple[str, str]]:
+        listed = s3_bucket.fs().call_s3("list_objects_v2", Bucket=s3_bucket.name).get("Contents", [])
+        return {(o["Key"], o["ETag"]) for o in listed}
+
+    before = objects()
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # IAM policies enforced from here
+    fresh, fresh_opt, _, _ = make_run("plain", 1, 0)
+    with DistributedCheckpointManager(s3_bucket.url(), storage_options=reader, every_steps=2) as mgr:
+        assert mgr.restore_latest({"model": fresh, "optimizer": fresh_opt}).step == 2
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", float("inf"))
+    assert objects() == before
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b)

@@ -61,3 +61,15 @@ def test_only_real_urls_count_as_stores():
 def test_a_url_without_a_bucket_is_refused_with_the_form_to_use():
     with pytest.raises(CheckpointError, match="memory://BUCKET/PREFIX"):
         FsspecStorage("memory://")
+
+
+def test_a_listing_skips_keys_it_cannot_name_safely_and_warns_once_naming_them(s3_bucket, caplog):
+    store = open_storage(s3_bucket.url("prefix"), s3_bucket.options)
+    odd = ["prefix/step-5/junk/../x", "prefix/a//b", "prefix/a/./c", "prefix/trailing/"]
+    for key in [*odd, "prefix/a/ok"]:
+        s3_bucket.fs().call_s3("put_object", Bucket=s3_bucket.name, Key=key, Body=b"x")
+    with caplog.at_level("WARNING", logger="ckpt_lesson.files.storage"):
+        assert store.list_keys() == ["a/ok"]
+        assert store.list_keys("a") == ["a/ok"]
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and all(repr(k[len("prefix/") :]) in warned[0] for k in odd)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from _s3_server import options_for
+from _s3_server import options_for, read_only_options
 
 from ckpt_lesson.errors import LoadEnvironmentError
 from ckpt_lesson.files.checkpoint import TrainState
@@ -247,3 +247,102 @@ def test_wrong_credentials_during_a_restore_are_a_load_environment_error_not_dam
         with pytest.raises(LoadEnvironmentError, match=f"bucket '{s3_bucket.name}'") as caught:
             mgr.restore_latest(run.model, run.optimizer, run.scheduler)
     assert "damaged" not in str(caught.value) and "none is usable" not in str(caught.value)
+
+
+def test_odd_keys_under_the_prefix_are_skipped_with_a_warning_and_never_touched(tiny_run, s3_bucket, caplog):
+    # Anyone who can write to the bucket can leave any key there: a manager must still open, save,
+    # clean and restore, and never read or delete a key it does not fully recognize.
+    run = tiny_run(seed=5)
+    fs = s3_bucket.fs()
+    odd = [
+        "run/step-00000005/junk/../x",  # leaves its folder: once refused every manager
+        "run/step-00000002//x",
+        "run/step-00000002/./LEASE",
+        "run/step-00000002/not-a-save-id/checkpoint.pt",  # safe to name, but not ours: never deleted
+        "run/step-000000002/" + "a" * 32 + "/LEASE",  # a step folder we never write (9 digits)
+    ]
+    for key in odd:
+        fs.call_s3("put_object", Bucket=s3_bucket.name, Key=key, Body=b"not ours")
+    with caplog.at_level("WARNING", logger="ckpt_lesson.files.storage"):
+        with CheckpointManager(
+            s3_bucket.url(), keep_last=1, every_steps=2, storage_options=s3_bucket.options
+        ) as mgr:
+            _save_steps(run, mgr, [2, 4])  # retention deletes step 2 on the store
+            assert mgr.all_steps() == [4]
+            assert mgr.clean_stale() == []
+        fresh = tiny_run(seed=9)
+        with CheckpointManager(s3_bucket.url(), storage_options=s3_bucket.options, every_steps=2) as mgr:
+            assert mgr.restore_latest(fresh.model, fresh.optimizer, fresh.scheduler).step == 4
+    assert any("step-00000005/junk/../x" in r.getMessage() for r in caplog.records)
+    for a, b in zip(run.model.state_dict().values(), fresh.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    left = {o["Key"] for o in fs.call_s3("list_objects_v2", Bucket=s3_bucket.name)["Contents"]}
+    assert set(odd) <= left
+    assert clean_uncommitted(FsspecStorage(s3_bucket.url(), s3_bucket.options), now=time.time() + 1e6) == []
+    assert set(odd) <= {o["Key"] for o in fs.call_s3("list_objects_v2", Bucket=s3_bucket.name)["Contents"]}
+
+
+def _objects(bucket):
+    listed = bucket.fs().call_s3("list_objects_v2", Bucket=bucket.name).get("Contents", [])
+    return {(o["Key"], o["ETag"]) for o in listed}
+
+
+def test_read_only_credentials_restore_scan_and_report_and_write_nothing(tiny_run, s3_bucket, monkeypatch):
+    import moto.settings
+
+    from ckpt_lesson.errors import CheckpointError
+    from ckpt_lesson.runs.store_report import read_store_recovery_log
+    from ckpt_lesson.runs.store_scan import scan_store
+
+    run = tiny_run(seed=4)
+    with CheckpointManager(s3_bucket.url(), every_steps=2, storage_options=s3_bucket.options) as mgr:
+        _save_steps(run, mgr, [2, 4])
+    # A dead writer's upload (no LEASE): any cleanup would delete it, so it shows that none ran.
+    dead = "run/step-00000006/" + "d" * 32 + "/checkpoint.pt"
+    s3_bucket.fs().call_s3("put_object", Bucket=s3_bucket.name, Key=dead, Body=b"partial")
+    reader = read_only_options(s3_bucket)
+    before = _objects(s3_bucket)
+    # moto enforces IAM policies once asked to; from here every request is checked against them.
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+    fresh = tiny_run(seed=8)
+    with CheckpointManager(s3_bucket.url(), every_steps=2, storage_options=reader) as mgr:
+        assert mgr.restore_latest(fresh.model, fresh.optimizer, fresh.scheduler).step == 4
+        assert mgr.all_steps() == [2, 4] and mgr.latest_step() == 4
+    for a, b in zip(run.model.state_dict().values(), fresh.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert [(r.step, r.status) for r in scan_store(s3_bucket.url(), reader)] == [
+        (2, "ok"),
+        (4, "ok"),
+        (6, "incomplete"),
+    ]
+    assert read_store_recovery_log(s3_bucket.url(), reader) == []
+    with CheckpointManager(s3_bucket.url(), every_steps=2, storage_options=reader, read_only=True) as mgr:
+        assert mgr.restore_latest(fresh.model, fresh.optimizer, fresh.scheduler).step == 4
+        fresh.train(until_step=8)
+        with pytest.raises(CheckpointError, match="read_only=True") as refused:
+            mgr.save(fresh.model, fresh.optimizer, fresh.scheduler, fresh.state)
+        assert "\n" not in str(refused.value)
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", float("inf"))
+    assert _objects(s3_bucket) == before
+
+
+def test_a_read_only_manager_refuses_to_save_in_one_line_and_the_first_save_runs_the_probe(
+    tiny_run, s3_bucket
+):
+    from ckpt_lesson.errors import CheckpointError
+
+    run = tiny_run(seed=2)
+    run.train(until_step=2)
+    with CheckpointManager(
+        s3_bucket.url(), every_steps=2, read_only=True, storage_options=s3_bucket.options
+    ) as mgr:
+        with pytest.raises(CheckpointError, match=r"read_only=True and never writes"):
+            mgr.save(run.model, run.optimizer, run.scheduler, run.state)
+        with pytest.raises(CheckpointError, match=r"read_only=True"):
+            mgr.save(2, {"model": run.model})
+    assert _objects(s3_bucket) == set()
+    with CheckpointManager(s3_bucket.url(), every_steps=2, storage_options=s3_bucket.options) as mgr:
+        assert _objects(s3_bucket) == set()  # opened: nothing written yet
+        mgr.save(run.model, run.optimizer, run.scheduler, run.state)
+    keys = {k for k, _ in _objects(s3_bucket)}
+    assert "run/step-00000002/COMMIT" in keys and not any("probe" in k for k in keys)

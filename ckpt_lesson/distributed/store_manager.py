@@ -122,8 +122,9 @@ class StoreDistributedCheckpointManager(DistributedCheckpointManager):
             ``every_steps``, ``retention``, ``on_event``, ``thread_count``, ...).
 
     Raises:
-        CheckpointError: ``publish="rename"``, the store client is missing
-            (``pip install ckpt_lesson[s3]``), or the store lacks conditional writes.
+        CheckpointError: ``publish="rename"``, or the store client is missing
+            (``pip install ckpt_lesson[s3]``). A store without conditional writes is
+            refused at the first save (opening one only to restore writes nothing).
         LoadEnvironmentError: The bucket cannot be reached (wrong credentials,
             no such bucket); every rank raises it, naming the bucket.
 
@@ -156,18 +157,51 @@ class StoreDistributedCheckpointManager(DistributedCheckpointManager):
         self.storage = open_storage(self.url, self.storage_options)  # no request yet: rank 0 checks below
         self.lease_seconds = float(lease_seconds)
         self._recorder: StoreRecoveryRecorder | None = None  # rank 0, from a restore to the next step
+        self._writing = False  # rank 0: probe and cleanup wait for the first save (readers write nothing)
         super().__init__(self.url, publish=publish, **kwargs)
         self._retention = StoreRetention(self)  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"StoreDistributedCheckpointManager({self.url!r})"
 
-    def _open_run(self) -> None:  # rank 0, once: reach the bucket, prove the marker fences, clean up
-        self.storage.check_conditional_writes()
-        for attempt in clean_uncommitted(self.storage):
+    def _open_run(self) -> None:  # rank 0, once: reach the bucket (a read; a restore-only job writes nothing)
+        self.storage.check_reachable()
+
+    def _open_for_writing(self) -> None:  # rank 0, at the first save: prove the marker fences, clean up
+        if not self._writing:
+            self.clean_uploads()
+
+    def clean_uploads(self) -> list[str]:
+        """Remove now the uploads of writers whose lease expired, as the first save does; rank 0 only.
+
+        A manager opened only to restore writes nothing to the store; a job that will write (or
+        a harness that checks a restart cleans up) may call this before its first save. It
+        proves the store's conditional writes first, as the first save would.
+
+        Returns:
+            The ``step-XXXXXXXX/<save_id>`` prefixes removed (``[]`` on other ranks).
+
+        Raises:
+            CheckpointError: The store lets a conditional create overwrite an object.
+            LoadEnvironmentError: The store cannot be reached.
+
+        Example:
+            >>> mgr.clean_uploads()  # doctest: +SKIP
+            ['step-00000004/5be0c1...']
+        """
+        if self.rank != 0:
+            return []
+        if not self._writing:
+            self.storage.check_conditional_writes()
+            self._writing = True
+        removed = clean_uncommitted(self.storage)
+        for attempt in removed:
             log.info("%s: removed an upload nobody committed (its writer's lease expired)", attempt)
+        return removed
 
     def _clean(self) -> None:  # rank 0, after each save: a long run also sweeps up after dead writers
+        if not self._writing:
+            return
         try:
             for attempt in clean_uncommitted(self.storage):
                 log.info("%s: removed an upload nobody committed (its writer's lease expired)", attempt)
@@ -237,6 +271,7 @@ class StoreDistributedCheckpointManager(DistributedCheckpointManager):
         The renewer stops when the save ends either way (the writer already stopped it before
         ``COMMIT``), so a finished or failed save never leaves a LEASE that keeps coming back.
         """
+        self._open_for_writing()
         if f"{step_dir_name(step)}/{COMMIT_NAME}" in self.storage.list_keys(step_dir_name(step)):
             raise CheckpointError(
                 f"{self.step_dir(step)}: step {step} is already committed; a save is never overwritten. "

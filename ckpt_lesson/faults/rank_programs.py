@@ -226,6 +226,8 @@ def w_check(
                 state.losses.append(train_step(model, opt, sched, sampler))
                 state.step += 1
             report.update(step=restored.step, skipped=restored.skipped, losses=state.losses)
+        if stores is not None:  # a restore writes nothing to a bucket: cleaning is a writer's job
+            mgr.clean_uploads()  # type: ignore[attr-defined]  (rank 0; what the next save does first)
         report.update(staging_before=before, staging_after=_staging(where))
         mgr.close()
         write_json(run / f"restored-rank{rank}.json", report)

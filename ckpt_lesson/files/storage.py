@@ -33,6 +33,7 @@ __all__ = [
     "LocalStorage",
     "Storage",
     "check_key",
+    "is_plain_key",
     "is_store_url",
     "open_storage",
 ]
@@ -57,6 +58,22 @@ def is_store_url(location: Any) -> bool:
     return bool(match) and match.group(1).lower() not in ("file", "local")
 
 
+def is_plain_key(key: str) -> bool:
+    """True for a key that stays inside the root: no ``..``, ``.`` or empty part, no ``\\``, no leading ``/``.
+
+    Example:
+        >>> is_plain_key("step-00000010/COMMIT"), is_plain_key("step-5/junk/../x"), is_plain_key("a//b")
+        (True, False, False)
+    """
+    parts = key.split("/")
+    return (
+        bool(key)
+        and not key.startswith("/")
+        and "\\" not in key
+        and not any(p in ("", ".", "..") for p in parts)
+    )
+
+
 def check_key(key: str) -> str:
     """Refuse a key that could leave the storage's root (``..``, absolute, empty parts).
 
@@ -67,8 +84,7 @@ def check_key(key: str) -> str:
         >>> check_key("step-00000010/COMMIT")
         'step-00000010/COMMIT'
     """
-    parts = key.split("/")
-    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in key:
+    if not is_plain_key(key):
         raise UnsafeCheckpointError(f"storage key {key!r} would leave the run's prefix; refusing it.")
     return key
 
@@ -114,6 +130,9 @@ class Storage:
     def delete(self, keys: list[str]) -> None:
         """Delete ``keys``; missing ones are not an error."""
         raise NotImplementedError
+
+    def check_reachable(self) -> None:
+        """Raise ``LoadEnvironmentError`` if the store (its bucket) cannot be read; writes nothing."""
 
     def check_conditional_writes(self) -> None:
         """Raise :class:`CheckpointError` if ``create_if_absent`` is not really conditional here."""
@@ -212,7 +231,12 @@ class LocalStorage(Storage):
             self._path(key).unlink(missing_ok=True)
 
 
-def open_storage(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Storage:
+def open_storage(
+    url: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    timeout: float | None = None,
+) -> Storage:
     """The storage behind ``url``: :class:`LocalStorage` for a path, fsspec for a URL.
 
     Args:
@@ -220,6 +244,7 @@ def open_storage(url: str | os.PathLike[str], storage_options: Mapping[str, Any]
         storage_options: Passed to the fsspec filesystem (``key``, ``secret``,
             ``client_kwargs={"endpoint_url": ...}``); by default credentials and
             endpoint come from the environment, as for boto3.
+        timeout: Seconds any one request to a store may wait (default 300); ignored for a folder.
 
     Returns:
         A :class:`Storage`.
@@ -236,4 +261,4 @@ def open_storage(url: str | os.PathLike[str], storage_options: Mapping[str, Any]
         return LocalStorage(url)
     from ckpt_lesson.files.storage_fsspec import FsspecStorage
 
-    return FsspecStorage(str(url), storage_options)
+    return FsspecStorage(str(url), storage_options, timeout=timeout)

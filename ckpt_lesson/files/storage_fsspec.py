@@ -23,20 +23,24 @@ A missing *object* stays a ``FileNotFoundError`` for the caller to judge.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import uuid
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, LoadEnvironmentError
 from ckpt_lesson.files.hashing import DEFAULT_ALGO, digest_bytes, new_hasher
-from ckpt_lesson.files.storage import CHUNK_BYTES, Storage, check_key
+from ckpt_lesson.files.storage import CHUNK_BYTES, Storage, check_key, is_plain_key
+from ckpt_lesson.files.storage_reach import INSTALL_HINT, no_bucket, open_filesystem, reaching
 from ckpt_lesson.files.storage_transfer import (
+    DEFAULT_TIMEOUT,
     DOWNLOAD_CONCURRENCY,
     UPLOAD_BLOCK_BYTES,
     UPLOAD_CONCURRENCY,
+    check_timeout,
     is_async,
     iter_ranges,
     multipart_upload,
@@ -44,38 +48,11 @@ from ckpt_lesson.files.storage_transfer import (
 
 __all__ = ["FsspecStorage", "INSTALL_HINT"]
 
-INSTALL_HINT = "pip install ckpt_lesson[s3]"
+log = logging.getLogger("ckpt_lesson.files.storage")
+
 #: Parts below this size go up in one PUT, as s3fs's own put_file does (below 2 x 50 MiB);
 #: larger ones as a parallel multipart upload (files/storage_transfer.py).
 SINGLE_PUT_BYTES = 100 << 20
-
-
-def _filesystem(url: str, options: Mapping[str, Any]) -> tuple[Any, str]:
-    """``(filesystem, root path)`` for ``url``, or a one-line error naming the extra to install."""
-    protocol = url.split("://", 1)[0].lower()
-    try:
-        import fsspec
-
-        fs = fsspec.filesystem(protocol, **dict(options))
-    except ImportError as exc:
-        raise CheckpointError(
-            f"{url}: the {protocol}:// client is not installed ({exc}); `{INSTALL_HINT}` "
-            "(s3fs; gcsfs or adlfs for gs:// and az://)."
-        ) from None
-    except ValueError as exc:  # fsspec: "Protocol not known"
-        raise CheckpointError(
-            f"{url}: fsspec does not know {protocol}:// ({exc}); use s3://, gs:// or az://."
-        ) from None
-    root = fs._strip_protocol(url).rstrip("/")
-    if not root:
-        raise CheckpointError(f"{url}: no bucket in the URL; write it as {protocol}://BUCKET/PREFIX.")
-    return fs, root
-
-
-def _precondition_failed(exc: BaseException) -> bool:
-    """True when s3fs's error came from S3's 412 PreconditionFailed (it arrives as a plain OSError)."""
-    response = getattr(exc.__cause__, "response", None) or {}
-    return response.get("Error", {}).get("Code") in ("PreconditionFailed", "412")
 
 
 class FsspecStorage(Storage):
@@ -86,6 +63,8 @@ class FsspecStorage(Storage):
         storage_options: fsspec options (``key``, ``secret``, ``client_kwargs``);
             ``None`` takes credentials and endpoint from the environment
             (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), as boto3 does.
+        timeout: Seconds any one request may wait for the store (default 300); then a
+            ``LoadEnvironmentError`` names the bucket and what was waiting.
 
     Raises:
         CheckpointError: The client package is missing or the URL has no bucket.
@@ -96,12 +75,18 @@ class FsspecStorage(Storage):
         ['step-00000010/COMMIT', ...]
     """
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, url: str, storage_options: Mapping[str, Any] | None = None, *, timeout: float | None = None
+    ) -> None:
         self.url = url.rstrip("/")
-        self.fs, self.root = _filesystem(url, storage_options or {})
+        #: Our own deadline for every request (seconds): botocore's and s3fs's timeouts and
+        #: retries stack to many minutes against a silent store; this cuts any one wait short.
+        self.timeout = DEFAULT_TIMEOUT if timeout is None else check_timeout(timeout)
+        self.fs, self.root = open_filesystem(url, storage_options or {})
         self.bucket = self.root.split("/", 1)[0]
         #: Multipart block for large parts (S3's minimum is 5 MiB); tests lower it.
         self.upload_block_bytes = UPLOAD_BLOCK_BYTES
+        self._warned: set[str] = set()  # odd keys already named in a warning (once each)
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.url!r})"
@@ -110,39 +95,17 @@ class FsspecStorage(Storage):
         return f"{self.root}/{check_key(key)}"
 
     def _no_bucket(self) -> LoadEnvironmentError:
-        return LoadEnvironmentError(
-            f"{self.url}: bucket '{self.bucket}' does not exist (or is not visible with these "
-            "credentials); create it or fix the URL."
-        )
+        return no_bucket(self.url, self.bucket)
 
-    @contextmanager
-    def _reaching(self, what: str, *, writing: bool = False) -> Iterator[None]:
+    def _reaching(self, what: str, *, writing: bool = False) -> AbstractContextManager[None]:
         """Turn "cannot reach the store" into one LoadEnvironmentError naming the bucket."""
-        try:
-            yield
-        except FileNotFoundError:
-            if writing:  # a write cannot miss its object: what is missing is the bucket
-                raise self._no_bucket() from None
-            raise
-        except (FileExistsError, CheckpointError):
-            raise
-        except PermissionError as exc:
-            raise LoadEnvironmentError(
-                f"{self.url}: access to bucket '{self.bucket}' denied while {what} ({exc}); check the "
-                "credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or storage_options)."
-            ) from None
-        except OSError as exc:
-            if _precondition_failed(exc):  # If-Match / If-None-Match refused: the object is not as expected
-                raise FileExistsError(f"{self.where('')}: precondition failed while {what}") from None
-            raise self._unreachable(what, exc) from None
-        except Exception as exc:  # botocore / aiohttp: the network or the service, not the save
-            raise self._unreachable(what, exc) from None
+        return reaching(self, what, writing=writing)
 
-    def _unreachable(self, what: str, exc: BaseException) -> LoadEnvironmentError:
-        return LoadEnvironmentError(
-            f"{self.url}: could not reach bucket '{self.bucket}' while {what} "
-            f"({type(exc).__name__}: {exc}); check AWS_ENDPOINT_URL, the network and the bucket name."
-        )
+    def _io(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``self.fs.<method>(...)`` under our deadline (fsspec's sync layer cancels the request)."""
+        if is_async(self.fs):
+            kwargs["timeout"] = self.timeout
+        return getattr(self.fs, method)(*args, **kwargs)
 
     def put_file(self, key: str, local: Path, *, algo: str = DEFAULT_ALGO) -> tuple[int, str]:
         return self._put_file(key, local, algo=algo)
@@ -160,7 +123,7 @@ class FsspecStorage(Storage):
                 bucket, _, object_key = path.partition("/")
                 return multipart_upload(
                     self.fs, bucket, object_key, local, algo=algo, block=self.upload_block_bytes,
-                    concurrency=UPLOAD_CONCURRENCY, condition=condition,
+                    concurrency=UPLOAD_CONCURRENCY, condition=condition, timeout=self.timeout,
                 )  # fmt: skip
             if size >= SINGLE_PUT_BYTES and condition is None:
                 hasher, total = new_hasher(algo), 0
@@ -173,7 +136,7 @@ class FsspecStorage(Storage):
             # One PUT, as plain s3fs does: the bytes hashed are exactly the bytes sent.
             data = src.read()
             extra = {"mode": "create"} if condition == {"IfNoneMatch": "*"} else dict(condition or {})
-            self.fs.pipe_file(path, data, **extra)
+            self._io("pipe_file", path, data, **extra)
             return len(data), digest_bytes(data, algo)
 
     def replace_if_match(
@@ -210,12 +173,12 @@ class FsspecStorage(Storage):
         """``(size, etag)`` of ``key``, fresh from the store. ``FileNotFoundError`` if missing."""
         with self._reaching(f"reading {key}"):
             self.fs.invalidate_cache(self._path(key))
-            info = self.fs.info(self._path(key))
+            info = self._io("info", self._path(key))
         return int(info["size"]), str(info.get("ETag") or info.get("etag") or "").strip('"')
 
     def put_bytes(self, key: str, data: bytes) -> None:
         with self._reaching(f"writing {key}", writing=True):
-            self.fs.pipe_file(self._path(key), data)
+            self._io("pipe_file", self._path(key), data)
 
     def create_if_absent(self, key: str, data: bytes) -> bool:
         if "mode" not in inspect.signature(self.fs.pipe_file).parameters:
@@ -226,7 +189,7 @@ class FsspecStorage(Storage):
             )
         try:
             with self._reaching(f"creating {key}", writing=True):
-                self.fs.pipe_file(self._path(key), data, mode="create")
+                self._io("pipe_file", self._path(key), data, mode="create")
         except FileExistsError:
             return False
         return True
@@ -248,12 +211,12 @@ class FsspecStorage(Storage):
     def _size(self, key: str) -> int:
         with self._reaching(f"reading {key}"):
             self.fs.invalidate_cache(self._path(key))
-            return int(self.fs.info(self._path(key))["size"])
+            return int(self._io("info", self._path(key))["size"])
 
     def read_bytes(self, key: str, *, limit: int) -> bytes:
         with self._reaching(f"reading {key}"):
             # One ranged GET for at most limit + 1 bytes: a larger object shows itself without a HEAD.
-            data = self.fs.cat_file(self._path(key), start=0, end=limit + 1)
+            data = self._io("cat_file", self._path(key), start=0, end=limit + 1)
         if len(data) > limit:
             raise CheckpointError(f"{self.where(key)}: over the {limit}-byte cap for a record.")
         return data
@@ -264,8 +227,9 @@ class FsspecStorage(Storage):
             # Concurrent ranged GETs, handed over in order: the caller hashes block i while
             # the next ones are on the wire. A deletion mid-way is a FileNotFoundError.
             blocks = iter_ranges(
-                self.fs, self._path(key), size, chunk=chunk, concurrency=DOWNLOAD_CONCURRENCY
-            )
+                self.fs, self._path(key), size, chunk=chunk, concurrency=DOWNLOAD_CONCURRENCY,
+                timeout=self.timeout,
+            )  # fmt: skip
             try:
                 while True:
                     with self._reaching(f"reading {key}"):
@@ -278,7 +242,7 @@ class FsspecStorage(Storage):
         end = size + 1  # + 1: a longer object shows itself
         for start in range(0, end, chunk):
             with self._reaching(f"reading {key}"):
-                block = self.fs.cat_file(self._path(key), start=start, end=min(start + chunk, end))
+                block = self._io("cat_file", self._path(key), start=start, end=min(start + chunk, end))
             if not block:
                 return
             yield block
@@ -291,7 +255,7 @@ class FsspecStorage(Storage):
             with self._reaching("listing the run"):
                 # Other writers (other processes) change the store: never answer from a cached listing.
                 self.fs.invalidate_cache()
-                found = self.fs.find(base)
+                found = self._io("find", base)
         except FileNotFoundError:
             if prefix:
                 return []
@@ -299,12 +263,42 @@ class FsspecStorage(Storage):
         if not prefix and not found:
             self._check_bucket()
         cut = len(self.root) + 1
-        return sorted(p[cut:] for p in found if p.startswith(self.root + "/"))
+        keys = {p[cut:] for p in found if p.startswith(self.root + "/")} - {""}  # "" : a folder marker
+        odd = sorted(k for k in keys if not is_plain_key(k))
+        if odd:
+            # Anyone who can write to the bucket can put any key there: one we cannot even name
+            # safely (``..``, ``//``, ``/./``) is skipped and never read, deleted or counted.
+            new = [k for k in odd if k not in self._warned]
+            self._warned.update(new)
+            if new:
+                log.warning(
+                    "%s: skipped %d key(s) this package never writes and will not touch: %s",
+                    self.url, len(new), ", ".join(repr(k) for k in new[:10]),
+                )  # fmt: skip
+        return sorted(keys.difference(odd))
+
+    def check_reachable(self) -> None:
+        if getattr(self.fs, "call_s3", None) is None:
+            return self._check_bucket()
+        # S3: one key of the run's own prefix, which a policy scoped to that prefix allows
+        # (HeadBucket, what fs.exists asks, needs rights on the whole bucket).
+        prefix = self.root.partition("/")[2]
+        try:
+            with self._reaching("listing the run"):
+                self._io(
+                    "call_s3",
+                    "list_objects_v2",
+                    Bucket=self.bucket,
+                    Prefix=f"{prefix}/" if prefix else "",
+                    MaxKeys=1,
+                )
+        except FileNotFoundError:  # NoSuchBucket
+            raise self._no_bucket() from None
 
     def _check_bucket(self) -> None:
         """An empty listing from a missing bucket must not read as "no saves yet"."""
         with self._reaching("checking the bucket"):
-            exists = self.fs.exists(self.bucket)
+            exists = self._io("exists", self.bucket)
         if not exists:
             raise self._no_bucket()
 
@@ -314,7 +308,7 @@ class FsspecStorage(Storage):
         paths = [self._path(k) for k in keys]
         with self._reaching("deleting"):
             try:
-                self.fs.rm(paths)
+                self._io("rm", paths)
             except FileNotFoundError:
                 pass
 
@@ -323,26 +317,40 @@ class FsspecStorage(Storage):
 
         Outside S3 the delete is unconditional (fsspec has no conditional delete).
         """
-        call = getattr(self.fs, "call_s3", None)
-        if call is None:
+        if getattr(self.fs, "call_s3", None) is None:
             self.delete([key])
             return True
         try:
             with self._reaching(f"deleting {key}"):
-                call("delete_object", Bucket=self.bucket, Key=self._path(key).split("/", 1)[1], IfMatch=etag)
+                self._io(
+                    "call_s3",
+                    "delete_object",
+                    Bucket=self.bucket,
+                    Key=self._path(key).split("/", 1)[1],
+                    IfMatch=etag,
+                )
         except (FileExistsError, FileNotFoundError):
             return False
         self.fs.invalidate_cache(self._path(key))
         return True
 
     def abort_uploads(self, prefix: str) -> int:
-        call = getattr(self.fs, "call_s3", None)
-        if call is None:  # not S3: the backend cleans its own unfinished uploads
+        if getattr(self.fs, "call_s3", None) is None:  # not S3: the backend cleans its own unfinished uploads
             return 0
         key_prefix = f"{self.root}/{prefix}".split("/", 1)[1]
         with self._reaching("listing unfinished uploads"):
-            listed = call("list_multipart_uploads", Bucket=self.bucket, Prefix=key_prefix)
-            uploads = listed.get("Uploads", [])
+            listed = self._io("call_s3", "list_multipart_uploads", Bucket=self.bucket, Prefix=key_prefix)
+            root_key = self.root.partition("/")[2]
+            uploads = [  # an upload whose key we cannot name safely is someone else's: never aborted
+                up for up in listed.get("Uploads", [])
+                if is_plain_key(up["Key"][len(root_key) + 1 :] if root_key else up["Key"])
+            ]  # fmt: skip
             for up in uploads:
-                call("abort_multipart_upload", Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+                self._io(
+                    "call_s3",
+                    "abort_multipart_upload",
+                    Bucket=self.bucket,
+                    Key=up["Key"],
+                    UploadId=up["UploadId"],
+                )
         return len(uploads)

@@ -32,14 +32,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.hashing import new_hasher
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "DOWNLOAD_CONCURRENCY",
+    "TIMEOUTS",
     "RANGE_BYTES",
     "UPLOAD_BLOCK_BYTES",
     "UPLOAD_CONCURRENCY",
     "block_size_for",
+    "check_timeout",
     "iter_ranges",
     "multipart_upload",
 ]
@@ -54,6 +58,27 @@ RANGE_BYTES = 50 << 20
 #: Ranged GETs in flight while downloading (memory: this many ranges).
 DOWNLOAD_CONCURRENCY = 8
 _MAX_PARTS = 10_000
+#: Seconds any one request may wait for the store before we give up on it: a silent store
+#: (a paused server, a black-holed route) is named within 5 minutes, not after stacked retries.
+DEFAULT_TIMEOUT = 300.0
+#: What a missed deadline raises: fsspec's FSTimeoutError, a future's TimeoutError (not the
+#: builtin before Python 3.11).
+TIMEOUTS = (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError)
+
+
+def check_timeout(timeout: object) -> float:
+    """``timeout`` as seconds > 0, or a one-line ``CheckpointError``.
+
+    Example:
+        >>> check_timeout(30)
+        30.0
+    """
+    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < math.inf
+    if not ok:
+        raise CheckpointError(
+            f"timeout must be a number of seconds > 0 (how long one store request may wait), got {timeout!r}."
+        )
+    return float(timeout)
 
 
 def block_size_for(size: int, block: int = UPLOAD_BLOCK_BYTES) -> int:
@@ -85,6 +110,7 @@ def multipart_upload(
     block: int = UPLOAD_BLOCK_BYTES,
     concurrency: int = UPLOAD_CONCURRENCY,
     condition: dict[str, str] | None = None,
+    timeout: float | None = None,
 ) -> tuple[int, str]:
     """Upload ``local`` to ``bucket/key`` as a parallel multipart upload; returns ``(bytes, digest)``.
 
@@ -98,11 +124,13 @@ def multipart_upload(
         concurrency: Parts in flight at once.
         condition: Extra arguments of ``complete_multipart_upload``
             (``{"IfNoneMatch": "*"}`` or ``{"IfMatch": etag}``).
+        timeout: Seconds any one request may wait (``None``: no deadline).
 
     Returns:
         ``(size, hex digest)`` of the bytes sent.
 
     Raises:
+        TimeoutError: A request waited longer than ``timeout``.
         Whatever s3fs raises; the upload is aborted first (best effort).
 
     Example:
@@ -111,7 +139,7 @@ def multipart_upload(
     """
     size = local.stat().st_size
     block = block_size_for(size, block)
-    created = _submit(fs, fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key)).result()
+    created = _wait(_submit(fs, fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key)), timeout)
     upload_id = created["UploadId"]
     hasher, total, number = new_hasher(algo), 0, 0
     in_flight: deque[tuple[int, concurrent.futures.Future[Any]]] = deque()
@@ -128,17 +156,17 @@ def multipart_upload(
                 in_flight.append((number, _submit(fs, call)))
                 while len(in_flight) >= concurrency:
                     n, fut = in_flight.popleft()
-                    done.append({"PartNumber": n, "ETag": fut.result()["ETag"]})
+                    done.append({"PartNumber": n, "ETag": _wait(fut, timeout)["ETag"]})
         while in_flight:
             n, fut = in_flight.popleft()
-            done.append({"PartNumber": n, "ETag": fut.result()["ETag"]})
-        _complete(fs, bucket, key, upload_id, done, condition)
+            done.append({"PartNumber": n, "ETag": _wait(fut, timeout)["ETag"]})
+        _complete(fs, bucket, key, upload_id, done, condition, timeout=timeout)
     except BaseException:
         for _, fut in in_flight:
             fut.cancel()
         try:
             abort = fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
-            _submit(fs, abort).result(timeout=60)
+            _wait(_submit(fs, abort), min(60.0, timeout or 60.0))
         except Exception:  # noqa: S110 - the first error is the one to report; a lease cleans up later
             pass
         raise
@@ -153,6 +181,8 @@ def _complete(
     upload_id: str,
     parts: list[dict[str, Any]],
     condition: dict[str, str] | None,
+    *,
+    timeout: float | None = None,
 ) -> None:
     """The one request that makes a multipart upload an object (the chaos harness kills just before it)."""
     call = fs._call_s3(
@@ -163,7 +193,7 @@ def _complete(
         MultipartUpload={"Parts": parts},
         **(condition or {}),
     )
-    _submit(fs, call).result()
+    _wait(_submit(fs, call), timeout)
 
 
 def iter_ranges(
@@ -173,6 +203,7 @@ def iter_ranges(
     *,
     chunk: int = RANGE_BYTES,
     concurrency: int = DOWNLOAD_CONCURRENCY,
+    timeout: float | None = None,
 ) -> Iterator[bytes]:
     """Yield ``path``'s bytes in order, fetched as concurrent ranged GETs; at most ``size + 1`` bytes.
 
@@ -187,9 +218,11 @@ def iter_ranges(
         size: Its expected size.
         chunk: Bytes per ranged GET.
         concurrency: GETs in flight.
+        timeout: Seconds to wait for each block (``None``: no deadline).
 
     Raises:
         FileNotFoundError: The object is missing (or was deleted part-way).
+        TimeoutError: A block took longer than ``timeout``; every GET in flight is cancelled.
         Whatever else the filesystem raises for the first range that failed.
 
     Example:
@@ -214,11 +247,11 @@ def iter_ranges(
         while in_flight:
             start, fut = in_flight.popleft()
             try:
-                block = fut.result()
-            except FileNotFoundError:
-                raise
+                block = _wait(fut, timeout)
+            except (FileNotFoundError, *TIMEOUTS):
+                raise  # (a TimeoutError is an OSError too: not "the object ended early")
             except OSError:
-                if start > 0 and _shorter_than(fs, path, start):
+                if start > 0 and _shorter_than(fs, path, start, timeout):
                     return  # S3 answers a range past the end with 416: the object ended early
                 raise
             top_up()
@@ -231,6 +264,17 @@ def iter_ranges(
             fut.cancel()
 
 
-def _shorter_than(fs: Any, path: str, start: int) -> bool:
+def _wait(fut: concurrent.futures.Future[Any], timeout: float | None) -> Any:
+    """``fut.result(timeout)``; a missed deadline cancels the request on fsspec's loop first."""
+    try:
+        return fut.result(timeout=timeout)
+    except TIMEOUTS:
+        fut.cancel()
+        raise
+
+
+def _shorter_than(fs: Any, path: str, start: int, timeout: float | None) -> bool:
     fs.invalidate_cache(path)
-    return int(fs.info(path)["size"]) <= start  # FileNotFoundError when it vanished meanwhile
+    return (
+        int(fs.info(path, timeout=timeout)["size"]) <= start
+    )  # FileNotFoundError when it vanished meanwhile

@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -56,6 +57,7 @@ __all__ = [
     "CommitConflictError",
     "LEASE_NAME",
     "apply_store_retention",
+    "attempt_of",
     "clean_uncommitted",
     "commit_attempt",
     "committed_steps",
@@ -76,6 +78,28 @@ MAX_MARKER_BYTES = 64 << 10
 
 class CommitConflictError(CheckpointError):
     """Another writer committed this step first (the conditional marker refused this one)."""
+
+
+#: ``step-XXXXXXXX/<save_id>/<file>``: the only keys cleanup and retention ever delete. A save_id is
+#: a uuid4's hex; a file is a flat name (``checkpoint.pt``, ``LEASE``, ``__0_0.distcp``, ``.metadata``).
+_OUR_KEY_RE = re.compile(r"^(step-[0-9]{8,})/([0-9a-f]{32})/(\.metadata|[A-Za-z0-9_][A-Za-z0-9_.=-]*)$")
+
+
+def attempt_of(key: str) -> str | None:
+    """``step-XXXXXXXX/<save_id>`` when ``key`` is fully recognized as an object of an upload, else ``None``.
+
+    Anything else under the prefix (a stray file, a key another tool put there) is never deleted.
+
+    Example:
+        >>> attempt_of("step-00000040/" + "a" * 32 + "/checkpoint.pt") == "step-00000040/" + "a" * 32
+        True
+        >>> attempt_of("step-00000040/junk/x"), attempt_of("step-40/" + "a" * 32 + "/x")
+        (None, None)
+    """
+    found = _OUR_KEY_RE.match(key)
+    if not found or found.group(1) != step_dir_name(int(found.group(1)[5:])):
+        return None  # also a non-canonical step folder (step-000000040): not one we wrote
+    return f"{found.group(1)}/{found.group(2)}"
 
 
 def _marker_key(step: int) -> str:
@@ -185,7 +209,7 @@ def commit_attempt(
         "created_at": time.time(),
     }
     if not storage.create_if_absent(_marker_key(step), json.dumps(marker, sort_keys=True).encode()):
-        storage.delete(storage.list_keys(attempt))
+        storage.delete([k for k in storage.list_keys(attempt) if attempt_of(k) == attempt])
         raise CommitConflictError(
             f"{storage.where(_marker_key(step))}: step {step} was already committed by another writer; "
             "this upload was removed. Two writers share this run (a zombie from a lost machine?): stop one."
@@ -200,7 +224,7 @@ def committed_steps(storage: Storage, keys: list[str] | None = None) -> list[int
     for key in storage.list_keys() if keys is None else keys:
         head, _, name = key.partition("/")
         step = step_of(head)
-        if name == COMMIT_NAME and step is not None:
+        if name == COMMIT_NAME and step is not None and head == step_dir_name(step):
             steps.add(step)
     return sorted(steps)
 
@@ -264,7 +288,7 @@ def read_commit(storage: Storage, step: int) -> tuple[dict[str, Any], bytes]:
 def delete_store_save(storage: Storage, step: int) -> None:
     """Delete one save: the marker first (no reader counts it after that), then every object."""
     storage.delete([_marker_key(step)])
-    storage.delete(storage.list_keys(step_dir_name(step)))
+    storage.delete([k for k in storage.list_keys(step_dir_name(step)) if attempt_of(k)])
 
 
 def _lease_expired(storage: Storage, attempt: str, now: float) -> bool:
@@ -292,9 +316,9 @@ def clean_uncommitted(storage: Storage, *, now: float | None = None) -> list[str
     keys = storage.list_keys()
     attempts: dict[str, list[str]] = {}
     for key in keys:
-        parts = key.split("/")
-        if len(parts) >= 3 and step_of(parts[0]) is not None:
-            attempts.setdefault(f"{parts[0]}/{parts[1]}", []).append(key)
+        attempt = attempt_of(key)  # only keys we fully recognize are ever deleted
+        if attempt is not None:
+            attempts.setdefault(attempt, []).append(key)
     committed = set(committed_steps(storage, keys))
     removed = []
     for attempt, found in sorted(attempts.items()):

@@ -23,8 +23,6 @@ to the local manager, every call form it accepts works here unchanged.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,6 +30,7 @@ from typing import Any
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from ckpt_lesson.files.state_payload import Restored
 from ckpt_lesson.files.storage import open_storage
+from ckpt_lesson.files.storage_transfer import DEFAULT_TIMEOUT, check_timeout
 from ckpt_lesson.runs.commit import delete_save
 from ckpt_lesson.runs.manager import CheckpointManager, log
 from ckpt_lesson.runs.save_source import Candidates, SaveSource
@@ -46,6 +45,7 @@ from ckpt_lesson.runs.store_commit import (
     upload_save,
 )
 from ckpt_lesson.runs.store_restore import open_verified, verify_store_save
+from ckpt_lesson.runs.store_staging import StagingFolder
 
 __all__ = ["StoreCheckpointManager"]
 
@@ -63,15 +63,22 @@ class StoreCheckpointManager(CheckpointManager):
         cache_dir: Local scratch folder where each save is staged before its
             upload (and a sharded save is downloaded for its restore); not a
             cache of downloads: a restore reads nothing from it and keeps
-            nothing in it. A fresh temporary folder by default, removed by :meth:`close`.
+            nothing in it. By default a fresh ``ckpt-lesson-cache-*`` folder in
+            the temp dir (``$TMPDIR``), removed by :meth:`close` or at exit, and
+            reclaimed by a later manager if this process is killed
+            (:mod:`~ckpt_lesson.runs.store_staging`). A folder passed here is never removed.
         lease_seconds: How long this writer's uploads count as alive after its
             last sign of life; a dead writer's leftovers go after that.
+        read_only: Refuse every save (one-line ``CheckpointError``). Without it a manager
+            writes nothing either until its first save: the conditional-write probe and the
+            cleanup of dead writers' uploads run then, so read-only credentials can restore.
+        timeout: Seconds any one store request may wait (default 300): a store that goes
+            silent is a one-line ``LoadEnvironmentError`` naming the bucket and what waited.
         **kwargs: Everything :class:`CheckpointManager` accepts.
 
     Raises:
-        CheckpointError: The store client is missing (``pip install
-            ckpt_lesson[s3]``), or the store lacks conditional writes.
-        LoadEnvironmentError: The bucket cannot be reached.
+        CheckpointError: The store client is missing (``pip install ckpt_lesson[s3]``).
+        LoadEnvironmentError: The bucket cannot be reached (or does not exist).
 
     Example:
         >>> mgr = CheckpointManager("s3://my-bucket/runs/exp1", keep_last=2)  # doctest: +SKIP
@@ -85,27 +92,34 @@ class StoreCheckpointManager(CheckpointManager):
         storage_options: Mapping[str, Any] | None = None,
         cache_dir: str | Path | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        read_only: bool = False,
+        timeout: float = DEFAULT_TIMEOUT,
         **kwargs: Any,
     ) -> None:
         if not lease_seconds > 0:
             raise CheckpointError(f"lease_seconds must be > 0, got {lease_seconds!r}.")
         self.url = str(url).rstrip("/")
-        self.storage = open_storage(self.url, storage_options)
-        self.storage.check_conditional_writes()
+        self.storage = open_storage(self.url, storage_options, timeout=check_timeout(timeout))
+        self.read_only = bool(read_only)
+        # A manager opened to restore, scan or report writes nothing to the store (an eval job
+        # may hold read-only credentials): the probe and the cleanup wait for the first save.
+        self._writing = False
+        self.storage.check_reachable()  # a read: a missing bucket or wrong credentials named now
         self.lease_seconds = float(lease_seconds)
-        self._own_cache = cache_dir is None
         self._downloaded: list[Path] = []  # sharded saves fetched by the restore in progress
-        cache = Path(tempfile.mkdtemp(prefix="ckpt-lesson-cache-")) if cache_dir is None else Path(cache_dir)
-        super().__init__(cache, **kwargs)
+        # Default staging: $TMPDIR/ckpt-lesson-cache-*, locked for this manager's life, removed by
+        # close() or interpreter exit; a killed process's folder is reclaimed by the next manager.
+        self._staging = StagingFolder() if cache_dir is None else None
+        super().__init__(self._staging.path if self._staging else Path(cache_dir), **kwargs)
 
     def __repr__(self) -> str:
         return f"StoreCheckpointManager({self.url!r}, keep_last={self.config.keep_last})"
 
     def close(self) -> None:
-        """Stop accepting saves and remove the temporary cache folder (if this manager made it)."""
+        """Stop accepting saves and remove the staging folder (if this manager made it)."""
         super().close()
-        if self._own_cache:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self._staging is not None:
+            self._staging.remove()
 
     # ------------------------------------------------------------------ discovery
 
@@ -132,11 +146,26 @@ class StoreCheckpointManager(CheckpointManager):
             CommitConflictError: Another writer committed this step first.
             CheckpointError: As :meth:`CheckpointManager.save`.
         """
+        self._open_for_writing()
         return self._upload(Path(super().save(*args, **kwargs)))
 
     def save_payload(self, payload: dict[str, Any]) -> str:  # type: ignore[override]
         """:meth:`save` for a state-API payload (what :class:`AsyncCheckpointer` hands over)."""
+        self._open_for_writing()
         return self._upload(Path(super().save_payload(payload)))
+
+    def _open_for_writing(self) -> None:
+        """Before the first save: refuse a reader, prove the marker fences, clean up dead writers."""
+        if self.read_only:
+            raise CheckpointError(
+                f"{self.url}: this manager was opened with read_only=True and never writes to the store; "
+                "open one without read_only=True (and with write credentials) to save."
+            )
+        if self._writing:
+            return
+        self.storage.check_conditional_writes()  # a store whose marker fences nothing is refused
+        self._writing = True
+        clean_uncommitted(self.storage)
 
     def _upload(self, local: Path) -> str:
         step = int(self.last_save["step"]) if self.last_save else -1
@@ -189,8 +218,9 @@ class StoreCheckpointManager(CheckpointManager):
         return True
 
     def clean_stale(self, *, spare_own: bool = False) -> list[str]:
-        """Local leftovers, then uploads in the store whose writer's lease has expired."""
-        return super().clean_stale(spare_own=spare_own) + clean_uncommitted(self.storage)
+        """Local leftovers, then (once this manager has saved) uploads whose writer's lease has expired."""
+        local = super().clean_stale(spare_own=spare_own)
+        return local + clean_uncommitted(self.storage) if self._writing else local
 
     # ------------------------------------------------------------------ restore
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.safe_read import MAX_RECORD_BYTES
 from ckpt_lesson.files.storage import Storage, open_storage
 from ckpt_lesson.runs.report import RECOVERY_LOG, RecoveryRecorder, read_recovery_log
@@ -24,12 +25,14 @@ from ckpt_lesson.runs.report import RECOVERY_LOG, RecoveryRecorder, read_recover
 __all__ = ["StoreRecoveryRecorder", "read_store_recovery_log"]
 
 
-def _fetch_log(storage: Storage, folder: Path) -> None:
+def _fetch_log(storage: Storage, folder: Path) -> bool:
+    """Copy ``recovery.jsonl`` into ``folder``; False when the bucket holds none."""
     try:
         data = storage.read_bytes(RECOVERY_LOG, limit=MAX_RECORD_BYTES)
     except FileNotFoundError:
-        return
+        return False
     (folder / RECOVERY_LOG).write_bytes(data)
+    return True
 
 
 class StoreRecoveryRecorder(RecoveryRecorder):
@@ -75,7 +78,8 @@ def read_store_recovery_log(
         Every complete recovery record, oldest first (``[]`` when the run has none).
 
     Raises:
-        LoadEnvironmentError: The bucket cannot be reached.
+        LoadEnvironmentError: The bucket is missing or cannot be reached.
+        CheckpointError: Nothing at all lies under ``url`` (a typo'd prefix: as ``scan`` says).
         CorruptCheckpointError: The log holds no record at all, only damaged lines.
 
     Example:
@@ -84,5 +88,11 @@ def read_store_recovery_log(
     """
     storage = open_storage(url, storage_options)
     with tempfile.TemporaryDirectory(prefix="ckpt-lesson-report-") as folder:
-        _fetch_log(storage, Path(folder))
+        if not _fetch_log(storage, Path(folder)) and not storage.list_keys():
+            # "no restores recorded", exit 0, would read as "all fine" for a typo'd bucket or prefix;
+            # list_keys names a missing bucket itself, an empty prefix is refused here, as scan does.
+            raise CheckpointError(
+                f"{url}: no run found (no saves, no {RECOVERY_LOG}); pass the prefix a manager "
+                "saved to, e.g. s3://BUCKET/runs/exp1 ('python -m ckpt_lesson scan URL' lists its saves)."
+            )
         return read_recovery_log(folder)

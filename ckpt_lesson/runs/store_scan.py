@@ -26,7 +26,7 @@ from ckpt_lesson.errors import (
 )
 from ckpt_lesson.files.storage import open_storage
 from ckpt_lesson.runs.scan import ScanResult, step_dir_name, step_of
-from ckpt_lesson.runs.store_commit import committed_steps, read_commit
+from ckpt_lesson.runs.store_commit import attempt_of, committed_steps, read_commit
 from ckpt_lesson.runs.store_restore import verify_store_save
 
 __all__ = ["scan_store"]
@@ -66,7 +66,7 @@ def scan_store(url: str, storage_options: Mapping[str, Any] | None = None) -> li
         except (CorruptCheckpointError, SchemaError, UnsafeCheckpointError) as exc:
             # As in a local scan: a record of an unknown kind or a hostile part name is listed, not fatal.
             results.append(ScanResult(path, step, "corrupt", str(exc)))
-    attempts = sorted({"/".join(k.split("/")[:2]) for k in keys if k.count("/") >= 2} - named)
+    attempts = sorted({a for a in map(attempt_of, keys) if a is not None} - named)
     for attempt in attempts:
         head, save_id = attempt.split("/")
         step = step_of(head)
