@@ -43,3 +43,18 @@ def test_every_name_in_a_modules_all_exists(module):
     mod = importlib.import_module(f"ckpt_lesson.{module}")
     missing = [n for n in getattr(mod, "__all__", []) if not hasattr(mod, n)]
     assert missing == []
+
+
+@pytest.mark.parametrize("name", ckpt_lesson.__all__)
+def test_every_exported_name_imports_by_name(name):
+    namespace: dict[str, object] = {}
+    exec(f"from ckpt_lesson import {name}", namespace)
+    assert namespace[name] is getattr(ckpt_lesson, name)
+
+
+def test_store_checkpoint_manager_stays_a_public_checkpoint_manager():
+    # Code written against the bucket manager's own name keeps working whatever it becomes inside.
+    from ckpt_lesson import CheckpointManager, StoreCheckpointManager
+
+    assert "StoreCheckpointManager" in ckpt_lesson.__all__
+    assert issubclass(StoreCheckpointManager, CheckpointManager)
