@@ -19,7 +19,13 @@ from ckpt_lesson.files.modules import canonical_saved_keys, load_model_state, mo
 from ckpt_lesson.files.payload import check_model_state, check_optimizer_fit, strip_bindings
 from ckpt_lesson.files.rng import restore_rng_state, validate_rng_state
 from ckpt_lesson.files.schema import SCHEMA_V1
-from ckpt_lesson.files.train_state import BUCKETS, REQUIRES_KEY, TrainState
+from ckpt_lesson.files.train_state import (
+    BUCKETS,
+    FILE_STATE_API,
+    REQUIRES_KEY,
+    TrainState,
+    check_positional_objects,
+)
 
 __all__ = ["apply_payload", "check_optimizer_payload", "require_footer"]
 
@@ -87,6 +93,9 @@ def apply_payload(
     Example:
         >>> state = apply_payload(read_checkpoint("ckpt/last.pt"), model, opt, sched)  # doctest: +SKIP
     """
+    check_positional_objects(
+        model, optimizer, scheduler, loading=True, state_api=FILE_STATE_API, where=f"{source}: "
+    )
     missing = [b for b in BUCKETS if not isinstance(payload, dict) or b not in payload]
     if missing:
         raise StateMismatchError(f"{source}: payload lacks {missing}; a resume needs every bucket.")
