@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ckpt_lesson.errors import CheckpointError, StateMismatchError
-from ckpt_lesson.files.apply import check_optimizer_payload
+from ckpt_lesson.files.apply import check_optimizer_payload, load_objects_or_roll_back
 from ckpt_lesson.files.modules import canonical_saved_keys, load_model_state, model_state, unwrap
 from ckpt_lesson.files.payload import BINDING_KEY, check_model_state
 from ckpt_lesson.files.rng import restore_rng_state, validate_rng_state
@@ -215,20 +215,8 @@ def _load_all(
 ) -> None:
     """Load the objects: the uncheckable ones and optimizers first (undone on failure), modules last."""
     others = [n for n in wanted if n not in module_sds]
-    done: list[tuple[Any, Any]] = []
-    for name in others:
-        part = state[name]
-        previous = part.state_dict()
-        try:
-            part.load_state_dict(optimizer_sds.get(name, objects[name]))
-        except Exception as exc:
-            for loaded, before in reversed([*done, (part, previous)]):
-                loaded.load_state_dict(before)
-            raise StateMismatchError(
-                f"{source}: part {name!r} ({type(part).__name__}) refused its saved state "
-                f"({type(exc).__name__}: {str(exc)[:200]}); build it as in the saving run. "
-                "Nothing was changed."
-            ) from exc
-        done.append((part, previous))
+    load_objects_or_roll_back(
+        [(name, state[name], optimizer_sds.get(name, objects[name])) for name in others], source=source
+    )
     for name, sd in module_sds.items():
         load_model_state(state[name], sd)
