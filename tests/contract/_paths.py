@@ -1,0 +1,145 @@
+"""The contract suite's one fixture: ``save_path``, parametrized over every path a save can take.
+
+A path is a storage (a folder, or a bucket on moto's S3 server), a call form
+(the state API, or the lesson's positional ``model, optimizer, scheduler,
+train_state``) and a save mode (synchronous, or through ``AsyncCheckpointer``).
+Each guarantee in ``test_guarantees.py`` is written once against the
+:class:`Harness` below; a new path joins by adding one entry to :data:`PATHS`
+(and teaching the harness its two or three differences), not by copying tests.
+A path that cannot offer a guarantee skips it with the reason
+(:meth:`Harness.skip_unless`), and ``docs/guarantees.md`` shows the skip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import TinyRun, build_tiny_run
+
+from ckpt_lesson.files.storage import open_storage
+from ckpt_lesson.files.train_state import TrainState
+from ckpt_lesson.runs.async_save import AsyncCheckpointer
+from ckpt_lesson.runs.manager import CheckpointManager
+
+
+@dataclass(frozen=True)
+class SavePath:
+    """One way a save can go: storage x call form x save mode."""
+
+    storage: str  # "folder" | "bucket"
+    form: str  # "state" | "positional"
+    mode: str  # "sync" | "async"
+
+    @property
+    def id(self) -> str:
+        return f"{self.storage}-{self.form}-{self.mode}"
+
+
+STORAGES, FORMS, MODES = ("folder", "bucket"), ("state", "positional"), ("sync", "async")
+PATHS = [SavePath(s, f, m) for s in STORAGES for f in FORMS for m in MODES]
+
+#: Why a path cannot offer a guarantee: ``{(guarantee, axis value): reason}``. The docs table reads it.
+SKIPS: dict[tuple[str, str], str] = {
+    (
+        "bad_input:missing_part",
+        "positional",
+    ): "the positional form has fixed parts (model, optimizer, scheduler)",
+    (
+        "bad_input:extra_part",
+        "positional",
+    ): "the positional form has fixed parts (model, optimizer, scheduler)",
+}
+
+
+class Harness:
+    """The differences between paths, in one place: where saves go, how a save and a restore are called."""
+
+    def __init__(self, path: SavePath, tmp_path: Path, bucket: Any | None) -> None:
+        self.path, self.tmp_path, self.bucket = path, tmp_path, bucket
+        self.location = bucket.url() if bucket is not None else str(tmp_path / "run")
+        self.options = {"storage_options": bucket.options} if bucket is not None else {}
+
+    def skip_unless(self, guarantee: str) -> None:
+        """Skip (with the reason) where this path cannot offer ``guarantee``."""
+        for axis in (self.path.storage, self.path.form, self.path.mode):
+            reason = SKIPS.get((guarantee, axis))
+            if reason:
+                pytest.skip(f"{self.path.id}: {reason}")
+
+    def manager(self, **kwargs: Any) -> CheckpointManager:
+        kwargs.setdefault("every_steps", 1)
+        return CheckpointManager(self.location, **self.options, **kwargs)
+
+    def run(self, seed: int = 0) -> TinyRun:
+        return build_tiny_run(seed=seed)
+
+    def args(self, run: TinyRun, step: int, *, best: Any = 0.5) -> tuple[Any, ...]:
+        """What this call form passes to ``save`` for ``run`` at ``step``."""
+        if self.path.form == "state":
+            parts = {"model": run.model, "optimizer": run.optimizer, "scheduler": run.scheduler}
+            return step, {**parts, "best": best}
+        run.state.step = step
+        return run.model, run.optimizer, run.scheduler, run.state
+
+    def save_args(self, mgr: CheckpointManager, *args: Any, **kwargs: Any) -> Any:
+        """Save ``args`` as this path does (a background save is waited for, so its error surfaces)."""
+        if self.path.mode == "sync":
+            return mgr.save(*args, **kwargs)
+        with AsyncCheckpointer(mgr) as ckpt:
+            ckpt.save_async(*args, **kwargs)
+            return ckpt.wait()
+
+    def save(self, mgr: CheckpointManager, run: TinyRun, step: int) -> Any:
+        run.train(until_step=step)
+        return self.save_args(mgr, *self.args(run, step))
+
+    def restore(self, mgr: CheckpointManager, run: TinyRun, *, strict: bool = True) -> tuple[int, Any]:
+        """Restore into ``run``'s objects; returns ``(step, best)`` (``best``: None when positional)."""
+        if self.path.form == "state":
+            parts = {"model": run.model, "optimizer": run.optimizer, "scheduler": run.scheduler}
+            restored = mgr.restore_latest({**parts, "best": None}, strict=strict)
+            return restored.step, restored.values["best"]
+        state = mgr.restore_latest(run.model, run.optimizer, run.scheduler)
+        assert isinstance(state, TrainState)
+        return state.step, None
+
+    def flip_a_byte(self, step: int) -> str:
+        """Flip one byte in the middle of the largest part of ``step``'s save; returns its key."""
+        storage = open_storage(self.location, self.options.get("storage_options"))
+        prefix = f"step-{step:08d}"
+        keys = [k for k in storage.list_keys(prefix) if k.endswith(".pt")]
+        sizes = {k: len(storage.read_bytes(k, limit=1 << 30)) for k in keys}
+        key = max(sizes, key=sizes.__getitem__)
+        data = bytearray(storage.read_bytes(key, limit=1 << 30))
+        data[len(data) // 2] ^= 0xFF
+        if self.bucket is None:
+            (Path(self.location) / key).write_bytes(bytes(data))
+        else:
+            storage.put_bytes(key, bytes(data))
+        return key
+
+
+def snapshot(run: TinyRun) -> dict[str, torch.Tensor]:
+    """Every tensor of the run's model and optimizer, cloned (to compare after a restore)."""
+    out = {f"model.{k}": v.clone() for k, v in run.model.state_dict().items()}
+    for pid, entry in run.optimizer.state_dict()["state"].items():
+        out.update(
+            {f"optimizer.{pid}.{k}": v.clone() for k, v in entry.items() if isinstance(v, torch.Tensor)}
+        )
+    return out
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(params=PATHS, ids=[p.id for p in PATHS])
+def save_path(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
+    """A :class:`Harness` for one path; a bucket path gets a fresh bucket on the session's moto server."""
+    path: SavePath = request.param
+    bucket = request.getfixturevalue("s3_bucket") if path.storage == "bucket" else None
+    return Harness(path, tmp_path, bucket)
