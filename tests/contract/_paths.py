@@ -47,11 +47,11 @@ SKIPS: dict[tuple[str, str], str] = {
     (
         "bad_input:missing_part",
         "positional",
-    ): "the positional form has fixed parts (model, optimizer, scheduler)",
+    ): "no part names in the positional form",
     (
         "bad_input:extra_part",
         "positional",
-    ): "the positional form has fixed parts (model, optimizer, scheduler)",
+    ): "no part names in the positional form",
 }
 
 
