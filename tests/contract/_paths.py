@@ -12,6 +12,9 @@ A path that cannot offer a guarantee skips it with the reason
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,15 +46,11 @@ STORAGES, FORMS, MODES = ("folder", "bucket"), ("state", "positional"), ("sync",
 PATHS = [SavePath(s, f, m) for s in STORAGES for f in FORMS for m in MODES]
 
 #: Why a path cannot offer a guarantee: ``{(guarantee, axis value): reason}``. The docs table reads it.
+NO_NAMES = "no part names in the positional form"
 SKIPS: dict[tuple[str, str], str] = {
-    (
-        "bad_input:missing_part",
-        "positional",
-    ): "no part names in the positional form",
-    (
-        "bad_input:extra_part",
-        "positional",
-    ): "no part names in the positional form",
+    ("bad_input:missing_part", "positional"): NO_NAMES,
+    ("bad_input:extra_part", "positional"): NO_NAMES,
+    ("kill:upload", "folder"): "a folder save has no upload",
 }
 
 
@@ -121,6 +120,18 @@ class Harness:
         else:
             storage.put_bytes(key, bytes(data))
         return key
+
+    def kill_mid_save(self, point: str) -> int:
+        """Run ``_kill_child.py``: it saves step 2, then SIGKILLs itself at ``point`` while saving step 4."""
+        child = [sys.executable, str(Path(__file__).with_name("_kill_child.py")), self.path.storage]
+        child += [self.path.form, self.path.mode, str(self.tmp_path), point]
+        if self.bucket is not None:
+            child += [self.bucket.name, self.bucket.endpoint]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
+        }
+        return subprocess.run(child, env=env, timeout=300).returncode
 
 
 def snapshot(run: TinyRun) -> dict[str, torch.Tensor]:

@@ -14,13 +14,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _paths import PATHS, SKIPS  # noqa: E402
-from test_guarantees import BAD_INPUTS  # noqa: E402
+from test_guarantees import BAD_INPUTS, KILL_POINTS  # noqa: E402
 
 #: (label in the table, guarantee key, the test that checks it); bad input has one case per kind.
 GUARANTEES = [
     ("bad input refused, part named (`None`, no `state_dict`, dict of models, missing/extra part, "
      "unsaveable value)", "bad_input", "test_bad_input_is_refused_naming_the_part_and_nothing_is_saved"),
     ("exact round trip", "round_trip", "test_a_save_restores_exactly"),
+    ("SIGKILL mid-save (after a part is written; mid-upload): previous save restorable", "kill",
+     "test_a_kill_mid_save_leaves_the_previous_save_restorable"),
     ("flipped byte: previous good save restored", "flipped_byte",
      "test_a_flipped_byte_falls_back_to_the_previous_good_save"),
     ("retention never deletes the last good save", "retention",
@@ -30,8 +32,6 @@ GUARANTEES = [
 ]  # fmt: skip
 #: Guarantees of the issue not in this suite yet, and where they are tested today.
 ELSEWHERE = [
-    ("a kill mid-save leaves the previous save restorable",
-     "`tests/test_faults.py`, `tests/test_store_chaos.py` (real SIGKILLs; not yet per path)"),
     ("a zombie writer whose lease expired commits nothing (buckets)", "`tests/test_store_lease.py`"),
     ("a restore survives retention by another manager (same process; folder and bucket)",
      "`tests/test_restore.py`"),
@@ -41,7 +41,8 @@ ELSEWHERE = [
 
 def _cell(key: str, path) -> tuple[int, list[str]]:
     """``(cases run, ["case: why skipped", ...])`` of one guarantee on one path."""
-    cases = [f"{key}:{c}" for c in BAD_INPUTS] if key == "bad_input" else [key]
+    kinds = {"bad_input": BAD_INPUTS, "kill": KILL_POINTS}
+    cases = [f"{key}:{c}" for c in kinds[key]] if key in kinds else [key]
     skipped = []
     for case in cases:
         reasons = [

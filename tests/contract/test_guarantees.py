@@ -4,6 +4,7 @@ Guarantees (issue 31, "What to build" 4), one test each:
 
 * ``bad_input``: refused with a ``CheckpointError`` that names the part, and nothing is saved;
 * ``round_trip``: a restore gives back exactly what was saved;
+* ``kill``: a SIGKILL in the middle of a save leaves the previous save restorable, and the next save works;
 * ``flipped_byte``: a damaged newest save falls back to the previous good one;
 * ``retention``: retention never deletes the last good save (``keep_last=1``, a save that fails);
 * ``second_writer``: a second writer of an already saved step is refused, the first save stays.
@@ -148,3 +149,23 @@ def test_a_second_writer_of_a_saved_step_is_refused_and_the_first_save_stays(sav
     assert h.restore(h.manager(), fresh)[0] == 2 and same(snapshot(fresh), want)
     first.close()
     second.close()
+
+
+KILL_POINTS = ["part_written", "upload"]  # after the first part is written; mid-upload
+
+
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_a_kill_mid_save_leaves_the_previous_save_restorable(save_path: Harness, point: str) -> None:
+    h = save_path
+    h.skip_unless(f"kill:{point}")
+    assert h.kill_mid_save(point) == -9  # the child died at the point, not before or after it
+    want = h.run()
+    want.train(until_step=2)  # the same seeded run, the same steps: the state the save of step 2 holds
+    mgr = h.manager(keep_last=1)
+    assert mgr.all_steps() == [2]
+    fresh = h.run(seed=7)
+    assert h.restore(mgr, fresh)[0] == 2 and same(snapshot(fresh), snapshot(want))
+    h.save(mgr, fresh, 4)  # what the killed process left behind is no obstacle
+    mgr.wait_retention()
+    assert mgr.all_steps() == [4]
+    mgr.close()
