@@ -12,9 +12,12 @@ A path that cannot offer a guarantee skips it with the reason
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +54,7 @@ SKIPS: dict[tuple[str, str], str] = {
     ("bad_input:missing_part", "positional"): NO_NAMES,
     ("bad_input:extra_part", "positional"): NO_NAMES,
     ("kill:upload", "folder"): "a folder save has no upload",
+    ("zombie", "folder"): "a folder has no writer leases; its fence is the second-writer row",
 }
 
 
@@ -121,17 +125,40 @@ class Harness:
             storage.put_bytes(key, bytes(data))
         return key
 
-    def kill_mid_save(self, point: str) -> int:
-        """Run ``_kill_child.py``: it saves step 2, then SIGKILLs itself at ``point`` while saving step 4."""
+    def _child(self, point: str) -> subprocess.Popen:
         child = [sys.executable, str(Path(__file__).with_name("_kill_child.py")), self.path.storage]
         child += [self.path.form, self.path.mode, str(self.tmp_path), point]
         if self.bucket is not None:
             child += [self.bucket.name, self.bucket.endpoint]
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
-        }
-        return subprocess.run(child, env=env, timeout=300).returncode
+        paths = [os.getcwd(), os.environ.get("PYTHONPATH", "")]
+        return subprocess.Popen(child, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))})
+
+    def kill_mid_save(self, point: str) -> int:
+        """Run ``_kill_child.py``: it saves step 2, then SIGKILLs itself at ``point`` while saving step 4."""
+        return self._child(point).wait(timeout=300)
+
+    def stall_past_lease(self) -> int:
+        """A bucket writer frozen mid-save past its lease while another manager cleaned; its exit code."""
+        child, marker = self._child("stall"), self.tmp_path / "stalled"
+        try:
+            deadline = time.monotonic() + 300
+            while not (marker.exists() and _stopped(child.pid)):
+                assert time.monotonic() < deadline and child.poll() is None, "the writer never stalled"
+                time.sleep(0.05)
+            storage = open_storage(self.location, self.options.get("storage_options"))
+            [lease] = [k for k in storage.list_keys("step-00000004") if k.endswith("/LEASE")]
+            expires = json.loads(storage.read_bytes(lease, limit=1 << 16))["expires_at"]
+            while time.time() <= expires + 0.2:
+                time.sleep(0.05)
+            self.manager().close()  # another job opens the run: the frozen upload looks abandoned
+            assert storage.list_keys("step-00000004") == []
+        finally:
+            child.send_signal(signal.SIGCONT)
+        return child.wait(timeout=300)
+
+
+def _stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
 
 
 def snapshot(run: TinyRun) -> dict[str, torch.Tensor]:

@@ -7,7 +7,8 @@ Guarantees (issue 31, "What to build" 4), one test each:
 * ``kill``: a SIGKILL in the middle of a save leaves the previous save restorable, and the next save works;
 * ``flipped_byte``: a damaged newest save falls back to the previous good one;
 * ``retention``: retention never deletes the last good save (``keep_last=1``, a save that fails);
-* ``second_writer``: a second writer of an already saved step is refused, the first save stays.
+* ``second_writer``: a second writer of an already saved step is refused, the first save stays;
+* ``zombie``: a writer frozen past its lease (buckets) commits nothing, and the previous save restores.
 
 ``docs/guarantees.md`` has the guarantee x path table (``tests/contract/table.py``).
 """
@@ -168,4 +169,17 @@ def test_a_kill_mid_save_leaves_the_previous_save_restorable(save_path: Harness,
     h.save(mgr, fresh, 4)  # what the killed process left behind is no obstacle
     mgr.wait_retention()
     assert mgr.all_steps() == [4]
+    mgr.close()
+
+
+def test_a_zombie_writer_whose_lease_expired_commits_nothing(save_path: Harness) -> None:
+    h = save_path
+    h.skip_unless("zombie")
+    assert h.stall_past_lease() == 4  # the woken writer's save raised: its lease had expired
+    want = h.run()
+    want.train(until_step=2)
+    mgr = h.manager()
+    assert mgr.all_steps() == [2]  # nothing committed, and keep_last=1 retention deleted nothing
+    fresh = h.run(seed=7)
+    assert h.restore(mgr, fresh)[0] == 2 and same(snapshot(fresh), snapshot(want))
     mgr.close()
