@@ -12,11 +12,13 @@ A path that cannot offer a guarantee skips it with the reason
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,6 +157,50 @@ class Harness:
         finally:
             child.send_signal(signal.SIGCONT)
         return child.wait(timeout=300)
+
+    def restore_while_the_run_moves_on(self, trainer: CheckpointManager, run: TinyRun, fresh: TinyRun) -> Any:
+        """Restore into ``fresh`` while ``trainer`` (``keep_last=1``) saves step 6 and deletes step 4.
+
+        Folder: the reader's own ``resume_contract`` event (its manifest read, no part yet).
+        Bucket: botocore's ``before-send`` holds the reader's GET of a step-4 part (the
+        event loop runs on, so the trainer's requests go through meanwhile).
+        Returns the reader (its ``last_restore`` says what happened) and the restored step.
+        """
+        if self.bucket is None:
+
+            def trainer_moves_on(name: str, info: dict[str, Any]) -> None:
+                if name == "resume_contract" and info["step"] == 4 and 6 not in trainer.all_steps():
+                    self.save(trainer, run, 6)
+                    trainer.wait_retention()
+
+            reader = self.manager(on_event=trainer_moves_on)
+            return reader, self.restore(reader, fresh)[0]
+        go, done = threading.Event(), threading.Event()
+
+        async def hold(request: Any, **_: Any) -> None:
+            if "/step-00000004/" in request.url and request.url.endswith(".pt") and not go.is_set():
+                go.set()
+                while not done.is_set():
+                    await asyncio.sleep(0.05)
+
+        def trainer_loop() -> None:
+            go.wait(timeout=120)
+            try:
+                self.save(trainer, run, 6)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=trainer_loop)
+        thread.start()
+        reader = self.manager()
+        events = reader.storage.fs.s3.meta.events
+        events.register("before-send.s3.GetObject", hold)
+        try:
+            return reader, self.restore(reader, fresh)[0]
+        finally:
+            events.unregister("before-send.s3.GetObject", hold)
+            go.set()
+            thread.join(timeout=120)
 
 
 def _stopped(pid: int) -> bool:

@@ -29,13 +29,13 @@ GUARANTEES = [
      "test_retention_never_deletes_the_last_good_save"),
     ("second writer of a saved step refused (bucket: by the conditional `COMMIT`)", "second_writer",
      "test_a_second_writer_of_a_saved_step_is_refused_and_the_first_save_stays"),
+    ("a restore survives the trainer's retention deleting the save it reads (takes the newer one)",
+     "run_moves_on", "test_a_restore_survives_retention_deleting_the_save_it_reads"),
     ("a zombie writer, frozen past its lease while another job cleaned, commits nothing", "zombie",
      "test_a_zombie_writer_whose_lease_expired_commits_nothing"),
 ]  # fmt: skip
 #: Guarantees of the issue not in this suite yet, and where they are tested today.
 ELSEWHERE = [
-    ("a restore survives retention by another manager (same process; folder and bucket)",
-     "`tests/test_restore.py`"),
     ("2 ranks", "`tests/test_distributed_*.py`; not yet a path of this suite"),
 ]  # fmt: skip
 

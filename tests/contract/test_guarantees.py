@@ -8,6 +8,7 @@ Guarantees (issue 31, "What to build" 4), one test each:
 * ``flipped_byte``: a damaged newest save falls back to the previous good one;
 * ``retention``: retention never deletes the last good save (``keep_last=1``, a save that fails);
 * ``second_writer``: a second writer of an already saved step is refused, the first save stays;
+* ``run_moves_on``: a restore survives the trainer's retention deleting the save it reads;
 * ``zombie``: a writer frozen past its lease (buckets) commits nothing, and the previous save restores.
 
 ``docs/guarantees.md`` has the guarantee x path table (``tests/contract/table.py``).
@@ -183,3 +184,16 @@ def test_a_zombie_writer_whose_lease_expired_commits_nothing(save_path: Harness)
     fresh = h.run(seed=7)
     assert h.restore(mgr, fresh)[0] == 2 and same(snapshot(fresh), snapshot(want))
     mgr.close()
+
+
+def test_a_restore_survives_retention_deleting_the_save_it_reads(save_path: Harness) -> None:
+    h = save_path
+    trainer, run = h.manager(keep_last=1), h.run()
+    for step in (2, 4):
+        h.save(trainer, run, step)
+    fresh = h.run(seed=7)
+    reader, step = h.restore_while_the_run_moves_on(trainer, run, fresh)
+    assert step == 6 and same(snapshot(fresh), snapshot(run))  # the newer save the trainer committed
+    assert [(s["step"], s["relisted"]) for s in reader.last_restore["skipped"]] == [(4, [6])]
+    reader.close()
+    trainer.close()
