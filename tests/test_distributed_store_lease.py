@@ -23,9 +23,9 @@ from _s3_server import Bucket
 from _store_lease_workers import w_replacement, w_slow_save, w_victim
 
 from ckpt_lesson import CheckpointError
-from ckpt_lesson.distributed.store_lease import LeaseRenewer
 from ckpt_lesson.files.storage_fsspec import FsspecStorage
 from ckpt_lesson.runs.store_commit import clean_uncommitted
+from ckpt_lesson.runs.store_lease import LeaseRenewer
 
 #: Short, so the tests wait seconds for a lease to run out; renewed every third of it.
 LEASE = 3.0

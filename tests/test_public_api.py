@@ -49,3 +49,18 @@ def test_the_data_position_for_a_plain_dataloader_is_exported():
     # issue 35: cl.resumable(DataLoader(...)) is the adoption path the README shows
     assert {"resumable", "ResumableLoader"} <= set(ckpt_lesson.__all__)
     assert ckpt_lesson.resumable.__module__ == "ckpt_lesson.runs.data_position"
+
+
+@pytest.mark.parametrize("name", ckpt_lesson.__all__)
+def test_every_exported_name_imports_by_name(name):
+    namespace: dict[str, object] = {}
+    exec(f"from ckpt_lesson import {name}", namespace)
+    assert namespace[name] is getattr(ckpt_lesson, name)
+
+
+def test_store_checkpoint_manager_stays_a_public_checkpoint_manager():
+    # Code written against the bucket manager's own name keeps working whatever it becomes inside.
+    from ckpt_lesson import CheckpointManager, StoreCheckpointManager
+
+    assert "StoreCheckpointManager" in ckpt_lesson.__all__
+    assert issubclass(StoreCheckpointManager, CheckpointManager)

@@ -266,3 +266,116 @@ def test_a_module_part_refuses_to_restore_into_something_else(tmp_path):
     cl.save_state(tmp_path / "s.pt", 1, {"model": model})
     with pytest.raises(cl.StateMismatchError, match=r"part 'model'.*torch.nn.Module"):
         cl.load_state(tmp_path / "s.pt", {"model": torch.optim.lr_scheduler.StepLR(opt, 2)})
+
+
+def _untouched(model, opt, seed: int) -> bool:
+    fresh_model, _ = _build(seed=seed)
+    return _same(model, fresh_model) and opt.state_dict()["state"] == {}
+
+
+def test_following_the_strict_hint_after_renaming_the_model_part_refuses_the_optimizer_by_name(tmp_path):
+    # Issue 31, why-item 4: strict=False skipped the renamed module part but loaded its optimizer's
+    # moments and step onto the weights it had not restored.
+    model, opt = _build()
+    _train(model, opt)
+    _manager(tmp_path).save(3, {"model": model, "optimizer": opt})
+    net, net_opt = _build(seed=1)
+    with pytest.raises(cl.StateMismatchError, match=r"strict=False"):
+        _manager(tmp_path).restore_latest({"net": net, "optimizer": net_opt})
+    with pytest.raises(
+        cl.StateMismatchError, match=r"part 'optimizer' holds optimizer state for .*\['model', 'net'\]"
+    ):
+        _manager(tmp_path).restore_latest({"net": net, "optimizer": net_opt}, strict=False)
+    assert _untouched(net, net_opt, seed=1)  # nothing was changed
+    # Leaving the optimizer out restores the rest; giving the module its saved name restores both.
+    assert _manager(tmp_path).restore_latest({"net": net}, strict=False).step == 3
+    restored = _manager(tmp_path).restore_latest(
+        {"model": net, "optimizer": net_opt, "ema": None}, strict=False
+    )
+    assert restored.step == 3 and _same(model, net)
+    assert net_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
+
+
+def test_the_file_pair_refuses_an_optimizer_without_its_module_for_both_save_forms(tmp_path):
+    model, opt = _build()
+    _train(model, opt)
+    cl.save_state(tmp_path / "s.pt", 3, {"model": model, "optimizer": opt})
+    cl.save_checkpoint(model, opt, None, cl.TrainState(step=3), tmp_path / "p.pt")
+    for path in (tmp_path / "s.pt", tmp_path / "p.pt"):
+        live, live_opt = _build(seed=1)
+        with pytest.raises(
+            cl.StateMismatchError, match=r"part 'optimizer'.*\['model'\].*leave 'optimizer' out"
+        ):
+            cl.load_state(path, {"optimizer": live_opt}, strict=False)
+        with pytest.raises(cl.StateMismatchError, match=r"part 'optimizer'.*\['model', 'net'\]"):
+            cl.load_state(path, {"net": live, "optimizer": live_opt}, strict=False)
+        assert _untouched(live, live_opt, seed=1)
+
+
+class LiveDict:
+    """The common idiom: state_dict() hands out the object's own __dict__ (a live reference)."""
+
+    def __init__(self, count: int = 0) -> None:
+        self.count, self.history, self.buffer = count, [count], torch.full((2,), float(count))
+
+    def state_dict(self):
+        return self.__dict__
+
+    def load_state_dict(self, sd) -> None:
+        buffer = self.buffer
+        self.__dict__.update(sd)
+        self.buffer = buffer.copy_(sd["buffer"])  # in place, as classes that own a buffer do
+
+
+class RefusesToLoad:
+    def state_dict(self):
+        return {"version": 1}
+
+    def load_state_dict(self, sd) -> None:
+        raise ValueError("this build cannot read version 1")
+
+
+def test_a_refused_restore_rolls_back_a_part_whose_state_dict_is_its_own_dict(tmp_path):
+    # Issue 31, why-item 5: the rollback reloaded part.state_dict(), the live __dict__ the failed
+    # load had already changed, so "Nothing was changed" left the part restored.
+    model, opt = _build()
+    _train(model, opt)
+    saved = {"model": model, "optimizer": opt, "counter": LiveDict(5), "loader": RefusesToLoad()}
+    _manager(tmp_path).save(3, saved)
+    cl.save_state(tmp_path / "s.pt", 3, saved)
+    for restore in (
+        lambda state: _manager(tmp_path).restore_latest(state),
+        lambda state: cl.load_state(tmp_path / "s.pt", state),
+    ):
+        live_model, live_opt = _build(seed=1)
+        counter = LiveDict(0)
+        state = {"model": live_model, "optimizer": live_opt, "counter": counter, "loader": RefusesToLoad()}
+        with pytest.raises(cl.StateMismatchError, match=r"part 'loader'.*Nothing was changed"):
+            restore(state)
+        assert (counter.count, counter.history) == (0, [0]) and torch.equal(counter.buffer, torch.zeros(2))
+        assert _untouched(live_model, live_opt, seed=1)
+
+
+class BrokenScheduler:
+    def __init__(self, opt) -> None:
+        self.inner = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, sd) -> None:
+        raise KeyError("last_epoch")
+
+
+def test_a_positional_restore_refused_by_the_scheduler_leaves_optimizer_and_model_unchanged(tmp_path):
+    model, opt = _build()
+    _train(model, opt)
+    cl.save_checkpoint(
+        model, opt, torch.optim.lr_scheduler.StepLR(opt, 2), cl.TrainState(3), tmp_path / "c.pt"
+    )
+    live, live_opt = _build(seed=1)
+    with pytest.raises(
+        cl.StateMismatchError, match=r"part 'scheduler' \(BrokenScheduler\).*Nothing was changed"
+    ):
+        cl.load_checkpoint(tmp_path / "c.pt", live, live_opt, BrokenScheduler(live_opt))
+    assert _untouched(live, live_opt, seed=1)

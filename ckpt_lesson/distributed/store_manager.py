@@ -52,12 +52,12 @@ from ckpt_lesson.runs.store_commit import (
     committed_steps,
     read_commit,
 )
+from ckpt_lesson.runs.store_lease import LeaseRenewer
 from ckpt_lesson.runs.store_report import StoreRecoveryRecorder
 
 from .manager import DistributedCheckpointManager
 from .restore import DistributedRestore, restore_newest
 from .saving import SaveJob, check_inputs, manifest_fields
-from .store_lease import LeaseRenewer
 from .store_reader import StoreReader, verify_store_save
 from .store_writer import StoreCommitWriter
 

@@ -42,8 +42,8 @@ from ckpt_lesson.files.tagged_hash import DEFAULT_ALGO
 from ckpt_lesson.runs.dcp_manifest import METADATA_FILE, build_manifest
 from ckpt_lesson.runs.scan import MANIFEST_NAME, step_dir_name
 from ckpt_lesson.runs.store_commit import commit_attempt
+from ckpt_lesson.runs.store_lease import LeaseRenewer
 
-from .store_lease import LeaseRenewer
 from .writer import HashingStream, check_and_unwrap, digested_results
 
 __all__ = ["HashingFsspecFileSystem", "StoreCommitWriter"]

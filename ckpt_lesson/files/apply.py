@@ -7,6 +7,7 @@ class, parameter order and state shapes) live in :mod:`ckpt_lesson.files.payload
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Collection
 from typing import Any
@@ -19,9 +20,21 @@ from ckpt_lesson.files.modules import canonical_saved_keys, load_model_state, mo
 from ckpt_lesson.files.payload import check_model_state, check_optimizer_fit, strip_bindings
 from ckpt_lesson.files.rng import restore_rng_state, validate_rng_state
 from ckpt_lesson.files.schema import SCHEMA_V1
-from ckpt_lesson.files.train_state import BUCKETS, REQUIRES_KEY, TrainState
+from ckpt_lesson.files.train_state import (
+    BUCKETS,
+    FILE_STATE_API,
+    REQUIRES_KEY,
+    TrainState,
+    check_positional_objects,
+)
 
-__all__ = ["apply_payload", "check_optimizer_payload", "require_footer"]
+__all__ = [
+    "apply_payload",
+    "check_optimizer_payload",
+    "load_objects_or_roll_back",
+    "require_footer",
+    "rollback_snapshot",
+]
 
 
 def require_footer(obj: Any, digest: FileDigest, path: str | os.PathLike[str]) -> None:
@@ -87,6 +100,9 @@ def apply_payload(
     Example:
         >>> state = apply_payload(read_checkpoint("ckpt/last.pt"), model, opt, sched)  # doctest: +SKIP
     """
+    check_positional_objects(
+        model, optimizer, scheduler, loading=True, state_api=FILE_STATE_API, where=f"{source}: "
+    )
     missing = [b for b in BUCKETS if not isinstance(payload, dict) or b not in payload]
     if missing:
         raise StateMismatchError(f"{source}: payload lacks {missing}; a resume needs every bucket.")
@@ -114,24 +130,82 @@ def apply_payload(
         validate_rng_state(payload["rng"], allow_device_change=allow_device_change)
     except CheckpointError as exc:
         raise StateMismatchError(f"{source}: {exc}") from exc
-    # The optimizer goes first because its values are the least checkable: torch
-    # casts every state entry and raises on odd ones, sometimes after it has
-    # already replaced its state. Its current state_dict (references, no copies)
-    # lets a failed load be rolled back before anything else has changed.
-    previous = optimizer.state_dict()
-    try:
-        optimizer.load_state_dict(opt_sd)
-    except Exception as exc:
-        optimizer.load_state_dict(previous)
-        raise StateMismatchError(
-            f"{source}: the optimizer state does not fit the live optimizer ({type(exc).__name__}: "
-            f"{str(exc)[:200]}); build the same optimizer class and groups as the saved run."
-        ) from exc
-    load_model_state(model, model_sd)
+    # Optimizer and scheduler go first because their values are the least checkable: torch
+    # casts every state entry and raises on odd ones, sometimes after it has already replaced
+    # its state. Both are loaded all-or-nothing from snapshots taken before either changes, so
+    # a refusal leaves everything as it was; the model (checked completely above) goes last.
+    loads = [("optimizer", optimizer, opt_sd)]
     if scheduler is not None:
-        scheduler.load_state_dict(payload["scheduler"])
+        loads.append(("scheduler", scheduler, payload["scheduler"]))
+    load_objects_or_roll_back(loads, source=source)
+    load_model_state(model, model_sd)
     restore_rng_state(payload["rng"], allow_device_change=allow_device_change)
     return state
+
+
+def rollback_snapshot(part: Any) -> Any:
+    """A copy of ``part.state_dict()`` to put back if a restore is refused, independent of the live part.
+
+    Many classes return live references from ``state_dict()`` (the common
+    ``return self.__dict__``), and their ``load_state_dict`` changes those very
+    containers: reloading such a "snapshot" would restore nothing. So the
+    snapshot is a deep copy (tensors detached and cloned). A torch optimizer is
+    the exception: its ``load_state_dict`` replaces state and groups with new
+    objects and never writes into the old tensors, so references roll it back
+    without a second copy of its moments.
+
+    Example:
+        >>> class Live:
+        ...     def __init__(self): self.n = 1
+        ...     def state_dict(self): return self.__dict__
+        >>> part = Live(); before = rollback_snapshot(part); part.n = 2
+        >>> before
+        {'n': 1}
+    """
+    state = part.state_dict()
+    return state if isinstance(part, torch.optim.Optimizer) else _deep_copy(state)
+
+
+def _deep_copy(tree: Any) -> Any:
+    # Tensors by detach().clone(): copy.deepcopy refuses tensors that are not graph leaves.
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _deep_copy(v) for k, v in tree.items()}
+    if type(tree) in (list, tuple):
+        return type(tree)(_deep_copy(v) for v in tree)
+    return copy.deepcopy(tree)
+
+
+def load_objects_or_roll_back(loads: list[tuple[str, Any, Any]], *, source: str) -> None:
+    """Load every ``(name, part, saved_state)`` in order; on a refusal put every part back, then raise.
+
+    Every snapshot is taken before the first load (see :func:`rollback_snapshot`),
+    so a part whose state the others share, or that returns live references,
+    still comes back as it was.
+
+    Raises:
+        StateMismatchError: Naming the part that refused its saved state; nothing was changed.
+
+    Example:
+        >>> load_objects_or_roll_back([("optimizer", opt, saved)], source="last.pt")  # doctest: +SKIP
+    """
+    before = [(part, rollback_snapshot(part)) for _, part, _ in loads]
+    for i, (name, part, saved) in enumerate(loads):
+        try:
+            part.load_state_dict(saved)
+        except Exception as exc:
+            try:  # the refusing part may have changed half its state before it raised
+                part.load_state_dict(before[i][1])
+            except Exception:  # noqa: BLE001 (it refuses any state; what it raised first is reported)
+                pass
+            for loaded, previous in reversed(before[:i]):
+                loaded.load_state_dict(previous)
+            raise StateMismatchError(
+                f"{source}: part {name!r} ({type(part).__name__}) refused its saved state "
+                f"({type(exc).__name__}: {str(exc)[:200]}); build it as in the saving run (the same class, "
+                "groups and settings). Nothing was changed."
+            ) from exc
 
 
 def check_optimizer_payload(opt_sd: Any, optimizer: Any, model: Any, *, source: str) -> dict[str, Any]:

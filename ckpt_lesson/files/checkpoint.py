@@ -45,7 +45,13 @@ from ckpt_lesson.files.payload import (
 )
 from ckpt_lesson.files.rng import capture_rng_state, validate_rng_state
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, SCHEMA_V1, current_env, migrate_payload
-from ckpt_lesson.files.train_state import BUCKETS, REQUIRES_KEY, TrainState
+from ckpt_lesson.files.train_state import (
+    BUCKETS,
+    FILE_STATE_API,
+    REQUIRES_KEY,
+    TrainState,
+    check_positional_objects,
+)
 from ckpt_lesson.files.verified_bytes import VerifiedBytes
 
 __all__ = [
@@ -74,6 +80,7 @@ def build_payload(
     extras: dict[str, Any] | None = None,
     data: dict[str, Any] | None = None,
     rng: dict[str, Any] | None = None,
+    where: str = "",
 ) -> dict[str, Any]:
     """Gather the five buckets plus metadata into one current-schema payload.
 
@@ -85,7 +92,12 @@ def build_payload(
     the state captured with its snapshot: by the time a background thread
     writes, training has drawn more random numbers, and saving *those* would
     resume with the wrong dropout masks and jitter.
+
+    ``where`` prefixes an error about the objects (the target's name and ": ").
     """
+    check_positional_objects(
+        model, optimizer, scheduler, loading=False, state_api=FILE_STATE_API, where=where
+    )
     if not isinstance(state, TrainState):
         raise CheckpointError(f"state must be a TrainState, got {type(state).__name__}.")
     # The state must survive its own parser: a step of -1, 5.0, True, np.int64(5) or a tensor would
@@ -154,6 +166,9 @@ def save_checkpoint(
     Raises:
         CheckpointError: ``schema`` is not the current one (checked before
             anything is written: a file our own loader would refuse is no save).
+            Also a model, optimizer or scheduler the positional form cannot
+            save (``None`` model or optimizer, no ``state_dict()``, a dict of
+            models), named by the same check the managers use.
 
     Example:
         >>> save_checkpoint(model, opt, sched, TrainState(step=12), "ckpt/last.pt")  # doctest: +SKIP
@@ -164,7 +179,9 @@ def save_checkpoint(
             f"{out_path}: save_checkpoint writes schema {CURRENT_SCHEMA!r} only, got schema={schema!r};"
             f"{hint} or leave schema out."
         )
-    payload = build_payload(model, optimizer, scheduler, state, extras=extras, data=data, rng=rng)
+    payload = build_payload(
+        model, optimizer, scheduler, state, extras=extras, data=data, rng=rng, where=f"{out_path}: "
+    )
     return atomic_save(payload, out_path, algo=algo, zip_crc32=zip_crc32)
 
 
@@ -291,7 +308,9 @@ def load_checkpoint(
         The saved :class:`TrainState`; training continues at ``state.step + 1``.
 
     Raises:
-        CheckpointError: See :func:`read_checkpoint` and :func:`apply_payload`.
+        CheckpointError: See :func:`read_checkpoint` and :func:`apply_payload`
+            (which names a ``None`` model or optimizer, an object without
+            ``state_dict()`` or a dict of models, as the managers do).
 
     Example:
         >>> state = load_checkpoint("ckpt/last.pt", model, opt, sched)  # doctest: +SKIP

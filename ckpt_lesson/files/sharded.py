@@ -217,7 +217,9 @@ def save_sharded_checkpoint(
             f"{out_dir}: already holds a finished checkpoint ({INDEX_NAME}); checkpoints are never "
             "overwritten in place. Choose a new directory, e.g. one per step."
         )
-    payload = build_payload(model, optimizer, scheduler, state, extras=extras, data=data, rng=rng)
+    payload = build_payload(
+        model, optimizer, scheduler, state, extras=extras, data=data, rng=rng, where=f"{out_dir}: "
+    )
     model_sd = payload.pop("model")  # what is left is meta.pt: every other bucket
     plan = plan_shards(model_sd, num_shards, layout)
     opt_sd = payload["optimizer"]

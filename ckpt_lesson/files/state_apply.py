@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from ckpt_lesson.errors import CheckpointError, StateMismatchError
-from ckpt_lesson.files.apply import check_optimizer_payload
-from ckpt_lesson.files.modules import canonical_saved_keys, load_model_state, model_state
-from ckpt_lesson.files.payload import check_model_state
+from ckpt_lesson.files.apply import check_optimizer_payload, load_objects_or_roll_back
+from ckpt_lesson.files.modules import canonical_saved_keys, load_model_state, model_state, unwrap
+from ckpt_lesson.files.payload import BINDING_KEY, check_model_state
 from ckpt_lesson.files.rng import restore_rng_state, validate_rng_state
 from ckpt_lesson.files.schema import SCHEMA_V2
 from ckpt_lesson.files.state_payload import (
@@ -134,6 +134,15 @@ def apply_state_payload(
             optimizer_sds[name] = check_optimizer_payload(saved, part, names, source=where)
         elif not isinstance(saved, dict):
             raise StateMismatchError(f"{where}: saved state is a {type(saved).__name__}, not a state dict.")
+    _check_optimizers_have_their_modules(
+        state,
+        objects,
+        optimizer_sds,
+        module_sds,
+        saved_modules,
+        source=source,
+        v2=view["schema"] == SCHEMA_V2,
+    )
     rng = view.get("rng")
     if rng is not None:
         try:
@@ -144,6 +153,60 @@ def apply_state_payload(
     if rng is not None:
         restore_rng_state(rng)
     return Restored(step=step, values=dict(values), rng=rng)
+
+
+def _saved_owners(saved: Any, saved_modules: list[Any], *, v2: bool) -> set[str]:
+    """The module parts a saved optimizer's parameters belonged to, from its binding records."""
+    if v2:
+        return {"model"}  # a positional save: one model, one optimizer over it
+    owners = set()
+    for group in saved.get("param_groups", []) if isinstance(saved, dict) else []:
+        binding = group.get(BINDING_KEY) if isinstance(group, dict) else None
+        names = binding.get("param_names") if isinstance(binding, dict) else None
+        for pname in names if isinstance(names, list) else []:
+            head = pname.split(".", 1)[0] if isinstance(pname, str) else None
+            if head in saved_modules:
+                owners.add(head)
+    return owners
+
+
+def _check_optimizers_have_their_modules(
+    state: Mapping[str, Any],
+    objects: dict[str, Any],
+    optimizer_sds: dict[str, Any],
+    module_sds: dict[str, Any],
+    saved_modules: list[Any],
+    *,
+    source: str,
+    v2: bool,
+) -> None:
+    """Refuse optimizer state whose parameters belong to a module part that this restore leaves alone.
+
+    With ``strict=False`` a renamed module part (saved as ``model``, given as
+    ``net``) is skipped as "present on one side only"; its optimizer's moments
+    and step counts would still be loaded, onto weights that were not
+    restored. The optimizer comes back together with its parameters, or not at
+    all. Both sides are asked: the live module parts that own the optimizer's
+    parameters, and the saved module parts its binding records name.
+    """
+    owners = {
+        id(p): name
+        for name, part in state.items()
+        if isinstance(part, torch.nn.Module)
+        for p in unwrap(part).parameters()
+    }
+    for name in optimizer_sds:
+        params = [p for group in state[name].param_groups for p in group["params"]]
+        live = {owners[id(p)] for p in params if id(p) in owners}
+        left = sorted((live | _saved_owners(objects[name], saved_modules, v2=v2)) - set(module_sds))
+        if left:
+            raise StateMismatchError(
+                f"{source}: part {name!r} holds optimizer state for the parameters of module part(s) {left}, "
+                f"which this restore leaves alone (a part saved under one name and given under another is "
+                f"skipped with strict=False). Optimizer moments and steps without their weights would "
+                f"train the wrong model. Pass each module under the name it was saved with, or leave "
+                f"{name!r} out of the state to restore the rest. Nothing was changed."
+            )
 
 
 def _load_all(
@@ -157,20 +220,8 @@ def _load_all(
 ) -> None:
     """Load the objects: the uncheckable ones and optimizers first (undone on failure), modules last."""
     others = [n for n in wanted if n not in module_sds]
-    done: list[tuple[Any, Any]] = []
-    for name in others:
-        part = state[name]
-        previous = part.state_dict()
-        try:
-            part.load_state_dict(optimizer_sds.get(name, objects[name]))
-        except Exception as exc:
-            for loaded, before in reversed([*done, (part, previous)]):
-                loaded.load_state_dict(before)
-            raise StateMismatchError(
-                f"{source}: part {name!r} ({type(part).__name__}) refused its saved state "
-                f"({type(exc).__name__}: {str(exc)[:200]}); build it as in the saving run. "
-                "Nothing was changed."
-            ) from exc
-        done.append((part, previous))
+    load_objects_or_roll_back(
+        [(name, state[name], optimizer_sds.get(name, objects[name])) for name in others], source=source
+    )
     for name, sd in module_sds.items():
         load_model_state(state[name], sd)

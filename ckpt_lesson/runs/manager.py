@@ -389,7 +389,7 @@ class CheckpointManager(LoopMethods):
 
     def _restore_candidates(self) -> Candidates:
         """The saves :meth:`restore_latest` may choose from: the run directory's published ones."""
-        return folder_candidates(self.run_dir, self._published())
+        return folder_candidates(self.run_dir, self._published())._replace(relist=self._published)
 
     def _check_contract(self, target: SaveSource, manifest: dict[str, Any]) -> None:
         """Refuse a save this run must not resume (see ``restore.check_resume_contract``)."""

@@ -150,8 +150,9 @@ def build_recovery_record(
     now = time.time() if now is None else now
     step = last_restore.get("step")
     manifest = last_restore.get("manifest") or {}
-    skipped = [
+    skipped = [  # with "relisted" where the restore listed the saves again after this one (it may be newer)
         {"step": s.get("step"), "status": s.get("status"), "reason": s.get("reason")}
+        | ({"relisted": list(s["relisted"])} if "relisted" in s else {})
         for s in last_restore.get("skipped", [])
     ]
     redone = None

@@ -213,6 +213,11 @@ def load_newest_good(
 ) -> tuple[int, SaveSource, dict[str, Any], Any]:
     """Try the saves newest first; load the first that verifies, skipping (and logging) damage.
 
+    When a save turns out damaged or gone and ``candidates.relist`` is set, the
+    saves are listed again and the newest one not tried yet comes next, newer
+    ones included: a restore that races another process's retention (which
+    deleted the save being read, after committing a newer one) follows the run.
+
     Args:
         candidates: The steps to try and how to open each (a folder, or a save
             verified into memory; see :mod:`~ckpt_lesson.runs.save_source`).
@@ -220,7 +225,8 @@ def load_newest_good(
             objects bound, or the state API's ``load_state_save``; raises on damage.
         skipped: A list this function appends ``{"step", "status", "reason"}`` to,
             one per damaged or incomplete save passed over (the caller keeps it
-            for its report even when this raises).
+            for its report even when this raises); with a re-listing also
+            ``"relisted"``, the steps found then.
 
     Returns:
         ``(step, source, manifest, result)`` of the save that was loaded.
@@ -233,7 +239,10 @@ def load_newest_good(
         >>> step, source, manifest, state = load_newest_good(  # doctest: +SKIP
         ...     folder_candidates(run_dir, [40, 80]), load, skipped=[])
     """
-    for step in reversed(candidates.steps):
+    steps, tried = list(candidates.steps), set()
+    while untried := [s for s in steps if s not in tried]:
+        step = max(untried)  # the newest not tried yet: after a re-listing, possibly newer than the last
+        tried.add(step)
         try:
             # Opening is inside: a download that finds a part damaged or gone is damage too.
             target = candidates.open(step)
@@ -243,11 +252,24 @@ def load_newest_good(
             # LoadEnvironmentError is not caught: once the hashes match, an older save would fail alike
             # (and a store that cannot be reached is no reason to pick an older save either).
             status = "incomplete" if isinstance(exc, IncompleteCheckpointError) else "corrupt"
-            skipped.append({"step": step, "status": status, "reason": str(exc)})
-            log.warning("restore: skipping %s (%s): %s", step_dir_name(step), status, exc)
+            entry = {"step": step, "status": status, "reason": str(exc)}
+            if candidates.relist is not None:
+                # The run may have moved on meanwhile (another process's retention removed this save,
+                # and its next save is newer): follow it rather than only falling back.
+                steps = candidates.relist()
+                newer = sorted(s for s in steps if s > step and s not in tried)
+                entry["relisted"] = steps
+                if newer:
+                    entry["reason"] = (
+                        f"{str(exc).rstrip('.')}. Listed the saves again: newer step(s) {newer} appeared; "
+                        "trying them."
+                    )
+            skipped.append(entry)
+            log.warning("restore: skipping %s (%s): %s", step_dir_name(step), status, entry["reason"])
             continue
         if skipped:
-            log.warning("restored step %d after skipping %d newer save(s)", step, len(skipped))
+            which = "newer" if all(s["step"] > step for s in skipped) else "other"
+            log.warning("restored step %d after skipping %d %s save(s)", step, len(skipped), which)
         else:
             log.info("restored step %d from %s", step, target)
         return step, target, manifest, state

@@ -85,6 +85,9 @@ class Candidates(NamedTuple):
             makes the restore try the next older step.
         noun: What the saves are called in the "none is usable" message.
         hint: The last line of that message: where to look next.
+        relist: ``relist() -> steps``: the saves there are *now*, asked again when
+            a candidate vanished or turned out damaged (another process's
+            retention, or its next save, changes the run while it is restored).
     """
 
     where: str
@@ -92,6 +95,7 @@ class Candidates(NamedTuple):
     open: Callable[[int], SaveSource]
     noun: str = "save(s)"
     hint: str = "Copy the folder for inspection; 'python -m ckpt_lesson scan DIR' shows the same list."
+    relist: Callable[[], list[int]] | None = None
 
 
 def folder_candidates(run_dir: Path, steps: list[int]) -> Candidates:

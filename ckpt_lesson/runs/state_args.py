@@ -5,8 +5,9 @@ Every manager takes the state API (``save(step, state)``,
 (``save(model, optimizer, scheduler, train_state)``,
 ``restore_latest(model, optimizer, scheduler)``). The positional form needs a
 real model and optimizer: ``None`` there used to fail deep inside with an
-``AttributeError``; here it is a :class:`~ckpt_lesson.errors.CheckpointError`
-that says which argument and what to do instead.
+``AttributeError``; now it is a :class:`~ckpt_lesson.errors.CheckpointError`
+that says which argument and what to do instead, from the one check the file
+pair uses too (:func:`~ckpt_lesson.files.train_state.check_positional_objects`).
 """
 
 from __future__ import annotations
@@ -15,14 +16,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.train_state import TrainState
+from ckpt_lesson.files.train_state import MANAGER_STATE_API, TrainState, check_positional_objects
 
 __all__ = ["check_state_mapping", "is_state_call", "positional_restore_args", "positional_save_args"]
-
-_NO_OBJECT = (
-    "the positional form needs a model and an optimizer; for a run without one, use the state API: "
-    "mgr.save(step, {{'model': model}}) and mgr.restore_latest({{'model': model}})."
-)
 
 
 def is_state_call(args: tuple[Any, ...]) -> bool:
@@ -44,25 +40,6 @@ def check_state_mapping(state: Any) -> None:
         )
 
 
-def _require_objects(names: tuple[str, ...], values: tuple[Any, ...], *, loading: bool) -> None:
-    for name, value in zip(names, values, strict=True):
-        if name == "scheduler":
-            if value is not None and not callable(getattr(value, "state_dict", None)):
-                raise CheckpointError(
-                    f"scheduler is a {type(value).__name__} without state_dict(); pass a scheduler or None."
-                )
-            continue
-        if value is None:
-            raise CheckpointError(f"{name} is None: " + _NO_OBJECT.format())
-        # A save reads state_dict() only (an asynchronous snapshot's stand-ins have nothing else).
-        methods = ("state_dict", "load_state_dict") if loading else ("state_dict",)
-        if not all(callable(getattr(value, m, None)) for m in methods):
-            raise CheckpointError(
-                f"{name} is a {type(value).__name__}, which has no state_dict()/load_state_dict(); pass the "
-                f"live {name}, or use the state API (mgr.save(step, {{...}})) for other kinds of state."
-            )
-
-
 def positional_save_args(args: tuple[Any, ...]) -> tuple[Any, Any, Any, TrainState]:
     """``(model, optimizer, scheduler, train_state)`` checked; raises naming what is wrong."""
     if len(args) == 2 and isinstance(args[0], int) and not isinstance(args[0], bool):
@@ -76,7 +53,7 @@ def positional_save_args(args: tuple[Any, ...]) -> tuple[Any, Any, Any, TrainSta
             "positional argument(s)."
         )
     model, optimizer, scheduler, state = args
-    _require_objects(("model", "optimizer", "scheduler"), (model, optimizer, scheduler), loading=False)
+    check_positional_objects(model, optimizer, scheduler, loading=False, state_api=MANAGER_STATE_API)
     if not isinstance(state, TrainState):
         raise CheckpointError(f"state must be a TrainState, got {type(state).__name__}.")
     return model, optimizer, scheduler, state
@@ -89,5 +66,5 @@ def positional_restore_args(args: tuple[Any, ...]) -> tuple[Any, Any, Any]:
             f"restore_latest() takes (state) or (model, optimizer, scheduler); got {len(args)} positional "
             "argument(s). With the state API pass one mapping: restore_latest({'model': model, ...})."
         )
-    _require_objects(("model", "optimizer", "scheduler"), args, loading=True)
+    check_positional_objects(*args, loading=True, state_api=MANAGER_STATE_API)
     return args[0], args[1], args[2]

@@ -10,11 +10,14 @@ and a conditional create (``If-None-Match: *``). The layout of one run::
     RUN/step-00000240/<save_id>/checkpoint.pt
     RUN/step-00000240/<save_id>/manifest.json
 
-1. write the ``LEASE`` (renewed after every part);
+1. write the ``LEASE`` (renewed by a thread while the parts upload; see
+   :mod:`ckpt_lesson.runs.store_lease`, which the multi-rank writer uses too);
 2. stream every part up, hashing it on the way; the digest must equal the one
    the local manifest recorded, so the bytes that arrived are the bytes described;
 3. upload the manifest;
-4. create ``COMMIT`` *only if absent*; it names the step, the ``save_id`` and
+4. check the lease still runs (a writer stalled past it may have lost parts to a
+   cleaner: it commits nothing and removes what it uploaded), then
+   create ``COMMIT`` *only if absent*; it names the step, the ``save_id`` and
    the manifest's digest. Of two writers of one step (a zombie from a lost
    machine and its replacement) exactly one creates it; the other deletes its
    own upload and raises :class:`CommitConflictError`.
@@ -50,6 +53,7 @@ from ckpt_lesson.files.safe_read import MAX_RECORD_BYTES, parse_json_text
 from ckpt_lesson.files.storage import Storage
 from ckpt_lesson.runs.retention import RetentionPolicy
 from ckpt_lesson.runs.scan import MANIFEST_NAME, read_manifest, step_dir_name, step_of
+from ckpt_lesson.runs.store_lease import LEASE_NAME, LeaseRenewer, write_lease
 
 __all__ = [
     "COMMIT_NAME",
@@ -71,7 +75,6 @@ log = logging.getLogger("ckpt_lesson.runs.manager")
 
 COMMIT_NAME = "COMMIT"
 COMMIT_SCHEMA = "ckpt_lesson.commit/1"
-LEASE_NAME = "LEASE"
 #: A marker is a few hundred bytes; anything much larger was not written by us.
 MAX_MARKER_BYTES = 64 << 10
 
@@ -106,22 +109,6 @@ def _marker_key(step: int) -> str:
     return f"{step_dir_name(step)}/{COMMIT_NAME}"
 
 
-def write_lease(storage: Storage, attempt: str, lease_seconds: float) -> float:
-    """Write (or renew) ``attempt/LEASE``: this writer promises to finish within ``lease_seconds``.
-
-    Returns:
-        The expiry the lease records (``time.time()`` seconds): until then no cleaner removes ``attempt``.
-
-    Example:
-        >>> write_lease(store, "step-00000040/5be0c1", 900)  # doctest: +SKIP
-        1790000900.0
-    """
-    expires_at = time.time() + lease_seconds
-    lease = {"writer": f"{socket.gethostname()}:{os.getpid()}", "expires_at": expires_at}
-    storage.put_bytes(f"{attempt}/{LEASE_NAME}", json.dumps(lease).encode())
-    return expires_at
-
-
 def upload_save(
     storage: Storage, local: Path, step: int, *, algo: str, lease_seconds: float
 ) -> dict[str, Any]:
@@ -140,6 +127,8 @@ def upload_save(
     Raises:
         CommitConflictError: ``COMMIT`` for ``step`` already exists (another
             writer won); this writer's upload is deleted first.
+        CheckpointError: The lease ran out before the commit (this writer was
+            stalled past it); its upload is deleted and nothing is committed.
         CorruptCheckpointError: A part streamed up with other bytes than its
             manifest records (nothing is committed).
         LoadEnvironmentError: The store cannot be reached.
@@ -152,20 +141,27 @@ def upload_save(
     manifest = read_manifest(local)
     save_id = manifest["save_id"]
     attempt = f"{step_dir_name(step)}/{save_id}"
-    write_lease(storage, attempt, lease_seconds)
-    for i, part in enumerate(manifest["parts"]):
-        part_algo, want = part_digest(part)
-        size, got = storage.put_file(f"{attempt}/{part['file']}", local / part["file"], algo=part_algo)
-        if (size, got) != (part["bytes"], want):
-            raise CorruptCheckpointError(
-                f"{storage.where(attempt)}/{part['file']}: uploaded {size} bytes hashing {got}, but the "
-                f"manifest records {part['bytes']} bytes {want}; the local copy changed. "
-                "Nothing was committed."
-            )
-        if i + 1 < len(manifest["parts"]):  # renewed between parts: a long upload stays "alive"
-            write_lease(storage, attempt, lease_seconds)
-    manifest_bytes = (local / MANIFEST_NAME).read_bytes()
-    storage.put_bytes(f"{attempt}/{MANIFEST_NAME}", manifest_bytes)
+    lease = LeaseRenewer(storage, attempt, lease_seconds)  # renewed while the parts upload
+    try:
+        for part in manifest["parts"]:
+            part_algo, want = part_digest(part)
+            size, got = storage.put_file(f"{attempt}/{part['file']}", local / part["file"], algo=part_algo)
+            if (size, got) != (part["bytes"], want):
+                raise CorruptCheckpointError(
+                    f"{storage.where(attempt)}/{part['file']}: uploaded {size} bytes hashing {got}, but the "
+                    f"manifest records {part['bytes']} bytes {want}; the local copy changed. "
+                    "Nothing was committed."
+                )
+        manifest_bytes = (local / MANIFEST_NAME).read_bytes()
+        storage.put_bytes(f"{attempt}/{MANIFEST_NAME}", manifest_bytes)
+    finally:
+        lease.stop()
+    try:
+        lease.check()  # nothing commits after its lease expired: a cleaner may have removed parts
+    except CheckpointError:
+        storage.delete(storage.list_keys(attempt))  # what is left of it (the cleaner's or not)
+        storage.abort_uploads(attempt + "/")
+        raise
     return commit_attempt(storage, step, save_id, manifest_bytes, algo=algo)
 
 

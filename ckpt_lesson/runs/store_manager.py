@@ -232,6 +232,7 @@ class StoreCheckpointManager(CheckpointManager):
             self._open_committed,
             noun="committed save(s)",
             hint="'python -m ckpt_lesson scan URL' shows the same list.",
+            relist=self.all_steps,  # the run may move on while this restore reads it
         )
 
     def _open_committed(self, step: int) -> SaveSource:

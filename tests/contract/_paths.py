@@ -1,0 +1,229 @@
+"""The contract suite's one fixture: ``save_path``, parametrized over every path a save can take.
+
+A path is a storage (a folder, or a bucket on moto's S3 server), a call form
+(the state API, or the lesson's positional ``model, optimizer, scheduler,
+train_state``) and a save mode (synchronous, or through ``AsyncCheckpointer``).
+Each guarantee in ``test_guarantees.py`` is written once against the
+:class:`Harness` below; a new path joins by adding one entry to :data:`PATHS`
+(and teaching the harness its two or three differences), not by copying tests.
+A path that cannot offer a guarantee skips it with the reason
+(:meth:`Harness.skip_unless`), and ``docs/guarantees.md`` shows the skip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import TinyRun, build_tiny_run
+
+from ckpt_lesson.files.storage import open_storage
+from ckpt_lesson.files.train_state import TrainState
+from ckpt_lesson.runs.async_save import AsyncCheckpointer
+from ckpt_lesson.runs.manager import CheckpointManager
+
+
+@dataclass(frozen=True)
+class SavePath:
+    """One way a save can go: storage x call form x save mode."""
+
+    storage: str  # "folder" | "bucket"
+    form: str  # "state" | "positional"
+    mode: str  # "sync" | "async"
+
+    @property
+    def id(self) -> str:
+        return f"{self.storage}-{self.form}-{self.mode}"
+
+
+STORAGES, FORMS, MODES = ("folder", "bucket"), ("state", "positional"), ("sync", "async")
+PATHS = [SavePath(s, f, m) for s in STORAGES for f in FORMS for m in MODES]
+
+#: Why a path cannot offer a guarantee: ``{(guarantee, axis value): reason}``. The docs table reads it.
+NO_NAMES = "no part names in the positional form"
+SKIPS: dict[tuple[str, str], str] = {
+    ("bad_input:missing_part", "positional"): NO_NAMES,
+    ("bad_input:extra_part", "positional"): NO_NAMES,
+    ("kill:upload", "folder"): "a folder save has no upload",
+    ("zombie", "folder"): "a folder has no writer leases; its fence is the second-writer row",
+}
+
+
+class Harness:
+    """The differences between paths, in one place: where saves go, how a save and a restore are called."""
+
+    def __init__(self, path: SavePath, tmp_path: Path, bucket: Any | None) -> None:
+        self.path, self.tmp_path, self.bucket = path, tmp_path, bucket
+        self.location = bucket.url() if bucket is not None else str(tmp_path / "run")
+        self.options = {"storage_options": bucket.options} if bucket is not None else {}
+
+    def skip_unless(self, guarantee: str) -> None:
+        """Skip (with the reason) where this path cannot offer ``guarantee``."""
+        for axis in (self.path.storage, self.path.form, self.path.mode):
+            reason = SKIPS.get((guarantee, axis))
+            if reason:
+                pytest.skip(f"{self.path.id}: {reason}")
+
+    def manager(self, **kwargs: Any) -> CheckpointManager:
+        kwargs.setdefault("every_steps", 1)
+        return CheckpointManager(self.location, **self.options, **kwargs)
+
+    def run(self, seed: int = 0) -> TinyRun:
+        return build_tiny_run(seed=seed)
+
+    def args(self, run: TinyRun, step: int, *, best: Any = 0.5) -> tuple[Any, ...]:
+        """What this call form passes to ``save`` for ``run`` at ``step``."""
+        if self.path.form == "state":
+            parts = {"model": run.model, "optimizer": run.optimizer, "scheduler": run.scheduler}
+            return step, {**parts, "best": best}
+        run.state.step = step
+        return run.model, run.optimizer, run.scheduler, run.state
+
+    def save_args(self, mgr: CheckpointManager, *args: Any, **kwargs: Any) -> Any:
+        """Save ``args`` as this path does (a background save is waited for, so its error surfaces)."""
+        if self.path.mode == "sync":
+            return mgr.save(*args, **kwargs)
+        with AsyncCheckpointer(mgr) as ckpt:
+            ckpt.save_async(*args, **kwargs)
+            return ckpt.wait()
+
+    def save(self, mgr: CheckpointManager, run: TinyRun, step: int) -> Any:
+        run.train(until_step=step)
+        return self.save_args(mgr, *self.args(run, step))
+
+    def restore(self, mgr: CheckpointManager, run: TinyRun, *, strict: bool = True) -> tuple[int, Any]:
+        """Restore into ``run``'s objects; returns ``(step, best)`` (``best``: None when positional)."""
+        if self.path.form == "state":
+            parts = {"model": run.model, "optimizer": run.optimizer, "scheduler": run.scheduler}
+            restored = mgr.restore_latest({**parts, "best": None}, strict=strict)
+            return restored.step, restored.values["best"]
+        state = mgr.restore_latest(run.model, run.optimizer, run.scheduler)
+        assert isinstance(state, TrainState)
+        return state.step, None
+
+    def flip_a_byte(self, step: int) -> str:
+        """Flip one byte in the middle of the largest part of ``step``'s save; returns its key."""
+        storage = open_storage(self.location, self.options.get("storage_options"))
+        prefix = f"step-{step:08d}"
+        keys = [k for k in storage.list_keys(prefix) if k.endswith(".pt")]
+        sizes = {k: len(storage.read_bytes(k, limit=1 << 30)) for k in keys}
+        key = max(sizes, key=sizes.__getitem__)
+        data = bytearray(storage.read_bytes(key, limit=1 << 30))
+        data[len(data) // 2] ^= 0xFF
+        if self.bucket is None:
+            (Path(self.location) / key).write_bytes(bytes(data))
+        else:
+            storage.put_bytes(key, bytes(data))
+        return key
+
+    def _child(self, point: str) -> subprocess.Popen:
+        child = [sys.executable, str(Path(__file__).with_name("_kill_child.py")), self.path.storage]
+        child += [self.path.form, self.path.mode, str(self.tmp_path), point]
+        if self.bucket is not None:
+            child += [self.bucket.name, self.bucket.endpoint]
+        paths = [os.getcwd(), os.environ.get("PYTHONPATH", "")]
+        return subprocess.Popen(child, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))})
+
+    def kill_mid_save(self, point: str) -> int:
+        """Run ``_kill_child.py``: it saves step 2, then SIGKILLs itself at ``point`` while saving step 4."""
+        return self._child(point).wait(timeout=300)
+
+    def stall_past_lease(self) -> int:
+        """A bucket writer frozen mid-save past its lease while another manager cleaned; its exit code."""
+        child, marker = self._child("stall"), self.tmp_path / "stalled"
+        try:
+            deadline = time.monotonic() + 300
+            while not (marker.exists() and _stopped(child.pid)):
+                assert time.monotonic() < deadline and child.poll() is None, "the writer never stalled"
+                time.sleep(0.05)
+            storage = open_storage(self.location, self.options.get("storage_options"))
+            [lease] = [k for k in storage.list_keys("step-00000004") if k.endswith("/LEASE")]
+            expires = json.loads(storage.read_bytes(lease, limit=1 << 16))["expires_at"]
+            while time.time() <= expires + 0.2:
+                time.sleep(0.05)
+            self.manager().close()  # another job opens the run: the frozen upload looks abandoned
+            assert storage.list_keys("step-00000004") == []
+        finally:
+            child.send_signal(signal.SIGCONT)
+        return child.wait(timeout=300)
+
+    def restore_while_the_run_moves_on(self, trainer: CheckpointManager, run: TinyRun, fresh: TinyRun) -> Any:
+        """Restore into ``fresh`` while ``trainer`` (``keep_last=1``) saves step 6 and deletes step 4.
+
+        Folder: the reader's own ``resume_contract`` event (its manifest read, no part yet).
+        Bucket: botocore's ``before-send`` holds the reader's GET of a step-4 part (the
+        event loop runs on, so the trainer's requests go through meanwhile).
+        Returns the reader (its ``last_restore`` says what happened) and the restored step.
+        """
+        if self.bucket is None:
+
+            def trainer_moves_on(name: str, info: dict[str, Any]) -> None:
+                if name == "resume_contract" and info["step"] == 4 and 6 not in trainer.all_steps():
+                    self.save(trainer, run, 6)
+                    trainer.wait_retention()
+
+            reader = self.manager(on_event=trainer_moves_on)
+            return reader, self.restore(reader, fresh)[0]
+        go, done = threading.Event(), threading.Event()
+
+        async def hold(request: Any, **_: Any) -> None:
+            if "/step-00000004/" in request.url and request.url.endswith(".pt") and not go.is_set():
+                go.set()
+                while not done.is_set():
+                    await asyncio.sleep(0.05)
+
+        def trainer_loop() -> None:
+            go.wait(timeout=120)
+            try:
+                self.save(trainer, run, 6)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=trainer_loop)
+        thread.start()
+        reader = self.manager()
+        events = reader.storage.fs.s3.meta.events
+        events.register("before-send.s3.GetObject", hold)
+        try:
+            return reader, self.restore(reader, fresh)[0]
+        finally:
+            events.unregister("before-send.s3.GetObject", hold)
+            go.set()
+            thread.join(timeout=120)
+
+
+def _stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def snapshot(run: TinyRun) -> dict[str, torch.Tensor]:
+    """Every tensor of the run's model and optimizer, cloned (to compare after a restore)."""
+    out = {f"model.{k}": v.clone() for k, v in run.model.state_dict().items()}
+    for pid, entry in run.optimizer.state_dict()["state"].items():
+        out.update(
+            {f"optimizer.{pid}.{k}": v.clone() for k, v in entry.items() if isinstance(v, torch.Tensor)}
+        )
+    return out
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(params=PATHS, ids=[p.id for p in PATHS])
+def save_path(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
+    """A :class:`Harness` for one path; a bucket path gets a fresh bucket on the session's moto server."""
+    path: SavePath = request.param
+    bucket = request.getfixturevalue("s3_bucket") if path.storage == "bucket" else None
+    return Harness(path, tmp_path, bucket)
