@@ -1,8 +1,8 @@
 """One lease for every store writer: renewed while a part uploads, and dead once it ran out.
 
 Issue 31, why-item 2: a single-process writer stalled past its lease still
-committed. Another manager opening the run (an eval job calling
-``latest_step()`` is enough) removed the stalled writer's parts as abandoned;
+committed. Another manager cleaning the run (before issue 33, an eval job calling
+``latest_step()`` was enough; now a writer's first save) removed the stalled writer's parts as abandoned;
 the writer then woke, uploaded its manifest, created ``COMMIT``, and
 retention (``keep_last=1``) deleted the previous good save. The tests run the
 real stack: moto's S3 server, s3fs over HTTP, and botocore's own
@@ -71,9 +71,11 @@ def test_a_writer_stalled_past_its_lease_commits_nothing_and_the_previous_save_s
         assert any(k.endswith("model.shard-000.pt") for k in uploaded)  # its parts were up
         expires = _lease_expiry(store, "step-00000004")
         _wait(lambda: time.time() > expires + 0.2, "the frozen writer's lease ran out", timeout=lease + 30)
-        # Another job opens the run: the upload looks abandoned, and is cleaned.
+        # Another job opens the run (a reader writes nothing), then starts writing: before its first
+        # save it cleans uploads whose lease ran out, so the frozen upload looks abandoned.
         with CheckpointManager(url, every_steps=2, storage_options=s3_bucket.options) as other:
             assert other.latest_step() == 2
+        clean_uncommitted(store)
         assert store.list_keys("step-00000004") == []
     finally:
         writer.send_signal(signal.SIGCONT)

@@ -32,6 +32,7 @@ from ckpt_lesson.files.storage import open_storage
 from ckpt_lesson.files.train_state import TrainState
 from ckpt_lesson.runs.async_save import AsyncCheckpointer
 from ckpt_lesson.runs.manager import CheckpointManager
+from ckpt_lesson.runs.store_commit import clean_uncommitted
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,9 @@ class Harness:
             expires = json.loads(storage.read_bytes(lease, limit=1 << 16))["expires_at"]
             while time.time() <= expires + 0.2:
                 time.sleep(0.05)
-            self.manager().close()  # another job opens the run: the frozen upload looks abandoned
+            # Another job starts writing to the run: before its first save it cleans uploads whose
+            # lease ran out (a reader writes nothing), so the frozen upload looks abandoned.
+            clean_uncommitted(storage)
             assert storage.list_keys("step-00000004") == []
         finally:
             child.send_signal(signal.SIGCONT)
