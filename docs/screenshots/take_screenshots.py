@@ -13,6 +13,8 @@ there touches no tracked file):
 It opens 01, shows the "predict, then run" cell with its output hidden, runs it, types a typical
 first wrong answer into the exercise (NumPy's raw state kept) and runs the check. It needs
 websocket-client; images are saved at 1400x1000 (then reduced to 96 colours for the repository).
+`python take_screenshots.py <out dir> capstone` takes only 05's capstone plot: it runs 05's first
+cell and the capstone cell (a child process SIGKILLed, a fresh one resuming), then shows the plot.
 """
 import base64, json, sys, time, urllib.request
 import websocket
@@ -103,6 +105,21 @@ def set_source(i, text):
 
 def hidden(i):
     return js(f"{NB}.widgets[{i}].outputHidden")
+
+def capstone():
+    """05's capstone: run the setup cell and the capstone cell, then show the two-panel plot."""
+    open_notebook("notebooks/05_mid_epoch_resume.ipynb")
+    i = js(f"{NB}.widgets.findIndex(w => w.model.sharedModel.getSource().includes('run_capstone(work'))")
+    print("run cell 1:", run(1))
+    print("run capstone cell", i, ":", run(i))
+    print("capstone output:", js(f"{NB}.widgets[{i}].outputArea.node.innerText")[:400])
+    js(f"{NB}.widgets[{i}].outputArea.node.scrollIntoView({{block: 'center'}}); true")
+    shot("05-capstone-plot")
+
+
+if sys.argv[2:] == ["capstone"]:
+    capstone()
+    sys.exit(0)
 
 # 1. 01: a hidden prediction before and after running it
 open_notebook("notebooks/01_rng_capture.ipynb")
