@@ -47,11 +47,14 @@ parser.add_argument("--pid-file", help="append this process's pid here")
 parser.add_argument("--setsid-helper", help="start a helper in its own session; append its pid here")
 parser.add_argument("--ckpt-name", default="state.json", help="the checkpoint file's name (files layout)")
 parser.add_argument("--log-file", help="also append a line to this file in the folder every step (a log)")
+parser.add_argument("--data", help="an input file the run needs (a relative path finds it in the cwd)")
 parser.add_argument("--epoch-steps", type=int, default=0, help="report the step within the epoch")
 args = parser.parse_args()
 
 if args.fail:
     sys.exit(args.fail)
+if args.data:
+    Path(args.data).read_text()  # like a config or a data file: missing, the run cannot start
 if args.child_pid_file:
     import subprocess
 

@@ -134,9 +134,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "names ending in .pt, .pth, .ckpt, .safetensors or .bin are preferred once one appears")  # fmt: skip
     add("--json", action="store_true", help="print the report as JSON instead of text")
     add("--lose-machine", action="store_true",
-        help="restart each kill on a fresh 'machine' (new cwd, HOME, TMPDIR, caches; no local "
-        "checkpoint folder): only a store named in the command (s3://..., {run_id} for a per-run "
-        "prefix) survives")  # fmt: skip
+        help="restart each kill on a fresh 'machine': a copy of the working folder taken before the "
+        "baseline (code and inputs), new HOME, TMPDIR and caches, no local checkpoint folder; only a "
+        "store named in the command or its environment (s3://..., also --flag=s3://...; {run_id} for a "
+        "per-run prefix, unique per invocation) survives. Files written outside the machine are "
+        "named, and keep the verdict from PASS")  # fmt: skip
 
 
 def _check_options(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...]]:

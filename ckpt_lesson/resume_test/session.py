@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,14 @@ from tqdm import tqdm
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.resume_test.compare import trajectory
 from ckpt_lesson.resume_test.diagnose import exact_resumes, judge_trial
-from ckpt_lesson.resume_test.machine import format_failure_domain, judge_lost_machine
+from ckpt_lesson.resume_test.image import take_image
+from ckpt_lesson.resume_test.machine import (
+    format_failure_domain,
+    judge_lost_machine,
+    machine_for,
+    new_session_id,
+)
+from ckpt_lesson.resume_test.outside import written_paths
 from ckpt_lesson.resume_test.plan import plan_trials
 from ckpt_lesson.resume_test.procs import ATTEMPT_ENV, Stopped, become_subreaper
 from ckpt_lesson.resume_test.report import build_report, format_text, write_json, write_plot
@@ -92,8 +100,12 @@ def run_session(args: argparse.Namespace, command: list[str], kinds: tuple[str, 
     pattern = StepPattern(args.step_pattern) if args.step_pattern else None
     workdir = prepare_workdir(args.workdir)
     env = {k: v for k, v in os.environ.items() if k not in (STEP_LOG_ENV, CKPT_DIR_ENV, ATTEMPT_ENV)}
+    lose = getattr(args, "lose_machine", False)
+    # A new machine boots with the code and inputs as they were before the baseline (see image.py).
+    image = take_image(Path.cwd(), workdir / "machine-image", workdir=workdir) if lose else None
     spec = RunSpec(tuple(command), Path.cwd(), env, pattern, args.signal, args.grace, args.timeout,
-                   tuple(args.ckpt_glob), lose_machine=getattr(args, "lose_machine", False))  # fmt: skip
+                   tuple(args.ckpt_glob), lose_machine=lose, session_id=new_session_id(), image=image,
+                   workdir=workdir)  # fmt: skip
     # Orphans of the command (a helper whose parent exited) are handed to this process, not to init:
     # they stay findable and are reaped here (see ckpt_lesson.resume_test.procs).
     become_subreaper()
@@ -109,6 +121,7 @@ def _run(
     args: argparse.Namespace, spec: RunSpec, command: list[str], kinds: tuple[str, ...], workdir: Path,
     progress: dict[str, Any],
 ) -> int:  # fmt: skip
+    started = time.time()  # files written since then outside the workdir: see outside.py
     bar = tqdm(total=args.trials, unit="trial", file=sys.stderr, leave=False,
                disable=not sys.stderr.isatty(), desc="baseline")  # fmt: skip
     try:
@@ -140,7 +153,7 @@ def _run(
         command=command, workdir=workdir, settings=_settings(args, kinds), baseline=baseline,
         layout=layout, trials=trials, verdicts=verdicts, notes=_notes(plans, baseline, trials, layout),
     )  # fmt: skip
-    domain = judge_lost_machine(trials, baseline.records[0].step) if spec.lose_machine else None
+    domain = _lost_machine(spec, trials, baseline, started) if spec.lose_machine else None
     store_resumed = domain is not None and domain["verdict"] == "PASS" and domain["store"] is not None
     outcome = decide(baseline, trials, verdicts, layout, store_resumed=store_resumed)
     report["verdict"], report["inconclusive"] = outcome.verdict, outcome.reasons
@@ -149,6 +162,9 @@ def _run(
         report["failure_domain"] = domain
         if domain["verdict"] == "FAIL":
             report["verdict"], exit_code = "FAIL", 1
+        elif domain["verdict"] == "INCONCLUSIVE" and report["verdict"] == "PASS":
+            report["verdict"], exit_code = "INCONCLUSIVE", 3
+            report["inconclusive"].append("lose-machine: " + domain["explanation"])
     report["plot"] = write_plot(workdir / "report.png", baseline, trials, verdicts)
     write_json(report, workdir / "report.json")
     if args.json:
@@ -160,6 +176,17 @@ def _run(
         if "failure_domain" in report:
             print(format_failure_domain(report["failure_domain"]))
     return exit_code
+
+
+def _lost_machine(spec: RunSpec, trials: list[Any], baseline: Attempt, started: float) -> dict[str, Any]:
+    """The failure-domain section, with every file written outside the simulated machines."""
+    inside = spec.workdir or spec.cwd
+    outside: set[str] = set()
+    for folder in [baseline.folder.parent, *(t.folder for t in trials)]:
+        ran = machine_for(spec, folder, folder / "ckpt", 1).command  # its {run_id} filled in
+        outside |= set(written_paths(ran, since=started, inside=inside))
+    outside |= {path for t in trials for a in t.attempts for path in a.outside_writes}
+    return judge_lost_machine(trials, baseline.records[0].step, sorted(outside))
 
 
 def _typical_step_seconds(baseline: Attempt) -> float:
