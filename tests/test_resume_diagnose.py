@@ -172,9 +172,18 @@ def test_a_staging_folder_left_by_a_managed_save_is_not_blamed_for_a_crash(tmp_p
 
 def test_a_restart_from_step_zero_while_a_save_existed_means_no_checkpoint_was_found():
     v = judge(trial(killed(run(1, range(1, 7))), run(2, range(1, 13))))
-    assert not v.ok and v.diagnosis.startswith(
-        "the run restarted from the start (step 1): no checkpoint was found"
+    assert not v.ok and v.diagnosis.startswith("the restart began again at step 1; it did not restore a save")
+
+
+def test_a_restart_that_began_again_and_crashed_on_an_existing_save_is_blamed_on_the_missing_restore(
+    tmp_path,
+):
+    (tmp_path / "stderr.log").write_text(
+        "ckpt_lesson.errors.CheckpointError: step 6 is already saved in ckpt/step-00000006 and verifies\n"
     )
+    v = judge(trial(killed(run(1, range(1, 9))), run(2, range(1, 7), folder=tmp_path), status="crashed"))
+    assert not v.ok and v.diagnosis.startswith("the restart began again at step 1; it did not restore a save")
+    assert "restore_latest" in v.diagnosis and "then crashed (exit None: ckpt_lesson.errors" in v.diagnosis
 
 
 def test_a_restart_from_step_zero_before_any_save_is_fine():

@@ -73,7 +73,7 @@ def test_a_script_that_never_loads_but_has_a_global_step_fails_restarted_from_th
     code, _, _, report = results["never-loads"]
     assert code == 1 and report["verdict"] == "FAIL"
     assert report["diagnosis"].startswith(
-        "the run restarted from the start (step 1): no checkpoint was found"
+        "the restart began again at step 1; it did not restore a save"
     )
 
 
