@@ -72,9 +72,7 @@ def test_a_script_that_saves_only_at_its_end_is_inconclusive_with_exit_3(results
 def test_a_script_that_never_loads_but_has_a_global_step_fails_restarted_from_the_start(results):
     code, _, _, report = results["never-loads"]
     assert code == 1 and report["verdict"] == "FAIL"
-    assert report["diagnosis"].startswith(
-        "the restart began again at step 1; it did not restore a save"
-    )
+    assert report["diagnosis"].startswith("the restart began again at step 1; it did not restore a save")
 
 
 def test_a_prefetched_draw_is_diagnosed_as_the_rng_consumed_in_another_order(results):

@@ -16,6 +16,7 @@ from typing import Any
 from ckpt_lesson.files.side_files import replace_beside
 from ckpt_lesson.resume_test.compare import stitch, trajectory
 from ckpt_lesson.resume_test.diagnose import TrialVerdict
+from ckpt_lesson.resume_test.repeat import format_repeat
 from ckpt_lesson.resume_test.runner import Attempt, TrialRun
 from ckpt_lesson.resume_test.watch import FILES, MANAGER
 
@@ -111,7 +112,8 @@ def format_text(report: dict[str, Any]) -> str:
     ]
     for t in report["trials"]:
         kills = "; ".join(_kill_words(k) for k in t["kills"]) or "no kill happened (its point never came)"
-        mark = "ok  " if t["ok"] else "FAIL"
+        noisy = not (report.get("repeatability") or {}).get("repeats", True)
+        mark = "ok  " if t["ok"] else "diff" if noisy else "FAIL"
         lines.append(f"trial {t['index']:<6} {mark} killed {kills}; {t['status']}")
         if not t["ok"] and t["diagnosis"] and t["index"] != report["failed_trial"]:
             # The first failing trial's diagnosis closes the report; every other one is shown here.
@@ -148,10 +150,16 @@ def format_text(report: dict[str, Any]) -> str:
         lines.append("damaged or incomplete saves after kills: none found")
     for note in report["notes"]:
         lines.append(f"note         {note}")
-    for reason in report.get("inconclusive", []):
-        lines.append(f"inconclusive {reason}")
+    repeat = format_repeat(report.get("repeatability"))
+    if repeat and not report["repeatability"]["repeats"]:
+        lines.append(f"inconclusive {report['repeatability']['explanation']}")
+    else:
+        lines += [f"inconclusive {reason}" for reason in report.get("inconclusive", [])]
+    if repeat and report["repeatability"]["repeats"]:
+        lines.append(repeat)
     if report["diagnosis"]:
-        lines.append(f"diagnosis    {report['diagnosis']}")
+        unsure = repeat and not report["repeatability"]["repeats"]
+        lines.append(f"diagnosis    {'(had the runs repeated) ' if unsure else ''}{report['diagnosis']}")
     where = f"report       {report['workdir']}/report.json"
     if report["plot"]:
         where += f"; plot {report['plot']}"

@@ -30,6 +30,7 @@ from ckpt_lesson.resume_test.machine import (
 from ckpt_lesson.resume_test.outside import written_paths
 from ckpt_lesson.resume_test.plan import plan_trials
 from ckpt_lesson.resume_test.procs import ATTEMPT_ENV, Stopped, become_subreaper
+from ckpt_lesson.resume_test.repeat import check_repeat
 from ckpt_lesson.resume_test.report import build_report, format_text, write_json, write_plot
 from ckpt_lesson.resume_test.runner import Attempt, RunSpec, run_attempt, run_trial
 from ckpt_lesson.resume_test.steps import StepPattern
@@ -149,6 +150,7 @@ def _run(
         judge_trial(t, base, atol=args.atol, rtol=args.rtol, layout=layout, exact=exact, timeout=args.timeout)
         for t in trials
     ]
+    repeat = _repeat_check(args, spec, workdir, baseline, verdicts, progress)
     report = build_report(
         command=command, workdir=workdir, settings=_settings(args, kinds), baseline=baseline,
         layout=layout, trials=trials, verdicts=verdicts, notes=_notes(plans, baseline, trials, layout),
@@ -158,6 +160,10 @@ def _run(
     outcome = decide(baseline, trials, verdicts, layout, store_resumed=store_resumed)
     report["verdict"], report["inconclusive"] = outcome.verdict, outcome.reasons
     exit_code = outcome.exit_code
+    report["repeatability"] = repeat
+    if repeat["checked"] and not repeat["repeats"] and report["verdict"] == "FAIL":
+        # Two uninterrupted runs differ: the trials' differences say nothing about the save.
+        report["verdict"], report["inconclusive"], exit_code = "INCONCLUSIVE", [repeat["explanation"]], 3
     if domain is not None:  # the failure domain's verdict joins the trajectory's
         report["failure_domain"] = domain
         if domain["verdict"] == "FAIL":
@@ -176,6 +182,23 @@ def _run(
         if "failure_domain" in report:
             print(format_failure_domain(report["failure_domain"]))
     return exit_code
+
+
+def _repeat_check(
+    args: argparse.Namespace, spec: RunSpec, workdir: Path, baseline: Attempt, verdicts: list[Any],
+    progress: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """A second uninterrupted run when trials differ (and only crashed-free differences): see repeat.py."""
+    failed = [v for v in verdicts if not v.ok]
+    if not failed:
+        return {"checked": False, "why": "no trial differed"}
+    if any(v.status != "finished" or v.first_difference is None for v in failed):
+        return {"checked": False, "why": "a trial crashed or hung: that is no matter of repeatability"}
+    if getattr(args, "no_repeat_check", False):
+        return {"checked": False, "why": "--no-repeat-check"}
+    progress["during"] = "the control run (a second uninterrupted run)"
+    control = run_attempt(spec, workdir / "control" / "attempt-1", workdir / "control" / "ckpt", index=1)
+    return check_repeat(baseline, control, atol=args.atol, rtol=args.rtol)
 
 
 def _lost_machine(spec: RunSpec, trials: list[Any], baseline: Attempt, started: float) -> dict[str, Any]:
@@ -201,6 +224,7 @@ def _settings(args: argparse.Namespace, kinds: tuple[str, ...]) -> dict[str, Any
         "trials": args.trials, "kills": args.kills, "kill_at": list(kinds), "signal": args.signal,
         "grace": args.grace, "seed": args.seed, "timeout": args.timeout, "atol": args.atol,
         "rtol": args.rtol, "step_pattern": args.step_pattern, "ckpt_glob": list(args.ckpt_glob),
+        "repeat_check": not getattr(args, "no_repeat_check", False),
     }  # fmt: skip
 
 
