@@ -241,7 +241,11 @@ def _explain(
             "hidden state carried across batches, a GradScaler)"
         )
     if offset == 0:
-        return point, first_step_diagnosis(diff, got, trial.attempts[0], baseline)
+        newest = kill.newest if kill else None
+        # The save this restart resumed from holds the generators: a stream that differs was drawn from.
+        rng_saved = newest is not None and "rng" in (newest["covers"] or []) and newest["step"] == resumed
+        saved_in = newest["name"] if rng_saved and newest else None
+        return point, first_step_diagnosis(diff, got, trial.attempts[0], baseline, rng_saved_in=saved_in)
     if diff.what == "sample_ids":
         return point, data_diagnosis(diff, offset, baseline)
     if offset == 1 and not [s for s in exact if s != resumed]:

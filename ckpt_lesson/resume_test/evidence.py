@@ -105,8 +105,31 @@ def ids_one_batch_ahead(step: int, got: StepRecord, baseline: dict[int, StepReco
     )
 
 
+LOADER_AFTER_RESTORE = (
+    "sample ids and the {gens} RNG stream differ at the first step after resume, although the save it "
+    "resumed from ({save}) holds the RNG state: the generator was restored, then drawn from before the "
+    "first step. The usual consumer: a DataLoader(shuffle=True) whose iterator is created after the "
+    "restore draws its permutation seed from the restored global generator (the uninterrupted run drew "
+    "it at the epoch's start), so the order and every later random draw shift; give the loader a "
+    "generator of its own seeded from (seed, epoch) and skip the batches the epoch already trained "
+    "on, or use torchdata's StatefulDataLoader. Other consumers: a prefetch, a model or module built "
+    "after the restore; sample_ids in log_step tell them apart (here they differ: the data order)"
+)
+DRAWN_AFTER_RESTORE = (
+    "; the save it resumed from ({save}) holds the RNG state, so after the restore something reseeded "
+    "the generator (a manual_seed after restore_latest) or drew from it before the first step: a model "
+    "or module built after the restore, a prefetch, a DataLoader iterator created after the restore; "
+    "seed and build before restoring (same sample_ids rule out the data order)"
+)
+
+
 def first_step_diagnosis(
-    diff: Difference, got: StepRecord, first_run: Attempt, baseline: dict[int, StepRecord]
+    diff: Difference,
+    got: StepRecord,
+    first_run: Attempt,
+    baseline: dict[int, StepRecord],
+    *,
+    rng_saved_in: str | None = None,
 ) -> str:
     """The first step after resume differs: tell RNG not restored, RNG drawn in another order,
     data position lost and other state missing apart (see :mod:`evidence`)."""
@@ -123,6 +146,10 @@ def first_step_diagnosis(
             "drawn again after the restore; save the RNG state before prefetching, or save the "
             "prefetched batch with it"
         )
+    # The save held the generators and the stream still differs: restored, then drawn from (or reseeded).
+    drawn = rng_saved_in is not None and rng.status == "differs"
+    if diff.what == "sample_ids" and drawn:
+        return LOADER_AFTER_RESTORE.format(save=rng_saved_in, gens="/".join(rng.generators))
     if diff.what == "sample_ids":
         return data_diagnosis(diff, 0, baseline)
     same_samples = got.sample_ids is not None and baseline[diff.step].sample_ids is not None
@@ -131,7 +158,7 @@ def first_step_diagnosis(
             return (
                 "diverges at the first step after resume, on the same samples: RNG state not restored "
                 "(dropout or augmentation draw differently than in the uninterrupted run)"
-            )
+            ) + (DRAWN_AFTER_RESTORE.format(save=rng_saved_in) if drawn else "")
         return (
             "diverges at the first step after resume: RNG state not restored (the "
             f"{'/'.join(rng.generators)} RNG stream differs from that step on); report sample_ids "

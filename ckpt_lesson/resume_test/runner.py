@@ -26,7 +26,7 @@ from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.side_files import open_beside
-from ckpt_lesson.resume_test.damage import damage_after_kill
+from ckpt_lesson.resume_test.damage import damage_after_kill, newest_save
 from ckpt_lesson.resume_test.machine import lose_machine, machine_for
 from ckpt_lesson.resume_test.names import NameFilter
 from ckpt_lesson.resume_test.outside import OpenWrites
@@ -78,6 +78,8 @@ class Kill:
     held_save: bool = False
     exit_code: int | None = None
     damaged: list[dict[str, Any]] = field(default_factory=list)
+    #: The newest published save at the kill (a CheckpointManager folder): what a restart resumes from.
+    newest: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -312,6 +314,7 @@ def run_attempt(
     if attempt.kill is not None:
         attempt.kill.exit_code = proc.returncode
         attempt.kill.damaged = damage_after_kill(ckpt_dir, watcher, burst)
+        attempt.kill.newest = newest_save(ckpt_dir) if watcher.layout == MANAGER else None
     return attempt
 
 
