@@ -16,6 +16,7 @@ from typing import Any
 from ckpt_lesson.files.side_files import replace_beside
 from ckpt_lesson.resume_test.compare import stitch, trajectory
 from ckpt_lesson.resume_test.diagnose import TrialVerdict
+from ckpt_lesson.resume_test.provenance import format_evidence
 from ckpt_lesson.resume_test.repeat import format_repeat
 from ckpt_lesson.resume_test.runner import Attempt, TrialRun
 from ckpt_lesson.resume_test.watch import FILES, MANAGER
@@ -110,6 +111,8 @@ def format_text(report: dict[str, Any]) -> str:
         f"{', '.join(map(str, b['save_steps'])) or 'none'} "
         f"({LAYOUT_WORDS.get(b['layout'], 'nothing was written to the checkpoint folder')})",
     ]
+    if report.get("evidence"):
+        lines += format_evidence(report["evidence"])
     for t in report["trials"]:
         kills = "; ".join(_kill_words(k) for k in t["kills"]) or "no kill happened (its point never came)"
         noisy = not (report.get("repeatability") or {}).get("repeats", True)

@@ -30,6 +30,7 @@ from ckpt_lesson.resume_test.machine import (
 from ckpt_lesson.resume_test.outside import written_paths
 from ckpt_lesson.resume_test.plan import plan_trials
 from ckpt_lesson.resume_test.procs import ATTEMPT_ENV, Stopped, become_subreaper
+from ckpt_lesson.resume_test.provenance import evidence_record, resumed_saves
 from ckpt_lesson.resume_test.repeat import check_repeat
 from ckpt_lesson.resume_test.report import build_report, format_text, write_json, write_plot
 from ckpt_lesson.resume_test.runner import Attempt, RunSpec, run_attempt, run_trial
@@ -125,6 +126,9 @@ def _run(
     started = time.time()  # files written since then outside the workdir: see outside.py
     bar = tqdm(total=args.trials, unit="trial", file=sys.stderr, leave=False,
                disable=not sys.stderr.isatty(), desc="baseline")  # fmt: skip
+    # The evidence record's code version and environment, as they are before anything runs.
+    record = evidence_record(command=command, cwd=spec.cwd, env=spec.env, settings=_settings(args, kinds),
+                             lose_machine=spec.lose_machine)  # fmt: skip
     try:
         baseline = run_attempt(
             spec, workdir / "baseline" / "attempt-1", workdir / "baseline" / "ckpt", index=1
@@ -161,6 +165,8 @@ def _run(
     report["verdict"], report["inconclusive"] = outcome.verdict, outcome.reasons
     exit_code = outcome.exit_code
     report["repeatability"] = repeat
+    record["resumed_from"] = resumed_saves(trials, verdicts)
+    report["evidence"] = record
     if repeat["checked"] and not repeat["repeats"] and report["verdict"] == "FAIL":
         # Two uninterrupted runs differ: the trials' differences say nothing about the save.
         report["verdict"], report["inconclusive"], exit_code = "INCONCLUSIVE", [repeat["explanation"]], 3
