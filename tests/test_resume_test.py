@@ -176,3 +176,15 @@ def test_a_script_that_never_loads_is_told_it_began_again_at_step_1_not_only_tha
     assert diagnosis.startswith("the restart began again at step 1; it did not restore a save"), diagnosis
     # The crash it led to, the manager's refusal to overwrite step 5, is quoted as the consequence.
     assert "; it then crashed (exit 1: " in diagnosis and "step 5 is already saved" in diagnosis
+
+
+def test_kills_beyond_the_saves_to_aim_at_are_noted_as_left_out_not_as_random_kills(
+    tmp_path, capsys, fake_command
+):
+    code, out, _ = cli(capsys, "--workdir", str(tmp_path / "w"), "--trials", "1", "--kills", "3",
+                       "--kill-at", "after-save", "--", *fake_command("--sleep", "0.02"))  # fmt: skip
+    report = json.loads((tmp_path / "w" / "report.json").read_text())
+    assert code == 0, out  # saves at steps 4 and 8 before the last: two kills, both after a save
+    assert len(report["trials"][0]["kills"]) == 2
+    assert any("the extra kills were left out" in n for n in report["notes"]), report["notes"]
+    assert not any("killed at random instead" in n for n in report["notes"])

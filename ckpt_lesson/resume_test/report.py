@@ -51,8 +51,11 @@ def build_report(
     trial_rows, redone, recovery, damaged = [], [], [], []
     for trial, verdict in zip(trials, verdicts, strict=True):
         kills = [a.kill.to_dict() for a in trial.attempts if a.kill is not None]
+        seen = set()  # a save left damaged by one kill is still there at the next: list it once
         for kill in kills:
-            damaged += [{"trial": trial.plan.index, "kill": kill["point"], **d} for d in kill["damaged"]]
+            fresh = [d for d in kill["damaged"] if d["name"] not in seen]
+            seen |= {d["name"] for d in fresh}
+            damaged += [{"trial": trial.plan.index, "kill": kill["point"], **d} for d in fresh]
         redone += [r.steps_redone for r in verdict.restarts]
         recovery += [r.recovery_seconds for r in verdict.restarts if r.recovery_seconds is not None]
         row = verdict.to_dict()
@@ -150,7 +153,16 @@ def format_text(report: dict[str, Any]) -> str:
         more = f" (+{len(damaged) - 4} more)" if len(damaged) > 4 else ""
         lines.append(f"damaged or incomplete saves after kills: {len(damaged)}: {shown}{more}")
     else:
-        lines.append("damaged or incomplete saves after kills: none found")
+        crashed = [t["index"] for t in report["trials"] if t["status"] == "crashed" and t["kills"]]
+        lines.append(
+            "damaged or incomplete saves after kills: none found"
+            + (
+                f" by the tool, but the restart of trial(s) {crashed} crashed: a save it cannot judge "
+                "(not a CheckpointManager save, not a file written at the kill) may be incomplete"
+                if crashed
+                else ""
+            )
+        )
     for note in report["notes"]:
         lines.append(f"note         {note}")
     repeat = format_repeat(report.get("repeatability"))

@@ -157,7 +157,8 @@ def _run(
     repeat = _repeat_check(args, spec, workdir, baseline, verdicts, progress)
     report = build_report(
         command=command, workdir=workdir, settings=_settings(args, kinds), baseline=baseline,
-        layout=layout, trials=trials, verdicts=verdicts, notes=_notes(plans, baseline, trials, layout),
+        layout=layout, trials=trials, verdicts=verdicts,
+        notes=_notes(plans, baseline, trials, layout, args.kills),
     )  # fmt: skip
     domain = _lost_machine(spec, trials, baseline, started) if spec.lose_machine else None
     store_resumed = domain is not None and domain["verdict"] == "PASS" and domain["store"] is not None
@@ -234,11 +235,21 @@ def _settings(args: argparse.Namespace, kinds: tuple[str, ...]) -> dict[str, Any
     }  # fmt: skip
 
 
-def _notes(plans: list[Any], baseline: Attempt, trials: list[Any], layout: str) -> list[str]:
+def _notes(plans: list[Any], baseline: Attempt, trials: list[Any], layout: str, kills: int) -> list[str]:
     notes = []
-    fallback = [p.index for p in plans if p.kind != p.requested]
+    # Random kills stood in for aimed ones only where the baseline had no save to aim at; with fewer
+    # saves than aimed kills, the extra kills were dropped instead (the others did land after saves).
+    last = max(r.step for r in baseline.records)
+    no_save = not [s for s in baseline.save_steps if s < last]
+    fallback = [p.index for p in plans if no_save and p.requested.replace("random", "").strip("+")]
     if fallback and layout != NONE:
         notes.append(f"trial(s) {fallback}: no save before the last step to aim at; killed at random instead")
+    dropped = [p.index for p in plans if p.index not in fallback and len(p.targets) < kills]
+    if dropped:
+        notes.append(
+            f"trial(s) {dropped}: fewer saves before the last step than kills aimed at saves; the extra "
+            "kills were left out (save more often or run longer for more)"
+        )
     warnings = {
         a.watch_warning for a in [baseline, *(a for t in trials for a in t.attempts)] if a.watch_warning
     }
