@@ -11,7 +11,13 @@ from pathlib import Path
 
 from ckpt_lesson import cli
 from ckpt_lesson.resume_test.image import take_image
-from ckpt_lesson.resume_test.machine import FAILURE_DOMAIN, judge_lost_machine, machine_for, store_urls
+from ckpt_lesson.resume_test.machine import (
+    FAILURE_DOMAIN,
+    format_failure_domain,
+    judge_lost_machine,
+    machine_for,
+    store_urls,
+)
 from ckpt_lesson.resume_test.runner import RunSpec
 
 EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "resume_train.py")
@@ -164,3 +170,12 @@ def test_a_script_that_resumes_from_an_absolute_local_path_is_not_passed_and_the
 
 def test_no_kill_after_a_save_is_reported_as_untested():
     assert judge_lost_machine([], base_first=1)["verdict"] == "UNTESTED"
+
+
+def test_each_trials_store_prefix_is_named_when_the_trials_used_different_ones():
+    kills = [{"trial": n, "status": "ok", "why": "resumed", "store": f"s3://b/s-trial-0{n}"} for n in (1, 2)]
+    section = {"tested": FAILURE_DOMAIN, "store": "s3://b/s-trial-01", "stores": [k["store"] for k in kills],
+               "kills": kills, "outside_writes": [], "verdict": "PASS", "explanation": "x"}  # fmt: skip
+    text = format_failure_domain(section)
+    assert "durable copy: one prefix per run" in text
+    assert "trial 1 (s3://b/s-trial-01): ok" in text and "trial 2 (s3://b/s-trial-02): ok" in text

@@ -48,3 +48,14 @@ def test_a_file_held_open_for_writing_outside_the_workdir_is_seen_and_one_open_f
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_folder_argument_that_holds_the_workdir_is_not_flagged_for_the_workdir_alone(tmp_path):
+    since = time.time() - 1
+    (tmp_path / "w").mkdir()  # the tool's workdir, created inside the folder the command names
+    (tmp_path / "w" / "report.json").write_text("{}")
+    assert written_paths(["python", "t.py", f"--data={tmp_path}"], since=since, inside=tmp_path / "w") == []
+    (tmp_path / "ckpt.pt").write_bytes(b"x")
+    assert written_paths(["python", "t.py", f"--data={tmp_path}"], since=since, inside=tmp_path / "w") == [
+        str(tmp_path)
+    ]

@@ -69,7 +69,8 @@ def written_paths(command: tuple[str, ...] | list[str], *, since: float, inside:
     """Absolute path arguments outside ``inside`` that were written at or after ``since``.
 
     A file argument counts when its modification time is ``since`` or later; a
-    folder when it, or anything under it (at most 20000 entries looked at), is.
+    folder when anything under it is (at most 20000 entries looked at; the
+    workdir and byte-code folders left out).
 
     Args:
         command: The command as run (``{run_id}`` filled in, ``{ckpt_dir}`` not).
@@ -89,17 +90,21 @@ def written_paths(command: tuple[str, ...] | list[str], *, since: float, inside:
         if "{ckpt_dir}" in arg or _ours(os.path.abspath(arg), inside):
             continue
         path = Path(arg)
-        if _changed(path, since):
-            found.add(arg)
-        elif path.is_dir() and not path.is_symlink():
-            seen = 0
-            for folder, dirs, names in os.walk(path):
-                seen += len(dirs) + len(names)
-                if any(_changed(Path(folder, n), since) for n in [*dirs, *names]):
-                    found.add(arg)
-                    break
-                if seen > _WALK_LIMIT:
-                    break
+        if not path.is_dir() or path.is_symlink():
+            if _changed(path, since):
+                found.add(arg)
+            continue
+        # A folder: what is in it (its own time changes whenever anything, even our workdir, is added).
+        seen = 0
+        for folder, dirs, names in os.walk(path):
+            dirs[:] = [d for d in dirs if not _ours(os.path.join(folder, d), inside)]
+            entries = [n for n in [*dirs, *names] if not _ours(os.path.join(folder, n), inside)]
+            seen += len(entries)
+            if any(_changed(Path(folder, n), since) for n in entries):
+                found.add(arg)
+                break
+            if seen > _WALK_LIMIT:
+                break
     return sorted(found)
 
 
