@@ -138,7 +138,7 @@ def test_a_script_that_reads_a_relative_data_file_finds_it_on_the_new_machine(
     monkeypatch.chdir(project)
     argv = ["resume-test", "--lose-machine", "--trials", "1", "--kills", "1", "--kill-at", "after-save",
             "--workdir", str(tmp_path / "w"), "--",
-            *fake_command("--layout", "manager", "--data", "inputs/data.txt", "--sleep", "0.05")]  # fmt: skip
+            *fake_command("--layout", "manager", "--data", "inputs/data.txt", "--sleep", "0.1")]  # fmt: skip
     code = cli.main(argv)
     out = capsys.readouterr().out
     section = json.loads((tmp_path / "w" / "report.json").read_text())["failure_domain"]

@@ -20,7 +20,7 @@ def test_a_script_with_late_noise_is_inconclusive_naming_the_step_the_size_and_a
     tmp_path, capsys, fake_command
 ):
     # Noise from step 9 on, after the save at step 8 that the kill aims at: the resumed steps differ.
-    code, report, out = _run(tmp_path, capsys, "--", *fake_command("--noise-after", "8", "--sleep", "0.02"))
+    code, report, out = _run(tmp_path, capsys, "--", *fake_command("--noise-after", "8", "--sleep", "0.1"))
     repeat = report["repeatability"]
     assert code == 3 and report["verdict"] == "INCONCLUSIVE", out
     assert repeat["checked"] and not repeat["repeats"] and repeat["first_difference"]["step"] == 9
@@ -32,7 +32,7 @@ def test_a_script_with_late_noise_is_inconclusive_naming_the_step_the_size_and_a
 
 
 def test_the_check_can_be_skipped_and_then_the_noise_is_a_fail(tmp_path, capsys, fake_command):
-    args = ["--no-repeat-check", "--", *fake_command("--noise-after", "8", "--sleep", "0.02")]
+    args = ["--no-repeat-check", "--", *fake_command("--noise-after", "8", "--sleep", "0.1")]
     code, report, out = _run(tmp_path, capsys, *args)
     assert code == 1 and report["verdict"] == "FAIL", out
     assert report["repeatability"] == {"checked": False, "why": "--no-repeat-check"}
@@ -40,14 +40,14 @@ def test_the_check_can_be_skipped_and_then_the_noise_is_a_fail(tmp_path, capsys,
 
 
 def test_a_real_resume_bug_still_fails_after_a_control_run_that_repeats(tmp_path, capsys, fake_command):
-    code, report, out = _run(tmp_path, capsys, "--", *fake_command("--mistake", "reseed", "--sleep", "0.02"))
+    code, report, out = _run(tmp_path, capsys, "--", *fake_command("--mistake", "reseed", "--sleep", "0.1"))
     assert code == 1 and report["verdict"] == "FAIL", out
     assert report["repeatability"]["checked"] and report["repeatability"]["repeats"]
     assert "repeatable   a second uninterrupted run matched the baseline" in out
 
 
 def test_a_passing_script_pays_for_no_control_run(tmp_path, capsys, fake_command):
-    code, report, out = _run(tmp_path, capsys, "--", *fake_command("--sleep", "0.02"))
+    code, report, out = _run(tmp_path, capsys, "--", *fake_command("--sleep", "0.1"))
     assert code == 0 and report["repeatability"] == {"checked": False, "why": "no trial differed"}, out
 
 

@@ -182,7 +182,7 @@ def test_kills_beyond_the_saves_to_aim_at_are_noted_as_left_out_not_as_random_ki
     tmp_path, capsys, fake_command
 ):
     code, out, _ = cli(capsys, "--workdir", str(tmp_path / "w"), "--trials", "1", "--kills", "3",
-                       "--kill-at", "after-save", "--", *fake_command("--sleep", "0.02"))  # fmt: skip
+                       "--kill-at", "after-save", "--", *fake_command("--sleep", "0.1"))  # fmt: skip
     report = json.loads((tmp_path / "w" / "report.json").read_text())
     assert code == 0, out  # saves at steps 4 and 8 before the last: two kills, both after a save
     assert len(report["trials"][0]["kills"]) == 2
