@@ -89,6 +89,16 @@ def take_image(cwd: Path, dest: Path, *, workdir: Path) -> Path:
 def install_image(image: Path, cwd: Path) -> Path:
     """A new machine's working folder: a fresh copy of ``image`` at ``cwd``.
 
+    Args:
+        image: The folder :func:`take_image` made.
+        cwd: The new machine's working folder (under the tool's workdir; replaced if present).
+
+    Returns:
+        ``cwd``.
+
+    Raises:
+        OSError: The copy failed (the tool's own workdir is not writable any more).
+
     Example:
         >>> install_image(Path("w/machine-image"), Path("w/trial-01/attempt-2/machine/cwd"))  # doctest: +SKIP
         PosixPath('w/trial-01/attempt-2/machine/cwd')

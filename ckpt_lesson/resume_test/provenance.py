@@ -112,7 +112,18 @@ def environment(command: list[str], env: dict[str, str], cwd: Path) -> dict[str,
 
 
 def resumed_saves(trials: list[Any], verdicts: list[Any]) -> list[dict[str, Any]]:
-    """For each restart: the step it began at, the save it resumed from (step and id where known)."""
+    """For each restart: the step it began at, the save it resumed from (step and id where known).
+
+    The save's name and id come from the manifest of the newest CheckpointManager save at the kill
+    (see :func:`~ckpt_lesson.resume_test.damage.newest_save`), when the restart resumed from its step.
+
+    Returns:
+        ``{"trial", "restart", "first_step", "resumed_from_step", "save", "save_id"}`` per restart.
+
+    Example:
+        >>> resumed_saves(trials, verdicts)[0]["resumed_from_step"]  # doctest: +SKIP
+        30
+    """
     out = []
     for trial, verdict in zip(trials, verdicts, strict=True):
         stats = {s.attempt: s for s in verdict.restarts}
