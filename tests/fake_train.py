@@ -47,11 +47,15 @@ parser.add_argument("--pid-file", help="append this process's pid here")
 parser.add_argument("--setsid-helper", help="start a helper in its own session; append its pid here")
 parser.add_argument("--ckpt-name", default="state.json", help="the checkpoint file's name (files layout)")
 parser.add_argument("--log-file", help="also append a line to this file in the folder every step (a log)")
+parser.add_argument("--noise-after", type=int, default=0, help="add unseeded noise to steps after this one")
+parser.add_argument("--data", help="an input file the run needs (a relative path finds it in the cwd)")
 parser.add_argument("--epoch-steps", type=int, default=0, help="report the step within the epoch")
 args = parser.parse_args()
 
 if args.fail:
     sys.exit(args.fail)
+if args.data:
+    Path(args.data).read_text()  # like a config or a data file: missing, the run cannot start
 if args.child_pid_file:
     import subprocess
 
@@ -132,6 +136,8 @@ while state["step"] < args.steps:
         draw = random.random()
     hidden = hidden * 0.5 + draw if args.mistake == "hidden-state" else 0.0
     state["w"] = round(state["w"] * 0.9 + draw + 0.1 * hidden, 12)
+    if args.noise_after and state["step"] > args.noise_after:  # unseeded: differs between any two runs
+        state["w"] += 1e-9 * (1 + int.from_bytes(os.urandom(2), "little") / 65536)
     step, loss = state["step"], state["w"]
     shown = (step - 1) % args.epoch_steps + 1 if args.epoch_steps else step
     if args.print:

@@ -177,7 +177,7 @@ def test_saving_a_step_that_is_already_saved_is_refused(tmp_path):
     data, model, opt, sched = build()
     mgr = CheckpointManager(tmp_path, every_steps=1)
     mgr.save(model, opt, sched, TrainState(step=5))
-    with pytest.raises(CheckpointError, match="step 5 is already saved"):
+    with pytest.raises(CheckpointError, match="step 5 is already saved.*call restore_latest first"):
         mgr.save(model, opt, sched, TrainState(step=5))
 
 

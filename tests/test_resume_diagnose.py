@@ -174,9 +174,18 @@ def test_a_staging_folder_left_by_a_managed_save_is_not_blamed_for_a_crash(tmp_p
 
 def test_a_restart_from_step_zero_while_a_save_existed_means_no_checkpoint_was_found():
     v = judge(trial(killed(run(1, range(1, 7))), run(2, range(1, 13))))
-    assert not v.ok and v.diagnosis.startswith(
-        "the run restarted from the start (step 1): no checkpoint was found"
+    assert not v.ok and v.diagnosis.startswith("the restart began again at step 1; it did not restore a save")
+
+
+def test_a_restart_that_began_again_and_crashed_on_an_existing_save_is_blamed_on_the_missing_restore(
+    tmp_path,
+):
+    (tmp_path / "stderr.log").write_text(
+        "ckpt_lesson.errors.CheckpointError: step 6 is already saved in ckpt/step-00000006 and verifies\n"
     )
+    v = judge(trial(killed(run(1, range(1, 9))), run(2, range(1, 7), folder=tmp_path), status="crashed"))
+    assert not v.ok and v.diagnosis.startswith("the restart began again at step 1; it did not restore a save")
+    assert "restore_latest" in v.diagnosis and "then crashed (exit None: ckpt_lesson.errors" in v.diagnosis
 
 
 def test_a_restart_from_step_zero_before_any_save_is_fine():
@@ -232,3 +241,88 @@ def test_a_metric_that_differs_without_returning_to_its_first_step_value_is_not_
     # Not blamed on the metric; with no RNG fingerprint logged the tool says it cannot tell (issue 21).
     assert "metric 'scale'" not in v.diagnosis
     assert v.diagnosis.startswith("diverges at the first step after resume, on the same samples: cannot tell")
+
+
+def _resumed_with_other_rng(ids=IDS):
+    drawn = {s: {"torch": f"ffff{s:04x}", "random": "0000aaaa"} for s in range(7, 14)}
+    first = killed(run(1, range(1, 7)))
+    first.kill.newest = {"name": "step-00000006", "step": 6, "save_id": "abc", "covers": ["model", "rng"]}
+    return trial(first, run(2, range(7, 13), ids=ids, rng={**RNG, **drawn}, losses={7: 5.0}))
+
+
+def test_ids_and_rng_that_differ_after_a_save_holding_the_rng_name_a_loader_built_after_the_restore():
+    other = {s: (100 + s,) for s in range(7, 13)}
+    v = judge(_resumed_with_other_rng({**IDS, **other}))
+    assert v.diagnosis.startswith(
+        "sample ids and the torch RNG stream differ at the first step after resume, although the save "
+        "it resumed from (step-00000006) holds the RNG state: the generator was restored, then drawn from"
+    )
+    assert "DataLoader(shuffle=True) whose iterator is created after the restore" in v.diagnosis
+    assert "a prefetch, a model or module built after the restore" in v.diagnosis
+
+
+def test_an_rng_that_differs_on_the_same_samples_after_a_save_holding_it_names_what_drew_or_reseeded():
+    v = judge(_resumed_with_other_rng())
+    assert v.diagnosis.startswith("diverges at the first step after resume, on the same samples: RNG state")
+    assert "the save it resumed from (step-00000006) holds the RNG state" in v.diagnosis
+    assert "a manual_seed after restore_latest" in v.diagnosis
+
+
+def test_without_a_save_known_to_hold_the_rng_it_stays_not_restored():
+    t = _resumed_with_other_rng()
+    t.attempts[0].kill.newest["covers"] = ["model"]
+    v = judge(t)
+    assert v.diagnosis.endswith("draw differently than in the uninterrupted run)")
+
+
+LOADER_AFTER_RESTORE = """
+import os
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from ckpt_lesson import CheckpointManager, TrainState, log_step
+torch.set_num_threads(1)
+torch.manual_seed(0)
+data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1), torch.arange(32))
+model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+manager = CheckpointManager(os.environ["CKPT_LESSON_CKPT_DIR"], every_steps=4)
+state = manager.restore_latest(model, optimizer, None) or TrainState()
+while state.step < 24:
+    loader = DataLoader(data, batch_size=4, shuffle=True)  # built (and iterated) after the restore
+    for i, (x, y, ids) in enumerate(loader):
+        if i < state.batch_in_epoch:
+            continue  # the batches this epoch already trained on
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        state.step += 1
+        state.batch_in_epoch += 1
+        log_step(state.step, loss.item(), sample_ids=ids)
+        if state.step % 4 == 0:
+            manager.save(model, optimizer, None, state)
+        if state.step >= 24:
+            break
+    else:
+        state.epoch += 1
+        state.batch_in_epoch = 0
+"""
+
+
+def test_a_shuffled_loader_built_after_the_restore_is_named_as_the_consumer_of_the_restored_rng(
+    tmp_path, capsys
+):
+    import json
+    import sys
+
+    from ckpt_lesson.cli import main
+
+    script = tmp_path / "loader_after_restore.py"
+    script.write_text(LOADER_AFTER_RESTORE)
+    code = main(["resume-test", "--workdir", str(tmp_path / "w"), "--trials", "1", "--kills", "1",
+                 "--kill-at", "after-save", "--", sys.executable, str(script)])  # fmt: skip
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "w" / "report.json").read_text())
+    assert code == 1 and report["repeatability"]["repeats"], out
+    assert "although the save it resumed from (step-000000" in report["diagnosis"], out
+    assert "DataLoader(shuffle=True) whose iterator is created after the restore" in report["diagnosis"]

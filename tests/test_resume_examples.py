@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from ckpt_lesson.cli import main
 
@@ -67,6 +68,14 @@ def test_the_correct_example_passes_kills_after_during_and_between_saves(reports
     assert report["baseline"]["save_steps"] == [10, 20, 30, 40] and report["baseline"]["layout"] == "manager"
     assert sorted(k["kind"] for k in report["trials"][0]["kills"]) == ["after-save", "mid-save", "random"]
     assert report["restarts"] == 3
+    # The evidence record: the environment of the command's interpreter, and the save each resumed from.
+    evidence = report["evidence"]
+    assert evidence["environment"]["torch"] == torch.__version__ and evidence["code"]["kind"] in (
+        "git",
+        "script",
+    )
+    ids = [r["save_id"] for r in evidence["resumed_from"] if r["save_id"]]
+    assert ids and all(len(i) == 32 for i in ids), evidence["resumed_from"]
 
 
 def test_the_correct_example_saves_on_update_boundaries_and_exits_75_on_a_preemption_notice(reports):

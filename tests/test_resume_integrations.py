@@ -73,5 +73,5 @@ def test_a_script_that_never_hands_the_checkpoint_to_the_trainer_fails_with_that
 ):
     code, report = reports[case]
     assert code == 1 and report["verdict"] == "FAIL"
-    assert "the run restarted from the start" in report["diagnosis"]
+    assert "it did not restore a save" in report["diagnosis"]
     assert handover in report["diagnosis"]

@@ -80,3 +80,28 @@ def test_a_plot_is_written_only_when_the_runs_differ(tmp_path):
     path = write_plot(tmp_path / "differ.png", baseline, [t], [verdict])
     assert path == str(tmp_path / "differ.png")
     assert (tmp_path / "differ.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_staging_folder_still_there_at_a_second_kill_is_listed_once():
+    baseline = run(1, range(1, 11))
+    staging = {"name": ".staging-step-00000005-1-a", "step": 5, "status": "incomplete", "reason": "staging"}
+    first, second = run(1, range(1, 6)), run(2, range(5, 8), started=50.0)
+    for attempt, step in ((first, 5), (second, 7)):
+        attempt.kill = Kill("mid-save", step, f"during the save of step {step}", True, step, "KILL",
+                            held_save=True, exit_code=-9, damaged=[staging])  # fmt: skip
+    t = TrialRun(TrialPlan(1, "mid-save", "mid-save"), Path("t1"), [first, second, run(3, range(7, 11))])
+    verdict = judge_trial(
+        t, trajectory(baseline.records), atol=0, rtol=0, layout=MANAGER, exact=[], timeout=60
+    )
+    report = build_report(command=["python", "train.py"], workdir=Path("w"), settings={"signal": "KILL"},
+                          baseline=baseline, layout=MANAGER, trials=[t], verdicts=[verdict],
+                          notes=[])  # fmt: skip
+    assert [d["name"] for d in report["damaged_saves"]] == [".staging-step-00000005-1-a"]
+
+
+def test_none_found_is_qualified_when_a_restart_crashed_on_a_save_the_tool_cannot_judge():
+    _, _, _, report = make()
+    report["damaged_saves"], report["trials"][0]["status"] = [], "crashed"
+    line = next(ln for ln in format_text(report).splitlines() if ln.startswith("damaged or incomplete"))
+    assert line.startswith("damaged or incomplete saves after kills: none found by the tool, but the restart")
+    assert "trial(s) [1] crashed" in line

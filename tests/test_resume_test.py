@@ -142,3 +142,49 @@ def test_a_save_written_in_place_fails_when_a_kill_lands_inside_it(tmp_path, cap
                        "mid-save", "--", *fake_command("--mistake", "in-place"))  # fmt: skip
     assert code == 1 and "crashed" in out and "the save is not atomic" in out
     assert "damaged or incomplete saves after kills: 1: trial 1: state.json possibly incomplete" in out
+
+
+NEVER_LOADS = """
+import torch
+from ckpt_lesson import CheckpointManager, TrainState, log_step
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+manager = CheckpointManager(__import__("os").environ["CKPT_LESSON_CKPT_DIR"], every_steps=5)
+state = TrainState()  # never restore_latest: every restart begins again at step 1
+x = torch.randn(8, 4)
+for step in range(1, 21):
+    loss = model(x).pow(2).mean()
+    optimizer.zero_grad(); loss.backward(); optimizer.step()
+    state.step = step
+    log_step(step, loss.item())
+    if step % 5 == 0:
+        manager.save(model, optimizer, None, state)
+"""
+
+
+def test_a_script_that_never_loads_is_told_it_began_again_at_step_1_not_only_that_the_save_exists(
+    tmp_path, capsys
+):
+    script = tmp_path / "never_loads.py"
+    script.write_text(NEVER_LOADS)
+    code, out, _ = cli(capsys, "--workdir", str(tmp_path / "w"), "--trials", "1", "--kills", "1",
+                       "--kill-at", "after-save", "--json", "--", sys.executable, str(script))  # fmt: skip
+    report = json.loads(out)
+    assert code == 1 and report["verdict"] == "FAIL"
+    diagnosis = report["trials"][0]["diagnosis"]
+    assert diagnosis.startswith("the restart began again at step 1; it did not restore a save"), diagnosis
+    # The crash it led to, the manager's refusal to overwrite step 5, is quoted as the consequence.
+    assert "; it then crashed (exit 1: " in diagnosis and "step 5 is already saved" in diagnosis
+
+
+def test_kills_beyond_the_saves_to_aim_at_are_noted_as_left_out_not_as_random_kills(
+    tmp_path, capsys, fake_command
+):
+    code, out, _ = cli(capsys, "--workdir", str(tmp_path / "w"), "--trials", "1", "--kills", "3",
+                       "--kill-at", "after-save", "--", *fake_command("--sleep", "0.1"))  # fmt: skip
+    report = json.loads((tmp_path / "w" / "report.json").read_text())
+    assert code == 0, out  # saves at steps 4 and 8 before the last: two kills, both after a save
+    assert len(report["trials"][0]["kills"]) == 2
+    assert any("the extra kills were left out" in n for n in report["notes"]), report["notes"]
+    assert not any("killed at random instead" in n for n in report["notes"])

@@ -78,6 +78,9 @@ verdicts (what a PASS means):
                 and what to change (save more often, a longer run, --kill-at after-save)
   FAIL          a trial differs from the baseline, crashed or hung; every failing trial gets a
                 diagnosis, blamed on the kill before its first difference
+  Before a difference is blamed on the save, the command runs once more without kills (only when a
+  trial differs; --no-repeat-check skips it): two uninterrupted runs that differ give INCONCLUSIVE,
+  naming the step and size of the difference and --atol/--rtol sized from it.
   Steps must be a global counter: a baseline whose steps go back (a per-epoch batch index) is a
   usage error.
 
@@ -132,11 +135,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a plain folder's checkpoint files (repeatable; matched against the path in the folder or the "
         "bare name, e.g. '*.ckpt'): mid-save kills aim at them, other files (logs) are not saves. Default: "
         "names ending in .pt, .pth, .ckpt, .safetensors or .bin are preferred once one appears")  # fmt: skip
+    add("--no-repeat-check", action="store_true",
+        help="when a trial differs, do not run the command a second time uninterrupted to check that "
+        "the baseline repeats (the check costs one more uninterrupted run, only when a trial differs; "
+        "two uninterrupted runs that differ give INCONCLUSIVE with suggested --atol/--rtol)")  # fmt: skip
     add("--json", action="store_true", help="print the report as JSON instead of text")
     add("--lose-machine", action="store_true",
-        help="restart each kill on a fresh 'machine' (new cwd, HOME, TMPDIR, caches; no local "
-        "checkpoint folder): only a store named in the command (s3://..., {run_id} for a per-run "
-        "prefix) survives")  # fmt: skip
+        help="restart each kill on a fresh 'machine': a copy of the working folder taken before the "
+        "baseline (code and inputs), new HOME, TMPDIR and caches, no local checkpoint folder; only a "
+        "store named in the command or its environment (s3://..., also --flag=s3://...; {run_id} for a "
+        "per-run prefix, unique per invocation) survives. Files written outside the machine are "
+        "named, and keep the verdict from PASS")  # fmt: skip
 
 
 def _check_options(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...]]:

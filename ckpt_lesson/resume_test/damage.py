@@ -13,9 +13,38 @@ from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.resume_test.watch import MANAGER, FolderWatcher, SaveBurst
-from ckpt_lesson.runs.scan import scan_checkpoints
+from ckpt_lesson.runs.scan import published_steps, read_manifest, scan_checkpoints
 
-__all__ = ["damage_after_kill"]
+__all__ = ["damage_after_kill", "newest_save"]
+
+
+def newest_save(ckpt_dir: Path) -> dict[str, Any] | None:
+    """The newest published save of a CheckpointManager folder, as the restart will find it.
+
+    Returns:
+        ``{"name", "step", "save_id", "covers"}`` from its manifest (``covers`` lists the saved
+        parts, ``"rng"`` among them when the generators were saved); ``None`` when there is none
+        or its manifest does not read (a damaged save is reported by :func:`damage_after_kill`).
+
+    Example:
+        >>> newest_save(Path("w/trial-01/ckpt"))  # doctest: +SKIP
+        {'name': 'step-00000030', 'step': 30, 'save_id': 'ab7d...', 'covers': ['model', ..., 'rng']}
+    """
+    try:
+        steps = published_steps(ckpt_dir)
+        if not steps:
+            return None
+        folder = ckpt_dir / f"step-{steps[-1]:08d}"
+        manifest = read_manifest(folder)
+    except (OSError, CheckpointError):
+        return None
+    covers = manifest.get("covers")
+    return {
+        "name": folder.name,
+        "step": steps[-1],
+        "save_id": manifest.get("save_id") if isinstance(manifest.get("save_id"), str) else None,
+        "covers": [str(c) for c in covers] if isinstance(covers, list) else None,
+    }
 
 
 def damage_after_kill(ckpt_dir: Path, watcher: FolderWatcher, burst: SaveBurst) -> list[dict[str, Any]]:

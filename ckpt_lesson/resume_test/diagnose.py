@@ -2,7 +2,9 @@
 
 The rules, in the order they are tried (the first that applies wins):
 
-1. a restart crashed: if the kill before it landed in a save, the save was
+1. a restart crashed: if it began again at the first step although a save
+   existed, it never restored one (its crash, e.g. "step 10 is already saved",
+   follows from that); if the kill before it landed in a save, the save was
    left damaged and the script loaded it (it is not atomic); otherwise the
    last line of its stderr says why;
 2. a restart did not finish in time;
@@ -25,16 +27,13 @@ from typing import Any
 from ckpt_lesson.resume_test.compare import (
     Difference,
     RestartStat,
-    close,
     compare,
-    epoch_starts,
-    find_repeat,
     matches_baseline,
     restart_stats,
     stitch,
 )
-from ckpt_lesson.resume_test.evidence import ids_one_batch_ahead, rng_evidence
-from ckpt_lesson.resume_test.runner import Attempt, TrialRun
+from ckpt_lesson.resume_test.evidence import data_diagnosis, first_step_diagnosis, reset_metric
+from ckpt_lesson.resume_test.runner import TrialRun
 from ckpt_lesson.resume_test.steps import StepRecord
 from ckpt_lesson.resume_test.watch import NONE
 
@@ -124,6 +123,12 @@ def judge_trial(
     if trial.status == "crashed":
         verdict.kill_point = before.point if before else None
         verdict.diagnosis = _crash(last.exit_code, last.last_stderr_line(), before)
+        stat = next((s for s in restarts if s.attempt == last.index), None)
+        if stat is not None and stat.from_scratch and before is not None and before.held_save:
+            said = f"exit {last.exit_code}" + (
+                f": {last.last_stderr_line()}" if last.last_stderr_line() else ""
+            )
+            verdict.diagnosis = f"{_never_restored(stat.first_step)}; it then crashed ({said})"
     elif trial.status == "timeout":
         verdict.kill_point = before.point if before else None
         after = f"after the kill {before.point}" if before else "before any kill"
@@ -171,14 +176,18 @@ def _restart_from_scratch(
         if layout == NONE:  # nothing was saved: nothing to resume from, so not a failure (INCONCLUSIVE)
             continue
         if kill.held_save:
-            return kill.point, (
-                f"the run restarted from the start (step {stat.first_step}): no checkpoint was found, "
-                "although the checkpoint folder held a save when it was killed (does the script look "
-                "for saves where it writes them, and hand the one it found to the trainer: "
-                "Lightning's fit(ckpt_path=...), the Hugging Face "
-                "Trainer's train(resume_from_checkpoint=...)?)"
-            )
+            return kill.point, _never_restored(stat.first_step)
     return None
+
+
+def _never_restored(first: int | None) -> str:
+    return (
+        f"the restart began again at step {first}; it did not restore a save, although the checkpoint "
+        "folder held one when it was killed (does the script load at startup, e.g. "
+        "CheckpointManager.restore_latest, and look where it saves; does it hand the save to the "
+        "trainer: Lightning's fit(ckpt_path=...), the Hugging Face Trainer's "
+        "train(resume_from_checkpoint=...)?)"
+    )
 
 
 def _explain(
@@ -223,7 +232,7 @@ def _explain(
     offset = len({r.step for r in attempt.records if r.step < diff.step})
     resumed = stat.resumed_from
     got = {r.step: r for r in attempt.records}[diff.step]
-    reset = _reset_metric(got, baseline, atol=atol, rtol=rtol) if offset == 0 else None
+    reset = reset_metric(got, baseline, atol=atol, rtol=rtol) if offset == 0 else None
     if reset is not None:
         name, value = reset
         return point, (
@@ -232,9 +241,13 @@ def _explain(
             "hidden state carried across batches, a GradScaler)"
         )
     if offset == 0:
-        return point, _first_step(diff, got, trial.attempts[0], baseline)
+        newest = kill.newest if kill else None
+        # The save this restart resumed from holds the generators: a stream that differs was drawn from.
+        rng_saved = newest is not None and "rng" in (newest["covers"] or []) and newest["step"] == resumed
+        saved_in = newest["name"] if rng_saved and newest else None
+        return point, first_step_diagnosis(diff, got, trial.attempts[0], baseline, rng_saved_in=saved_in)
     if diff.what == "sample_ids":
-        return point, _data(diff, offset, baseline)
+        return point, data_diagnosis(diff, offset, baseline)
     if offset == 1 and not [s for s in exact if s != resumed]:
         return point, (
             "the first step after resume matches, the second does not: the weights and RNG came back but "
@@ -248,100 +261,4 @@ def _explain(
         f"differs{also}: state carried across steps was lost at the save, e.g. a save inside a "
         "gradient-accumulation window (accumulated gradients are not saved; save only after an "
         "optimizer step)"
-    )
-
-
-def _first_step(
-    diff: Difference, got: StepRecord, first_run: Attempt, baseline: dict[int, StepRecord]
-) -> str:
-    """The first step after resume differs: tell RNG not restored, RNG drawn in another order,
-    data position lost and other state missing apart (see :mod:`evidence`)."""
-    rng = rng_evidence(diff.step, got, first_run, baseline)
-    if rng.status == "one step ahead" or ids_one_batch_ahead(diff.step, got, baseline):
-        what = (
-            f"the {'/'.join(rng.generators)} RNG stream after it equals the baseline's one step later"
-            if rng.status == "one step ahead"
-            else "its sample ids are the baseline's next batch"
-        )
-        return (
-            f"diverges at the first step after resume: {what}: the RNG was restored but consumed in "
-            "another order, e.g. a batch prefetched (and its random draws taken) before the save is "
-            "drawn again after the restore; save the RNG state before prefetching, or save the "
-            "prefetched batch with it"
-        )
-    if diff.what == "sample_ids":
-        return _data(diff, 0, baseline)
-    same_samples = got.sample_ids is not None and baseline[diff.step].sample_ids is not None
-    if rng.status == "differs":
-        if same_samples:
-            return (
-                "diverges at the first step after resume, on the same samples: RNG state not restored "
-                "(dropout or augmentation draw differently than in the uninterrupted run)"
-            )
-        return (
-            "diverges at the first step after resume: RNG state not restored (the "
-            f"{'/'.join(rng.generators)} RNG stream differs from that step on); report sample_ids "
-            "to log_step to check the data position too"
-        )
-    if rng.status == "same":
-        if same_samples:
-            return (
-                "diverges at the first step after resume, on the same samples and the same RNG stream: "
-                "state other than model/optimizer/RNG is missing from the save, e.g. a recurrent "
-                "hidden state, a running statistic or a buffer kept outside the state_dict"
-            )
-        return (
-            "diverges at the first step after resume with the same RNG stream: the data position or "
-            "state other than model/optimizer/RNG (e.g. a recurrent hidden state) was not restored; "
-            "report sample_ids to log_step to tell the two apart"
-        )
-    if same_samples:
-        return (
-            "diverges at the first step after resume, on the same samples: cannot tell whether the RNG "
-            "state was not restored or other carried state (e.g. a recurrent hidden state) is missing: "
-            "no seeded global RNG was seen (log_step records torch's, NumPy's and random's)"
-        )
-    return (
-        "diverges at the first step after resume: cannot tell whether the RNG state, the data "
-        "position or other carried state was not restored; report sample_ids to log_step (and "
-        "seed the global RNGs) to tell them apart"
-    )
-
-
-def _reset_metric(
-    got: StepRecord, baseline: dict[int, StepRecord], *, atol: float, rtol: float
-) -> tuple[str, float] | None:
-    """A metric that differs at the first step after resume *and* equals its value at the run's start.
-
-    A value that starts over at a restart is state the script rebuilt fresh instead of restoring
-    (a zero hidden state, a new GradScaler's initial scale); a value the RNG moved would not land
-    exactly on the first step's number. The script's metric names then say which state it was.
-    """
-    base, first = baseline[got.step], baseline[min(baseline)]
-    for name in sorted(got.metrics.keys() & base.metrics.keys() & first.metrics.keys()):
-        value = got.metrics[name]
-        if not close(value, base.metrics[name], atol=atol, rtol=rtol) and value == first.metrics[name]:
-            return name, value
-    return None
-
-
-def _data(diff: Difference, offset: int, baseline: dict[int, StepRecord]) -> str:
-    ids = tuple(diff.resumed)
-    repeat = find_repeat(ids, diff.step, baseline)
-    where = "at the first step after resume" if offset == 0 else f"{offset + 1} steps after resume"
-    if repeat is not None and repeat in epoch_starts(baseline):
-        return (
-            f"sample ids repeat from the epoch start (step {repeat}) {where}: the data position is not "
-            "restored; the loader restarts the epoch instead of skipping the batches already seen"
-        )
-    if repeat is not None:
-        return (
-            f"sample ids {where} repeat those of step {repeat}: the data position is not restored "
-            "(the run trains again on data it has already seen)"
-        )
-    return (
-        f"sample ids differ {where}: the data order is not restored (e.g. a shuffle whose generator "
-        "is not seeded per epoch or not saved, or an RNG saved after the next batch was already drawn: "
-        "capture it before the prefetch and pass it to save as rng=); a shuffled DataLoader draws each "
-        "epoch's order when the epoch starts: save the loader's position, cl.resumable(loader) in the state"
     )

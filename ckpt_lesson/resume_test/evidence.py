@@ -24,10 +24,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ckpt_lesson.resume_test.compare import Difference, close, epoch_starts, find_repeat
 from ckpt_lesson.resume_test.runner import Attempt
 from ckpt_lesson.resume_test.steps import StepRecord
 
-__all__ = ["RngEvidence", "ids_one_batch_ahead", "rng_evidence"]
+__all__ = [
+    "RngEvidence", "data_diagnosis", "first_step_diagnosis", "ids_one_batch_ahead", "reset_metric",
+    "rng_evidence",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -98,4 +102,127 @@ def ids_one_batch_ahead(step: int, got: StepRecord, baseline: dict[int, StepReco
         and nxt is not None
         and nxt.sample_ids == got.sample_ids
         and (here is None or here.sample_ids != got.sample_ids)
+    )
+
+
+LOADER_AFTER_RESTORE = (
+    "sample ids and the {gens} RNG stream differ at the first step after resume, although the save it "
+    "resumed from ({save}) holds the RNG state: the generator was restored, then drawn from before the "
+    "first step. The usual consumer: a DataLoader(shuffle=True) whose iterator is created after the "
+    "restore draws its permutation seed from the restored global generator (the uninterrupted run drew "
+    "it at the epoch's start), so the order and every later random draw shift; give the loader a "
+    "generator of its own seeded from (seed, epoch) and skip the batches the epoch already trained "
+    "on, or use torchdata's StatefulDataLoader. Other consumers: a prefetch, a model or module built "
+    "after the restore; sample_ids in log_step tell them apart (here they differ: the data order)"
+)
+DRAWN_AFTER_RESTORE = (
+    "; the save it resumed from ({save}) holds the RNG state, so after the restore something reseeded "
+    "the generator (a manual_seed after restore_latest) or drew from it before the first step: a model "
+    "or module built after the restore, a prefetch, a DataLoader iterator created after the restore; "
+    "seed and build before restoring (same sample_ids rule out the data order)"
+)
+
+
+def first_step_diagnosis(
+    diff: Difference,
+    got: StepRecord,
+    first_run: Attempt,
+    baseline: dict[int, StepRecord],
+    *,
+    rng_saved_in: str | None = None,
+) -> str:
+    """The first step after resume differs: tell RNG not restored, RNG drawn in another order,
+    data position lost and other state missing apart (see :mod:`evidence`)."""
+    rng = rng_evidence(diff.step, got, first_run, baseline)
+    if rng.status == "one step ahead" or ids_one_batch_ahead(diff.step, got, baseline):
+        what = (
+            f"the {'/'.join(rng.generators)} RNG stream after it equals the baseline's one step later"
+            if rng.status == "one step ahead"
+            else "its sample ids are the baseline's next batch"
+        )
+        return (
+            f"diverges at the first step after resume: {what}: the RNG was restored but consumed in "
+            "another order, e.g. a batch prefetched (and its random draws taken) before the save is "
+            "drawn again after the restore; save the RNG state before prefetching, or save the "
+            "prefetched batch with it"
+        )
+    # The save held the generators and the stream still differs: restored, then drawn from (or reseeded).
+    drawn = rng_saved_in is not None and rng.status == "differs"
+    if diff.what == "sample_ids" and drawn:
+        return LOADER_AFTER_RESTORE.format(save=rng_saved_in, gens="/".join(rng.generators))
+    if diff.what == "sample_ids":
+        return data_diagnosis(diff, 0, baseline)
+    same_samples = got.sample_ids is not None and baseline[diff.step].sample_ids is not None
+    if rng.status == "differs":
+        if same_samples:
+            return (
+                "diverges at the first step after resume, on the same samples: RNG state not restored "
+                "(dropout or augmentation draw differently than in the uninterrupted run)"
+            ) + (DRAWN_AFTER_RESTORE.format(save=rng_saved_in) if drawn else "")
+        return (
+            "diverges at the first step after resume: RNG state not restored (the "
+            f"{'/'.join(rng.generators)} RNG stream differs from that step on); report sample_ids "
+            "to log_step to check the data position too"
+        )
+    if rng.status == "same":
+        if same_samples:
+            return (
+                "diverges at the first step after resume, on the same samples and the same RNG stream: "
+                "state other than model/optimizer/RNG is missing from the save, e.g. a recurrent "
+                "hidden state, a running statistic or a buffer kept outside the state_dict"
+            )
+        return (
+            "diverges at the first step after resume with the same RNG stream: the data position or "
+            "state other than model/optimizer/RNG (e.g. a recurrent hidden state) was not restored; "
+            "report sample_ids to log_step to tell the two apart"
+        )
+    if same_samples:
+        return (
+            "diverges at the first step after resume, on the same samples: cannot tell whether the RNG "
+            "state was not restored or other carried state (e.g. a recurrent hidden state) is missing: "
+            "no seeded global RNG was seen (log_step records torch's, NumPy's and random's)"
+        )
+    return (
+        "diverges at the first step after resume: cannot tell whether the RNG state, the data "
+        "position or other carried state was not restored; report sample_ids to log_step (and "
+        "seed the global RNGs) to tell them apart"
+    )
+
+
+def reset_metric(
+    got: StepRecord, baseline: dict[int, StepRecord], *, atol: float, rtol: float
+) -> tuple[str, float] | None:
+    """A metric that differs at the first step after resume *and* equals its value at the run's start.
+
+    A value that starts over at a restart is state the script rebuilt fresh instead of restoring
+    (a zero hidden state, a new GradScaler's initial scale); a value the RNG moved would not land
+    exactly on the first step's number. The script's metric names then say which state it was.
+    """
+    base, first = baseline[got.step], baseline[min(baseline)]
+    for name in sorted(got.metrics.keys() & base.metrics.keys() & first.metrics.keys()):
+        value = got.metrics[name]
+        if not close(value, base.metrics[name], atol=atol, rtol=rtol) and value == first.metrics[name]:
+            return name, value
+    return None
+
+
+def data_diagnosis(diff: Difference, offset: int, baseline: dict[int, StepRecord]) -> str:
+    ids = tuple(diff.resumed)
+    repeat = find_repeat(ids, diff.step, baseline)
+    where = "at the first step after resume" if offset == 0 else f"{offset + 1} steps after resume"
+    if repeat is not None and repeat in epoch_starts(baseline):
+        return (
+            f"sample ids repeat from the epoch start (step {repeat}) {where}: the data position is not "
+            "restored; the loader restarts the epoch instead of skipping the batches already seen"
+        )
+    if repeat is not None:
+        return (
+            f"sample ids {where} repeat those of step {repeat}: the data position is not restored "
+            "(the run trains again on data it has already seen)"
+        )
+    return (
+        f"sample ids differ {where}: the data order is not restored (e.g. a shuffle whose generator "
+        "is not seeded per epoch or not saved, or an RNG saved after the next batch was already drawn: "
+        "capture it before the prefetch and pass it to save as rng=); a shuffled DataLoader draws each "
+        "epoch's order when the epoch starts: save the loader's position, cl.resumable(loader) in the state"
     )

@@ -16,6 +16,8 @@ from typing import Any
 from ckpt_lesson.files.side_files import replace_beside
 from ckpt_lesson.resume_test.compare import stitch, trajectory
 from ckpt_lesson.resume_test.diagnose import TrialVerdict
+from ckpt_lesson.resume_test.provenance import format_evidence
+from ckpt_lesson.resume_test.repeat import format_repeat
 from ckpt_lesson.resume_test.runner import Attempt, TrialRun
 from ckpt_lesson.resume_test.watch import FILES, MANAGER
 
@@ -49,8 +51,11 @@ def build_report(
     trial_rows, redone, recovery, damaged = [], [], [], []
     for trial, verdict in zip(trials, verdicts, strict=True):
         kills = [a.kill.to_dict() for a in trial.attempts if a.kill is not None]
+        seen = set()  # a save left damaged by one kill is still there at the next: list it once
         for kill in kills:
-            damaged += [{"trial": trial.plan.index, "kill": kill["point"], **d} for d in kill["damaged"]]
+            fresh = [d for d in kill["damaged"] if d["name"] not in seen]
+            seen |= {d["name"] for d in fresh}
+            damaged += [{"trial": trial.plan.index, "kill": kill["point"], **d} for d in fresh]
         redone += [r.steps_redone for r in verdict.restarts]
         recovery += [r.recovery_seconds for r in verdict.restarts if r.recovery_seconds is not None]
         row = verdict.to_dict()
@@ -109,9 +114,12 @@ def format_text(report: dict[str, Any]) -> str:
         f"{', '.join(map(str, b['save_steps'])) or 'none'} "
         f"({LAYOUT_WORDS.get(b['layout'], 'nothing was written to the checkpoint folder')})",
     ]
+    if report.get("evidence"):
+        lines += format_evidence(report["evidence"])
     for t in report["trials"]:
         kills = "; ".join(_kill_words(k) for k in t["kills"]) or "no kill happened (its point never came)"
-        mark = "ok  " if t["ok"] else "FAIL"
+        noisy = not (report.get("repeatability") or {}).get("repeats", True)
+        mark = "ok  " if t["ok"] else "diff" if noisy else "FAIL"
         lines.append(f"trial {t['index']:<6} {mark} killed {kills}; {t['status']}")
         if not t["ok"] and t["diagnosis"] and t["index"] != report["failed_trial"]:
             # The first failing trial's diagnosis closes the report; every other one is shown here.
@@ -145,13 +153,28 @@ def format_text(report: dict[str, Any]) -> str:
         more = f" (+{len(damaged) - 4} more)" if len(damaged) > 4 else ""
         lines.append(f"damaged or incomplete saves after kills: {len(damaged)}: {shown}{more}")
     else:
-        lines.append("damaged or incomplete saves after kills: none found")
+        crashed = [t["index"] for t in report["trials"] if t["status"] == "crashed" and t["kills"]]
+        lines.append(
+            "damaged or incomplete saves after kills: none found"
+            + (
+                f" by the tool, but the restart of trial(s) {crashed} crashed: a save it cannot judge "
+                "(not a CheckpointManager save, not a file written at the kill) may be incomplete"
+                if crashed
+                else ""
+            )
+        )
     for note in report["notes"]:
         lines.append(f"note         {note}")
-    for reason in report.get("inconclusive", []):
-        lines.append(f"inconclusive {reason}")
+    repeat = format_repeat(report.get("repeatability"))
+    if repeat and not report["repeatability"]["repeats"]:
+        lines.append(f"inconclusive {report['repeatability']['explanation']}")
+    else:
+        lines += [f"inconclusive {reason}" for reason in report.get("inconclusive", [])]
+    if repeat and report["repeatability"]["repeats"]:
+        lines.append(repeat)
     if report["diagnosis"]:
-        lines.append(f"diagnosis    {report['diagnosis']}")
+        unsure = repeat and not report["repeatability"]["repeats"]
+        lines.append(f"diagnosis    {'(had the runs repeated) ' if unsure else ''}{report['diagnosis']}")
     where = f"report       {report['workdir']}/report.json"
     if report["plot"]:
         where += f"; plot {report['plot']}"

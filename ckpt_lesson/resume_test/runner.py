@@ -26,9 +26,10 @@ from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.side_files import open_beside
-from ckpt_lesson.resume_test.damage import damage_after_kill
+from ckpt_lesson.resume_test.damage import damage_after_kill, newest_save
 from ckpt_lesson.resume_test.machine import lose_machine, machine_for
 from ckpt_lesson.resume_test.names import NameFilter
+from ckpt_lesson.resume_test.outside import OpenWrites
 from ckpt_lesson.resume_test.plan import KillTarget, KillTrigger, TrialPlan
 from ckpt_lesson.resume_test.proc_tree import ProcessTree
 from ckpt_lesson.resume_test.procs import ATTEMPT_ENV, Stopped, end_tagged, new_token, stop_later
@@ -57,6 +58,10 @@ class RunSpec:
     ckpt_globs: tuple[str, ...] = ()
     #: ``--lose-machine``: each restart on a fresh "machine" (see machine.py).
     lose_machine: bool = False
+    #: Makes ``{run_id}`` unique per invocation; the working folder's copy; the tool's workdir.
+    session_id: str = ""
+    image: Path | None = None
+    workdir: Path | None = None
 
 
 @dataclass
@@ -73,6 +78,8 @@ class Kill:
     held_save: bool = False
     exit_code: int | None = None
     damaged: list[dict[str, Any]] = field(default_factory=list)
+    #: The newest published save at the kill (a CheckpointManager folder): what a restart resumes from.
+    newest: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -97,6 +104,8 @@ class Attempt:
     left_running: list[int] = field(default_factory=list)
     #: The watcher could see only part of the checkpoint folder (too big): why, for the report.
     watch_warning: str | None = None
+    #: On a new machine (--lose-machine): files it held open for writing outside the tool's workdir.
+    outside_writes: list[str] = field(default_factory=list)
 
     @property
     def stdout(self) -> Path:
@@ -204,6 +213,8 @@ def run_attempt(
     attempt = Attempt(index, folder, time.time())
     proc = _launch(spec, argv, env, folder)
     tree = ProcessTree(proc.pid)
+    new_machine = spec.lose_machine and index > 1 and spec.workdir is not None
+    writes = OpenWrites(proc.pid, spec.workdir) if new_machine else None
     deadline = time.monotonic() + spec.timeout
     term_sent: float | None = None
     saving = False  # a staging folder exists, or (generic folder) files changed since the last step
@@ -216,6 +227,8 @@ def run_attempt(
             # so a save it published right before exiting (a final save) is counted, not dropped.
             done = proc.poll() is not None
             tree.refresh()
+            if writes is not None:
+                writes.poll()
             events = watcher.poll()
             records = reader.poll()
             moved_in = _relative(waker.take_moved_in(), ckpt_dir)
@@ -292,6 +305,7 @@ def run_attempt(
     watcher.poll()
     attempt.layout = watcher.layout
     attempt.watch_warning = watcher.warning
+    attempt.outside_writes = sorted(writes.found) if writes is not None else []
     if attempt.layout != MANAGER and names.active:
         # Log files written before the first checkpoint file appeared looked like saves: not any more.
         attempt.save_steps = [
@@ -300,6 +314,7 @@ def run_attempt(
     if attempt.kill is not None:
         attempt.kill.exit_code = proc.returncode
         attempt.kill.damaged = damage_after_kill(ckpt_dir, watcher, burst)
+        attempt.kill.newest = newest_save(ckpt_dir) if watcher.layout == MANAGER else None
     return attempt
 
 

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,18 @@ from tqdm import tqdm
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.resume_test.compare import trajectory
 from ckpt_lesson.resume_test.diagnose import exact_resumes, judge_trial
-from ckpt_lesson.resume_test.machine import format_failure_domain, judge_lost_machine
+from ckpt_lesson.resume_test.image import take_image
+from ckpt_lesson.resume_test.machine import (
+    format_failure_domain,
+    judge_lost_machine,
+    machine_for,
+    new_session_id,
+)
+from ckpt_lesson.resume_test.outside import written_paths
 from ckpt_lesson.resume_test.plan import plan_trials
 from ckpt_lesson.resume_test.procs import ATTEMPT_ENV, Stopped, become_subreaper
+from ckpt_lesson.resume_test.provenance import evidence_record, resumed_saves
+from ckpt_lesson.resume_test.repeat import check_repeat
 from ckpt_lesson.resume_test.report import build_report, format_text, write_json, write_plot
 from ckpt_lesson.resume_test.runner import Attempt, RunSpec, run_attempt, run_trial
 from ckpt_lesson.resume_test.steps import StepPattern
@@ -92,8 +102,12 @@ def run_session(args: argparse.Namespace, command: list[str], kinds: tuple[str, 
     pattern = StepPattern(args.step_pattern) if args.step_pattern else None
     workdir = prepare_workdir(args.workdir)
     env = {k: v for k, v in os.environ.items() if k not in (STEP_LOG_ENV, CKPT_DIR_ENV, ATTEMPT_ENV)}
+    lose = getattr(args, "lose_machine", False)
+    # A new machine boots with the code and inputs as they were before the baseline (see image.py).
+    image = take_image(Path.cwd(), workdir / "machine-image", workdir=workdir) if lose else None
     spec = RunSpec(tuple(command), Path.cwd(), env, pattern, args.signal, args.grace, args.timeout,
-                   tuple(args.ckpt_glob), lose_machine=getattr(args, "lose_machine", False))  # fmt: skip
+                   tuple(args.ckpt_glob), lose_machine=lose, session_id=new_session_id(), image=image,
+                   workdir=workdir)  # fmt: skip
     # Orphans of the command (a helper whose parent exited) are handed to this process, not to init:
     # they stay findable and are reaped here (see ckpt_lesson.resume_test.procs).
     become_subreaper()
@@ -109,8 +123,12 @@ def _run(
     args: argparse.Namespace, spec: RunSpec, command: list[str], kinds: tuple[str, ...], workdir: Path,
     progress: dict[str, Any],
 ) -> int:  # fmt: skip
+    started = time.time()  # files written since then outside the workdir: see outside.py
     bar = tqdm(total=args.trials, unit="trial", file=sys.stderr, leave=False,
                disable=not sys.stderr.isatty(), desc="baseline")  # fmt: skip
+    # The evidence record's code version and environment, as they are before anything runs.
+    record = evidence_record(command=command, cwd=spec.cwd, env=spec.env, settings=_settings(args, kinds),
+                             lose_machine=spec.lose_machine)  # fmt: skip
     try:
         baseline = run_attempt(
             spec, workdir / "baseline" / "attempt-1", workdir / "baseline" / "ckpt", index=1
@@ -136,19 +154,30 @@ def _run(
         judge_trial(t, base, atol=args.atol, rtol=args.rtol, layout=layout, exact=exact, timeout=args.timeout)
         for t in trials
     ]
+    repeat = _repeat_check(args, spec, workdir, baseline, verdicts, progress)
     report = build_report(
         command=command, workdir=workdir, settings=_settings(args, kinds), baseline=baseline,
-        layout=layout, trials=trials, verdicts=verdicts, notes=_notes(plans, baseline, trials, layout),
+        layout=layout, trials=trials, verdicts=verdicts,
+        notes=_notes(plans, baseline, trials, layout, args.kills),
     )  # fmt: skip
-    domain = judge_lost_machine(trials, baseline.records[0].step) if spec.lose_machine else None
+    domain = _lost_machine(spec, trials, baseline, started) if spec.lose_machine else None
     store_resumed = domain is not None and domain["verdict"] == "PASS" and domain["store"] is not None
     outcome = decide(baseline, trials, verdicts, layout, store_resumed=store_resumed)
     report["verdict"], report["inconclusive"] = outcome.verdict, outcome.reasons
     exit_code = outcome.exit_code
+    report["repeatability"] = repeat
+    record["resumed_from"] = resumed_saves(trials, verdicts)
+    report["evidence"] = record
+    if repeat["checked"] and not repeat["repeats"] and report["verdict"] == "FAIL":
+        # Two uninterrupted runs differ: the trials' differences say nothing about the save.
+        report["verdict"], report["inconclusive"], exit_code = "INCONCLUSIVE", [repeat["explanation"]], 3
     if domain is not None:  # the failure domain's verdict joins the trajectory's
         report["failure_domain"] = domain
         if domain["verdict"] == "FAIL":
             report["verdict"], exit_code = "FAIL", 1
+        elif domain["verdict"] == "INCONCLUSIVE" and report["verdict"] == "PASS":
+            report["verdict"], exit_code = "INCONCLUSIVE", 3
+            report["inconclusive"].append("lose-machine: " + domain["explanation"])
     report["plot"] = write_plot(workdir / "report.png", baseline, trials, verdicts)
     write_json(report, workdir / "report.json")
     if args.json:
@@ -160,6 +189,34 @@ def _run(
         if "failure_domain" in report:
             print(format_failure_domain(report["failure_domain"]))
     return exit_code
+
+
+def _repeat_check(
+    args: argparse.Namespace, spec: RunSpec, workdir: Path, baseline: Attempt, verdicts: list[Any],
+    progress: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """A second uninterrupted run when trials differ (and only crashed-free differences): see repeat.py."""
+    failed = [v for v in verdicts if not v.ok]
+    if not failed:
+        return {"checked": False, "why": "no trial differed"}
+    if any(v.status != "finished" or v.first_difference is None for v in failed):
+        return {"checked": False, "why": "a trial crashed or hung: that is no matter of repeatability"}
+    if getattr(args, "no_repeat_check", False):
+        return {"checked": False, "why": "--no-repeat-check"}
+    progress["during"] = "the control run (a second uninterrupted run)"
+    control = run_attempt(spec, workdir / "control" / "attempt-1", workdir / "control" / "ckpt", index=1)
+    return check_repeat(baseline, control, atol=args.atol, rtol=args.rtol)
+
+
+def _lost_machine(spec: RunSpec, trials: list[Any], baseline: Attempt, started: float) -> dict[str, Any]:
+    """The failure-domain section, with every file written outside the simulated machines."""
+    inside = spec.workdir or spec.cwd
+    outside: set[str] = set()
+    for folder in [baseline.folder.parent, *(t.folder for t in trials)]:
+        ran = machine_for(spec, folder, folder / "ckpt", 1).command  # its {run_id} filled in
+        outside |= set(written_paths(ran, since=started, inside=inside))
+    outside |= {path for t in trials for a in t.attempts for path in a.outside_writes}
+    return judge_lost_machine(trials, baseline.records[0].step, sorted(outside))
 
 
 def _typical_step_seconds(baseline: Attempt) -> float:
@@ -174,14 +231,25 @@ def _settings(args: argparse.Namespace, kinds: tuple[str, ...]) -> dict[str, Any
         "trials": args.trials, "kills": args.kills, "kill_at": list(kinds), "signal": args.signal,
         "grace": args.grace, "seed": args.seed, "timeout": args.timeout, "atol": args.atol,
         "rtol": args.rtol, "step_pattern": args.step_pattern, "ckpt_glob": list(args.ckpt_glob),
+        "repeat_check": not getattr(args, "no_repeat_check", False),
     }  # fmt: skip
 
 
-def _notes(plans: list[Any], baseline: Attempt, trials: list[Any], layout: str) -> list[str]:
+def _notes(plans: list[Any], baseline: Attempt, trials: list[Any], layout: str, kills: int) -> list[str]:
     notes = []
-    fallback = [p.index for p in plans if p.kind != p.requested]
+    # Random kills stood in for aimed ones only where the baseline had no save to aim at; with fewer
+    # saves than aimed kills, the extra kills were dropped instead (the others did land after saves).
+    last = max(r.step for r in baseline.records)
+    no_save = not [s for s in baseline.save_steps if s < last]
+    fallback = [p.index for p in plans if no_save and p.requested.replace("random", "").strip("+")]
     if fallback and layout != NONE:
         notes.append(f"trial(s) {fallback}: no save before the last step to aim at; killed at random instead")
+    dropped = [p.index for p in plans if p.index not in fallback and len(p.targets) < kills]
+    if dropped:
+        notes.append(
+            f"trial(s) {dropped}: fewer saves before the last step than kills aimed at saves; the extra "
+            "kills were left out (save more often or run longer for more)"
+        )
     warnings = {
         a.watch_warning for a in [baseline, *(a for t in trials for a in t.attempts)] if a.watch_warning
     }

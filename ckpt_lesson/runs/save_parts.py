@@ -49,7 +49,8 @@ def refuse_if_already_saved(target: Path, step: int) -> None:
     if target.exists() and inspect_save(target)[0].ok:
         raise CheckpointError(
             f"step {step} is already saved in {target} and verifies; a save is never overwritten. "
-            "Save a later step, or delete that folder by hand if you really mean to replace it."
+            "Save a later step, or delete that folder by hand if you really mean to replace it. A run "
+            "restarted after a crash must call restore_latest first, so it continues after its last save."
         )
 
 
