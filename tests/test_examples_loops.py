@@ -84,7 +84,7 @@ def test_each_example_loop_resumes_bit_for_bit_after_every_kill(reports, case):
         ("ddp-optimizer", "optimizer (or LR scheduler) state not restored"),
         (
             "epochs-loader",
-            "a shuffled DataLoader draws each epoch's order when the epoch starts: save the loader",
+            "a DataLoader(shuffle=True) whose iterator is created after the restore",
         ),
     ],
 )

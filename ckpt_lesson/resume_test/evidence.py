@@ -110,10 +110,10 @@ LOADER_AFTER_RESTORE = (
     "resumed from ({save}) holds the RNG state: the generator was restored, then drawn from before the "
     "first step. The usual consumer: a DataLoader(shuffle=True) whose iterator is created after the "
     "restore draws its permutation seed from the restored global generator (the uninterrupted run drew "
-    "it at the epoch's start), so the order and every later random draw shift; give the loader a "
-    "generator of its own seeded from (seed, epoch) and skip the batches the epoch already trained "
-    "on, or use torchdata's StatefulDataLoader. Other consumers: a prefetch, a model or module built "
-    "after the restore; sample_ids in log_step tell them apart (here they differ: the data order)"
+    "it at the epoch's start), so the order and every later random draw shift; save the loader's "
+    "position: cl.resumable(loader) in the state (each epoch's order from (seed, epoch), the batches "
+    "already trained on skipped), or torchdata's StatefulDataLoader. Other consumers: a prefetch, a "
+    "model or module built after the restore; sample_ids in log_step tell them apart (here they differ: the data order)"
 )
 DRAWN_AFTER_RESTORE = (
     "; the save it resumed from ({save}) holds the RNG state, so after the restore something reseeded "
