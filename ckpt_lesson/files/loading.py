@@ -41,6 +41,7 @@ from ckpt_lesson.errors import (
 )
 from ckpt_lesson.files.fresh_memory import FreshMemory
 from ckpt_lesson.files.integrity import FileDigest, verify_footer
+from ckpt_lesson.files.private_copy import PrivateCopy
 from ckpt_lesson.files.verified_bytes import VerifiedBytes
 
 __all__ = ["check_archive", "load_verified_file"]
@@ -127,35 +128,43 @@ def load_verified_file(
                 f"{path}: {size} bytes on disk but {expected_size} recorded; the file was truncated "
                 "or replaced after it was saved. Restore an older checkpoint."
             )
-        same_file = Path(f"/proc/self/fd/{f.fileno()}")
-        mapped = mmap and same_file.exists()
-        if mapped and fresh is not None:
-            fresh.start(f, size)
-        try:
-            digest = verify_footer(f, name=path, algo=algo)
-        except OSError as exc:  # EIO and friends: this copy cannot be read back, which is damage
-            raise CorruptCheckpointError(
-                f"{path}: I/O error while reading ({exc.strerror or exc}); this copy is damaged. "
-                "Restore an older checkpoint."
-            ) from exc
-        # Compare case-insensitively: hex digests copied from other tools are sometimes upper case.
-        if expected_digest is not None and digest.digest != expected_digest.lower():
-            raise CorruptCheckpointError(
-                f"{path}: {digest.algo} {digest.digest[:12]}... does not match the recorded "
-                f"{expected_digest[:12]}...; the file changed after it was saved. "
-                "Restore an older checkpoint."
-            )
-        check_archive(f, size, name=path)
-        # Mapping by path could open a file renamed over this one since we hashed it;
-        # /proc/self/fd/N opens the same inode we verified.
-        if mapped:
+        if mmap and fresh is not None:
+            fresh.start(f, size)  # sizes only, from the directory: nothing here is trusted
+        with PrivateCopy(size) as copy:
             try:
-                return torch.load(same_file, map_location=map_location, weights_only=True, mmap=True), digest
-            except Exception:  # any failure is judged by the plain read below
-                # A file system without mmap, a hostile pickle, a damaged archive: the read path
-                # below loads it the ordinary way, or classifies the failure exactly as for any load.
-                f.seek(0)
-        return _weights_only_load(f, path, map_location), digest
+                # One read: every byte hashed here is also copied into private memory, and the
+                # load below reads only that copy, so it loads exactly the bytes verified.
+                digest = verify_footer(copy.reader(f), name=path, algo=algo)
+            except OSError as exc:  # EIO and friends: this copy cannot be read back, which is damage
+                raise CorruptCheckpointError(
+                    f"{path}: I/O error while reading ({exc.strerror or exc}); this copy is damaged. "
+                    "Restore an older checkpoint."
+                ) from exc
+            if digest.size != size:  # it grew or shrank while we read: what we copied was not all hashed
+                raise CorruptCheckpointError(
+                    f"{path}: changed size while it was being verified ({size} -> {digest.size} bytes); "
+                    "another process is writing it. Retry when it is done, or restore an older checkpoint."
+                )
+            # Compare case-insensitively: hex digests copied from other tools are sometimes upper case.
+            if expected_digest is not None and digest.digest != expected_digest.lower():
+                raise CorruptCheckpointError(
+                    f"{path}: {digest.algo} {digest.digest[:12]}... does not match the recorded "
+                    f"{expected_digest[:12]}...; the file changed after it was saved. "
+                    "Restore an older checkpoint."
+                )
+            copy.seal()
+            with copy.open() as private:
+                check_archive(private, size, name=path)
+                if mmap and copy.map_path is not None:
+                    try:  # the sealed copy: nobody can change or truncate what the tensors map
+                        return torch.load(
+                            copy.map_path, map_location=map_location, weights_only=True, mmap=True
+                        ), digest
+                    except Exception:  # any failure is judged by the plain read below
+                        # A hostile pickle, a damaged archive: the read below loads it the ordinary
+                        # way, or classifies the failure exactly as for any load.
+                        private.seek(0)
+                return _weights_only_load(private, path, map_location), digest
 
 
 def check_archive(f: BinaryIO, size: int, *, name: str | os.PathLike[str] = "<file>") -> None:
