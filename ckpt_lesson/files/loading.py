@@ -4,14 +4,16 @@ Every checkpoint this package reads, single-file, sharded, migrated or
 warm-started, enters through :func:`load_verified_file`, and that is on
 purpose: one door is one place to get right. It does two things in order.
 
-1. **Verify** in a single read: the size on disk against the recorded size,
+1. **Verify** in a single read, which also fills the private copy the load
+   reads (:mod:`ckpt_lesson.files.private_copy`): the size on disk against the recorded size,
    the integrity footer (see :mod:`ckpt_lesson.files.integrity`) when the file has
    one, and the whole file's digest against the one an index or manifest
    recorded (in the record's algorithm: sha256 for old records).
    ``torch.load`` checks none of this; a flipped bit inside tensor data
    would load as different weights without a word.
-2. **Load** with ``torch.load(weights_only=True)``: a checkpoint is data, and
-   the full unpickler would run any code a crafted file asks it to. Whatever
+2. **Load** the verified copy (never the file again) with
+   ``torch.load(weights_only=True)``: a checkpoint is data, and the full unpickler
+   would run any code a crafted file asks it to. Whatever
    the loader raises is translated into a :class:`~ckpt_lesson.errors.CheckpointError`
    that says what is wrong with the file and what to do about it.
 
@@ -74,17 +76,18 @@ def load_verified_file(
         expected_size: A recorded byte count.
         expected_digest: A recorded whole-file digest in ``algo``.
         algo: Algorithm of ``expected_digest`` (default: the footer's).
-        mmap: Map the verified file instead of reading it into new memory
-            (``torch.load(mmap=True)`` on the very file descriptor that was
-            hashed, where the system names one: ``/proc/self/fd``; elsewhere
-            a normal read). The returned tensors then share the file's
-            page-cache pages (a private, copy-on-write mapping): copy what you
-            keep, and drop the rest before the file could be truncated, which
-            would make a later access fault. :func:`~ckpt_lesson.files.checkpoint.load_checkpoint`
-            does exactly that. Any failure of the mapped load (a file system
-            that cannot map, a damaged archive) falls back to the plain read,
-            which loads the file or reports it as any load would. Ignored for
-            bytes in memory: their tensors are private copies already.
+        mmap: Map the verified private copy instead of reading it into new
+            memory. Every byte is read from the file once, by the pass that hashes
+            it, which also copies it into private memory
+            (:class:`~ckpt_lesson.files.private_copy.PrivateCopy`, a sealed memfd on
+            Linux); the load reads only that copy, so it loads exactly the verified
+            bytes however the file changes meanwhile. The returned tensors then share
+            the copy's pages (a private, copy-on-write mapping): copy what you keep,
+            or it keeps the whole copy alive.
+            :func:`~ckpt_lesson.files.checkpoint.load_checkpoint` does exactly that.
+            Any failure of the mapped load (a damaged archive) falls back to the
+            plain read of the copy, which loads it or reports it as any load would.
+            Ignored for bytes in memory: their tensors are private copies already.
         fresh: With ``mmap``, start faulting in memory for the copies the
             caller will make (:class:`~ckpt_lesson.files.fresh_memory.FreshMemory`)
             before the hash pass, so that the two overlap.
