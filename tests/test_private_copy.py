@@ -70,8 +70,8 @@ class RewriteAtLoad:
         _watching.clear()
 
 
-def ones_model() -> torch.nn.Module:
-    model = torch.nn.Linear(16, 16)
+def ones_model(width: int = 16) -> torch.nn.Module:
+    model = torch.nn.Linear(width, width)
     with torch.no_grad():
         model.weight.fill_(1.0)
         model.bias.fill_(1.0)
@@ -81,16 +81,17 @@ def ones_model() -> torch.nn.Module:
 @pytest.mark.parametrize("mmap", [True, False], ids=["mapped", "read"])
 @pytest.mark.parametrize("shards", [None, 2], ids=["single-file", "sharded"])
 @pytest.mark.parametrize("form", ["state", "positional"])
+@pytest.mark.parametrize("width", [16, 1024], ids=["small", "4MiB-records"])  # large: straight to buffers
 def test_a_file_rewritten_between_its_hash_and_its_load_restores_the_verified_value_or_is_refused(
-    tmp_path, mmap, shards, form
+    tmp_path, mmap, shards, form, width
 ):
     mgr = CheckpointManager(tmp_path / "run", every_steps=1, num_shards=shards)
     if form == "state":
-        mgr.save(1, {"model": ones_model()})
+        mgr.save(1, {"model": ones_model(width)})
     else:
-        opt = torch.optim.SGD(ones_model().parameters(), lr=0.1)
-        mgr.save(ones_model(), opt, None, ckpt_state(1))
-    fresh = torch.nn.Linear(16, 16)
+        model = ones_model(width)
+        mgr.save(model, torch.optim.SGD(model.parameters(), lr=0.1), None, ckpt_state(1))
+    fresh = torch.nn.Linear(width, width)
     with RewriteAtLoad() as rewrite:
         try:
             if form == "state":

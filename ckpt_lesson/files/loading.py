@@ -133,7 +133,7 @@ def load_verified_file(
             )
         if mmap and fresh is not None:
             fresh.start(f, size)  # sizes only, from the directory: nothing here is trusted
-        with PrivateCopy(size) as copy:
+        with PrivateCopy(size, fresh=fresh if mmap else None) as copy:
             try:
                 # One read: every byte hashed here is also copied into private memory, and the
                 # load below reads only that copy, so it loads exactly the bytes verified.
@@ -160,14 +160,22 @@ def load_verified_file(
                 check_archive(private, size, name=path)
                 if mmap and copy.map_path is not None:
                     try:  # the sealed copy: nobody can change or truncate what the tensors map
-                        return torch.load(
+                        obj = torch.load(
                             copy.map_path, map_location=map_location, weights_only=True, mmap=True
-                        ), digest
+                        )
                     except Exception:  # any failure is judged by the plain read below
                         # A hostile pickle, a damaged archive: the read below loads it the ordinary
                         # way, or classifies the failure exactly as for any load.
                         private.seek(0)
-                return _weights_only_load(private, path, map_location), digest
+                    else:
+                        copy.adopt(obj)  # large records: from the buffers the hash pass filled
+                        return obj, digest
+                obj = _weights_only_load(private, path, map_location)
+                if copy.scattered:  # the copy has holes where records went to buffers: not a load
+                    raise CorruptCheckpointError(
+                        f"{path}: its verified copy could not be mapped; restore with mmap=False."
+                    )
+                return obj, digest
 
 
 def check_archive(f: BinaryIO, size: int, *, name: str | os.PathLike[str] = "<file>") -> None:
