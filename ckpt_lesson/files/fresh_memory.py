@@ -94,6 +94,7 @@ class FreshMemory:
         self._ready: dict[int, list[torch.Tensor]] = {}
         self._at: dict[int, torch.Tensor] = {}  # the same buffers, by the offset of their record
         self._mine: set[int] = set()  # data pointers of buffers a private copy took
+        self._claimed: set[int] = set()  # record offsets a private copy took or made
         self.spans: list[tuple[int, int]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -117,9 +118,14 @@ class FreshMemory:
         for offset, nbytes in spans:
             if self._stop.is_set():
                 break
+            with self._lock:
+                if offset in self._claimed:  # the hash pass got there first and made its own
+                    continue
             # zero_() writes every page, so each one is faulted in here, not in the copy.
             buf = torch.empty(nbytes, dtype=torch.uint8).zero_()
             with self._lock:
+                if offset in self._claimed:
+                    continue
                 self._ready.setdefault(nbytes, []).append(buf)
                 self._at[offset] = buf
                 self.faulted += 1
@@ -165,17 +171,22 @@ class FreshMemory:
         self.used += 1
         return out
 
-    def take(self, offset: int) -> torch.Tensor | None:
-        """The buffer faulted in for the record whose data starts at ``offset``, if it is ready.
+    def take(self, offset: int, nbytes: int) -> torch.Tensor:
+        """The buffer for the record of ``nbytes`` whose data starts at ``offset``.
 
-        A :class:`~ckpt_lesson.files.private_copy.PrivateCopy` fills it with that record's bytes
+        The one the helper faulted in when it is ready, else a new one (its pages fault in as
+        the record is written into it; the helper then skips that record). A
+        :class:`~ckpt_lesson.files.private_copy.PrivateCopy` fills it with the record's bytes
         as they are hashed; :meth:`copy` then hands tensors on it back as they are.
         """
         with self._lock:
+            self._claimed.add(offset)
             buf = self._at.pop(offset, None)
-            if buf is None:
-                return None
-            self._ready[buf.nbytes] = [b for b in self._ready.get(buf.nbytes, []) if b is not buf]
+            if buf is not None:
+                self._ready[buf.nbytes] = [b for b in self._ready.get(buf.nbytes, []) if b is not buf]
+        if buf is None or buf.nbytes != nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+        with self._lock:
             self._mine.add(buf.untyped_storage().data_ptr())
         return buf
 

@@ -17,10 +17,10 @@ Elsewhere the copy is a ``bytearray`` read by the ordinary load.
 What a byte costs: the hash pass already copied every byte out of the page
 cache into its chunk buffer; now it also copies the chunk into private memory,
 whose fresh pages cost a fault each (about 0.8 s per GB here). So the large
-tensor records do not go into the memfd at all: they go straight into the
-buffers :class:`~ckpt_lesson.files.fresh_memory.FreshMemory` faulted in on a
-helper thread, and after the load (of the memfd, where those records are
-holes) each tensor of such a record is pointed at its buffer
+tensor records do not go into the memfd at all: they go straight into
+buffers of their own (the ones :class:`~ckpt_lesson.files.fresh_memory.FreshMemory`
+faulted in on a helper thread, when it got there first), and after the load
+(of the memfd, where those records are holes) each tensor of such a record is pointed at its buffer
 (:meth:`PrivateCopy.adopt`). Those buffers are what the restore keeps anyway
 (the optimizer's moments), so they are copied once, not twice.
 """
@@ -79,6 +79,7 @@ class PrivateCopy:
         self._fresh = fresh if self.fd is not None else None
         self._spans = sorted(fresh.spans) if self._fresh is not None else []
         self._starts = [start for start, _ in self._spans]
+        self._sizes = dict(self._spans)
         self._taken: dict[int, Any] = {}  # span start -> (buffer, its numpy view) or None (memfd)
         self._filled: dict[int, int] = {}
 
@@ -114,7 +115,7 @@ class PrivateCopy:
 
     def _take(self, start: int, offset: int) -> Any:
         if start not in self._taken:  # decided once, at the record's first byte: buffer or memfd
-            buf = self._fresh.take(start) if offset == start else None
+            buf = self._fresh.take(start, self._sizes[start]) if offset == start else None
             self._taken[start] = None if buf is None else (buf, memoryview(buf.numpy()))
         return self._taken[start]
 
@@ -140,7 +141,7 @@ class PrivateCopy:
         if not taken:
             return
         base = self._mapping_base()
-        sizes = dict(self._spans)
+        sizes = self._sizes
         for t in _tensors(tree):
             st = t.untyped_storage()
             at = st.data_ptr() - base
