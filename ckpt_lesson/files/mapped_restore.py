@@ -11,10 +11,11 @@ So nothing mapped may outlive the restore:
 
 * every bucket but ``model`` is copied out at once (the optimizer would
   otherwise keep its moments mapped: ``Optimizer.load_state_dict`` keeps a
-  tensor that already has the parameter's dtype and device). The copies land in
-  memory a helper thread faulted in while the file was being hashed
-  (:mod:`~ckpt_lesson.files.fresh_memory`), so they cost a memcpy, not a page
-  fault per 4 KiB;
+  tensor that already has the parameter's dtype and device). A large record is
+  already in a buffer of its own, which the hash pass filled (then nothing is
+  copied); a copy otherwise lands in memory a helper thread faulted in while the
+  file was being hashed (:mod:`~ckpt_lesson.files.fresh_memory`), so it costs a
+  memcpy, not a page fault per 4 KiB;
 * in ``model``, parameters and buffers are *copied* by ``load_state_dict``
   (``param.copy_(saved)``), but **extra state** (``*._extra_state``) is handed
   to the module's ``set_extra_state`` as it is, and a module may keep it. It is
