@@ -145,3 +145,21 @@ def test_a_file_that_grows_while_it_is_hashed_copies_no_more_than_its_first_size
         copy.seal()
         with copy.open() as private:
             assert private.read() == b"a" * 100
+
+
+def test_without_memfd_the_copy_is_a_bytearray_and_the_rewrite_still_loads_the_verified_value(
+    tmp_path, monkeypatch
+):
+    def no_memfd(*args, **kwargs):
+        raise OSError(38, "Function not implemented")  # a sandbox that forbids memfd_create
+
+    monkeypatch.setattr(os, "memfd_create", no_memfd)
+    mgr = CheckpointManager(tmp_path / "run", every_steps=1)
+    mgr.save(1, {"model": ones_model(1024)})
+    fresh = torch.nn.Linear(1024, 1024)
+    with RewriteAtLoad() as rewrite:
+        mgr.restore_latest({"model": fresh}, mmap=True)
+    assert rewrite.rewritten and torch.all(fresh.weight == 1.0) and torch.all(fresh.bias == 1.0)
+    with PrivateCopy(4) as copy:
+        assert copy.fd is None and copy.map_path is None
+    mgr.close()

@@ -133,7 +133,10 @@ def load_verified_file(
             )
         if mmap and fresh is not None:
             fresh.start(f, size)  # sizes only, from the directory: nothing here is trusted
-        with PrivateCopy(size, fresh=fresh if mmap else None) as copy:
+        # Records go straight into CPU buffers only for a CPU load: tensors that map_location moves
+        # elsewhere are read from the mapping while it is loaded, so every byte must be there.
+        on_cpu = map_location is None or str(map_location) == "cpu"
+        with PrivateCopy(size, fresh=fresh if mmap and on_cpu else None) as copy:
             try:
                 # One read: every byte hashed here is also copied into private memory, and the
                 # load below reads only that copy, so it loads exactly the bytes verified.
