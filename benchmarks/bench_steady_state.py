@@ -322,6 +322,36 @@ def rows_for_size(mb: int, rounds: int, work: Path) -> list[tuple[str, str, floa
             )
         )
 
+    rows += restore_rows(mb, rounds, work, mgr, label)
+
+    # Peak extra memory of one save.
+    ours = peak_extra_mb(lambda: mgr.save(model, opt, None, TrainState(step=next(ids))))
+    mgr.wait_retention()
+    base = peak_extra_mb(lambda: hand.save(model, opt, next(ids)))
+    rows.append((f"peak extra memory (MB), {label}", "torch.save + fsync", ours, base, "MB, not seconds"))
+    mgr.close()
+    shutil.rmtree(mgr.run_dir)
+    shutil.rmtree(hand.folder)
+    return rows
+
+
+def only_restore_rows(mb: int, rounds: int, work: Path) -> list[tuple[str, str, float, float, str]]:
+    """``--only restore``: one managed save and one hand-rolled file of the state, then the restore rows."""
+    model, opt = build(mb)
+    label = f"{sum(p.numel() for p in model.parameters()) * 12 / 1e6:,.0f} MB"
+    mgr = CheckpointManager(work / f"m1-{mb}", keep_last=1, every_steps=1)
+    mgr.save(model, opt, None, TrainState(step=1))
+    HandRolled(work / f"h1-{mb}", keep=1).save(model, opt, 1)
+    del model, opt
+    return restore_rows(mb, rounds, work, mgr, label)
+
+
+def restore_rows(
+    mb: int, rounds: int, work: Path, mgr: CheckpointManager, label: str
+) -> list[tuple[str, str, float, float, str]]:
+    """Restore + first step, warm and cold, and the peak memory of one restore (``mgr``'s newest save
+    against the hand-rolled loop's newest file in ``work/h1-MB``)."""
+    rows = []
     # Restore + first optimizer step, warm and cold.
     mgr.wait_retention()
     plain = sorted((work / f"h1-{mb}").glob("*.pt"))[-1]
@@ -357,7 +387,6 @@ def rows_for_size(mb: int, rounds: int, work: Path) -> list[tuple[str, str, floa
         rows.append(
             (f"restore + first step ({what}), {label}", "torch.load + load_state_dict + step", ours, base, "")
         )
-
     # Peak extra memory of one restore: resident pages, so the file pages ours maps count too.
     for cold in (False, True):
         ours = peak_extra_mb(lambda c=cold: ours_restore(c))
@@ -368,14 +397,6 @@ def rows_for_size(mb: int, rounds: int, work: Path) -> list[tuple[str, str, floa
              ours, base, "MB, resident (mapped file pages count)")
         )  # fmt: skip
 
-    # Peak extra memory of one save.
-    ours = peak_extra_mb(lambda: mgr.save(model, opt, None, TrainState(step=next(ids))))
-    mgr.wait_retention()
-    base = peak_extra_mb(lambda: hand.save(model, opt, next(ids)))
-    rows.append((f"peak extra memory (MB), {label}", "torch.save + fsync", ours, base, "MB, not seconds"))
-    mgr.close()
-    shutil.rmtree(mgr.run_dir)
-    shutil.rmtree(hand.folder)
     return rows
 
 
@@ -498,6 +519,7 @@ def main() -> None:
     parser.add_argument("--folders", type=int, default=10_000)
     parser.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the markdown result")
+    parser.add_argument("--only", choices=["restore"], default=None, help="only these rows (no folder rows)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     load_before = os.getloadavg()
@@ -506,8 +528,12 @@ def main() -> None:
         work = Path(tmp)
         write, read = disk_speed(work, min(max(args.mb, default=64), 1024))
         for mb in args.mb:
-            rows += rows_for_size(mb, args.rounds, work)
-        if args.folders:
+            rows += (
+                only_restore_rows(mb, args.rounds, work)
+                if args.only
+                else rows_for_size(mb, args.rounds, work)
+            )
+        if args.folders and not args.only:
             rows += folder_rows(args.folders, args.rounds, work)
     load_after = os.getloadavg()
     when = datetime.datetime.now(datetime.timezone.utc)

@@ -407,14 +407,17 @@ def test_a_checkpoint_of_one_optimizer_class_is_refused_by_another(tmp_path, tin
     assert all(torch.equal(v, run.model.state_dict()[k]) for k, v in before.items())
 
 
-def test_optimizer_state_whose_shapes_do_not_fit_the_parameters_is_refused(tmp_path):
+@pytest.mark.parametrize("record", ["recorded", "an older save without the record"])
+def test_optimizer_state_whose_shapes_do_not_fit_the_parameters_is_refused(tmp_path, record):
     model = torch.nn.Linear(3, 3)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
     save_checkpoint(model, opt, None, TrainState(), tmp_path / "x.pt")
     payload = torch.load(tmp_path / "x.pt", weights_only=True)
-    payload["optimizer"]["state"][0]["exp_avg"] = torch.zeros(9)
+    payload["optimizer"]["state"][0]["exp_avg"] = torch.zeros(9)  # the weight's moment, flattened
+    if record != "recorded":  # then the bias's exp_avg, in its parameter's shape, marks the key
+        del payload["optimizer"]["param_groups"][0]["ckpt_lesson_binding"]["param_shaped"]
     other = tmp_path / "y.pt"
     from ckpt_lesson.files.atomic import atomic_save
 

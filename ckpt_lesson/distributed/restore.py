@@ -42,6 +42,7 @@ from ckpt_lesson.errors import (
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.rng import restore_rng_state
 from ckpt_lesson.runs.scan import step_of
+from ckpt_lesson.short_repr import short_repr
 
 from .comm import Comm, quiet_single_process, raise_from_checkpoint_exception
 from .reader import VerifyingReader, WeightsOnlyLoadPlanner, verify_save
@@ -72,6 +73,8 @@ class DistributedRestore:
         skipped: Newer saves skipped as damaged: ``{"step", "status", "reason"}``.
         rng: This rank's restored generator state; ``None`` when resharded (re-seeded instead).
     """
+
+    __repr__ = short_repr  # one short line: see ckpt_lesson/short_repr.py
 
     step: int
     state: TrainState

@@ -44,6 +44,7 @@ from ckpt_lesson.faults.kill_plan import (
 )
 from ckpt_lesson.faults.store_kills import StoreTarget
 from ckpt_lesson.runs.report import read_recovery_log
+from ckpt_lesson.short_repr import short_repr
 
 __all__ = ["MAX_RANKS", "CampaignResult", "run_campaign"]
 
@@ -96,6 +97,8 @@ def _plan_run(
 @dataclass
 class CampaignResult:
     """Totals of a campaign; :attr:`ok` is False on any wrong choice, corrupt load or difference."""
+
+    __repr__ = short_repr  # one short line: see ckpt_lesson/short_repr.py
 
     outcomes: list[KillOutcome] = field(default_factory=list)
     runs: int = 0

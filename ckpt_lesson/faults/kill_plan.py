@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ckpt_lesson.short_repr import short_repr
+
 __all__ = ["POINTS", "SHARDED_ONLY", "STORE_POINTS", "KillPlan", "RunConfig", "predict_restored_step"]
 
 #: Kill point -> whether the interrupted save survives (is complete and published).
@@ -55,6 +57,8 @@ class KillPlan:
     ``arg`` is the byte count for ``mid_part`` and the shard count for ``after_shards``.
     """
 
+    __repr__ = short_repr  # one short line: see ckpt_lesson/short_repr.py
+
     step: int
     point: str
     arg: int = 0
@@ -63,6 +67,8 @@ class KillPlan:
 @dataclass(frozen=True)
 class RunConfig:
     """One simulated run; every process of it uses the same settings."""
+
+    __repr__ = short_repr  # one short line: see ckpt_lesson/short_repr.py
 
     total_steps: int = 40
     every_steps: int = 5

@@ -25,13 +25,14 @@ restore ends. A damaged or hostile directory only means no buffers.
 
 from __future__ import annotations
 
+import struct
 import threading
 import zipfile
 from typing import Any, BinaryIO
 
 import torch
 
-__all__ = ["FreshMemory", "record_sizes"]
+__all__ = ["FreshMemory", "record_sizes", "record_spans"]
 
 #: Records smaller than this are not worth a buffer: their pages fault in quickly anyway.
 MIN_RECORD_BYTES = 1 << 20
@@ -49,19 +50,35 @@ def record_sizes(f: BinaryIO, size: int) -> list[int]:
         ...     record_sizes(f, os.fstat(f.fileno()).st_size)[:2]
         [16777216, 16777216]
     """
+    return [n for _, n in record_spans(f, size)]
+
+
+def record_spans(f: BinaryIO, size: int) -> list[tuple[int, int]]:
+    """``(offset of the data, size)`` of each record :func:`record_sizes` counts, last first."""
     try:
         with zipfile.ZipFile(f) as archive:
             infos = archive.infolist()
+        stored = (i for i in infos if "/data/" in i.filename and i.compress_type == zipfile.ZIP_STORED)
+        records = [i for i in stored if i.file_size >= MIN_RECORD_BYTES]
+        records.sort(key=lambda i: i.header_offset, reverse=True)
+        if sum(i.file_size for i in records) > size:
+            return []
+        spans = []
+        for info in records:  # the data follows the local header, whose extra field torch pads
+            f.seek(info.header_offset)
+            head = f.read(30)
+            if len(head) != 30 or head[:4] != b"PK\x03\x04":
+                return []
+            name_len, extra_len = struct.unpack("<HH", head[26:30])
+            start = info.header_offset + 30 + name_len + extra_len
+            if start + info.file_size > size:
+                return []
+            spans.append((start, info.file_size))
+        return spans
     except Exception:  # any failure: no early buffers (the verified load judges the file)
         return []
     finally:
         f.seek(0)
-    stored = (i for i in infos if "/data/" in i.filename and i.compress_type == zipfile.ZIP_STORED)
-    records = [i for i in stored if i.file_size >= MIN_RECORD_BYTES]
-    records.sort(key=lambda i: i.header_offset, reverse=True)
-    if sum(i.file_size for i in records) > size:
-        return []
-    return [i.file_size for i in records]
 
 
 class FreshMemory:
@@ -75,6 +92,10 @@ class FreshMemory:
 
     def __init__(self) -> None:
         self._ready: dict[int, list[torch.Tensor]] = {}
+        self._at: dict[int, torch.Tensor] = {}  # the same buffers, by the offset of their record
+        self._mine: set[int] = set()  # data pointers of buffers a private copy took
+        self._claimed: set[int] = set()  # record offsets a private copy took or made
+        self.spans: list[tuple[int, int]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -86,27 +107,33 @@ class FreshMemory:
         """Start faulting in buffers for the records of the open archive ``f`` (``size`` bytes)."""
         if self._thread is not None:
             return
-        sizes = record_sizes(f, size)
-        if sizes:
+        self.spans = record_spans(f, size)
+        if self.spans:
             self._thread = threading.Thread(
-                target=self._fault_in, args=(sizes,), name="ckpt-fresh-memory", daemon=True
+                target=self._fault_in, args=(self.spans,), name="ckpt-fresh-memory", daemon=True
             )
             self._thread.start()
 
-    def _fault_in(self, sizes: list[int]) -> None:
-        for nbytes in sizes:
+    def _fault_in(self, spans: list[tuple[int, int]]) -> None:
+        for offset, nbytes in spans:
             if self._stop.is_set():
                 break
+            with self._lock:
+                if offset in self._claimed:  # the hash pass got there first and made its own
+                    continue
             # zero_() writes every page, so each one is faulted in here, not in the copy.
             buf = torch.empty(nbytes, dtype=torch.uint8).zero_()
             with self._lock:
+                if offset in self._claimed:
+                    continue
                 self._ready.setdefault(nbytes, []).append(buf)
+                self._at[offset] = buf
                 self.faulted += 1
         # Keep the buffers until the restore ends, then free the unused ones here: freeing 64-128 MB
         # of them took 15-60 ms on the training thread when it did it (measured at 384 MB).
         self._stop.wait()
         with self._lock:
-            leftovers, self._ready = self._ready, {}
+            leftovers, self._ready, self._at = self._ready, {}, {}
         del leftovers
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
@@ -116,6 +143,8 @@ class FreshMemory:
         other tensor (a view with gaps, a ``Parameter``, a conjugate view) is
         cloned exactly as before.
         """
+        if t.device.type == "cpu" and t.untyped_storage().data_ptr() in self._mine:
+            return t  # filled by the hash pass itself (a private copy's record): private already
         if (
             type(t) is not torch.Tensor
             or t.device.type != "cpu"
@@ -130,6 +159,8 @@ class FreshMemory:
         with self._lock:
             waiting = self._ready.get(t.nbytes)
             buf = waiting.pop() if waiting else None
+            if buf is not None:
+                self._at = {k: v for k, v in self._at.items() if v is not buf}
         if buf is None:
             return t.clone()
         try:
@@ -139,6 +170,25 @@ class FreshMemory:
         out.copy_(t)
         self.used += 1
         return out
+
+    def take(self, offset: int, nbytes: int) -> torch.Tensor:
+        """The buffer for the record of ``nbytes`` whose data starts at ``offset``.
+
+        The one the helper faulted in when it is ready, else a new one (its pages fault in as
+        the record is written into it; the helper then skips that record). A
+        :class:`~ckpt_lesson.files.private_copy.PrivateCopy` fills it with the record's bytes
+        as they are hashed; :meth:`copy` then hands tensors on it back as they are.
+        """
+        with self._lock:
+            self._claimed.add(offset)
+            buf = self._at.pop(offset, None)
+            if buf is not None:
+                self._ready[buf.nbytes] = [b for b in self._ready.get(buf.nbytes, []) if b is not buf]
+        if buf is None or buf.nbytes != nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+        with self._lock:
+            self._mine.add(buf.untyped_storage().data_ptr())
+        return buf
 
     def close(self, *, wait: bool = False) -> None:
         """Stop the helper; it frees the unused buffers in the background (``wait``: before returning)."""

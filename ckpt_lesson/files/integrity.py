@@ -37,6 +37,7 @@ from ckpt_lesson.files.hashing import (
     part_digest,
     record_fields,
 )
+from ckpt_lesson.short_repr import short_repr
 
 __all__ = [
     "ALGORITHMS",
@@ -87,6 +88,8 @@ class FileDigest:
         algo: The algorithm of ``digest`` (see :data:`ALGORITHMS`); the
             footer's too, unless a reader asked for another one.
     """
+
+    __repr__ = short_repr  # one short line: see ckpt_lesson/short_repr.py
 
     size: int
     digest: str

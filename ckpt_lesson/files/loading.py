@@ -4,14 +4,16 @@ Every checkpoint this package reads, single-file, sharded, migrated or
 warm-started, enters through :func:`load_verified_file`, and that is on
 purpose: one door is one place to get right. It does two things in order.
 
-1. **Verify** in a single read: the size on disk against the recorded size,
+1. **Verify** in a single read, which also fills the private copy the load
+   reads (:mod:`ckpt_lesson.files.private_copy`): the size on disk against the recorded size,
    the integrity footer (see :mod:`ckpt_lesson.files.integrity`) when the file has
    one, and the whole file's digest against the one an index or manifest
    recorded (in the record's algorithm: sha256 for old records).
    ``torch.load`` checks none of this; a flipped bit inside tensor data
    would load as different weights without a word.
-2. **Load** with ``torch.load(weights_only=True)``: a checkpoint is data, and
-   the full unpickler would run any code a crafted file asks it to. Whatever
+2. **Load** the verified copy (never the file again) with
+   ``torch.load(weights_only=True)``: a checkpoint is data, and the full unpickler
+   would run any code a crafted file asks it to. Whatever
    the loader raises is translated into a :class:`~ckpt_lesson.errors.CheckpointError`
    that says what is wrong with the file and what to do about it.
 
@@ -41,6 +43,7 @@ from ckpt_lesson.errors import (
 )
 from ckpt_lesson.files.fresh_memory import FreshMemory
 from ckpt_lesson.files.integrity import FileDigest, verify_footer
+from ckpt_lesson.files.private_copy import PrivateCopy
 from ckpt_lesson.files.verified_bytes import VerifiedBytes
 
 __all__ = ["check_archive", "load_verified_file"]
@@ -73,17 +76,18 @@ def load_verified_file(
         expected_size: A recorded byte count.
         expected_digest: A recorded whole-file digest in ``algo``.
         algo: Algorithm of ``expected_digest`` (default: the footer's).
-        mmap: Map the verified file instead of reading it into new memory
-            (``torch.load(mmap=True)`` on the very file descriptor that was
-            hashed, where the system names one: ``/proc/self/fd``; elsewhere
-            a normal read). The returned tensors then share the file's
-            page-cache pages (a private, copy-on-write mapping): copy what you
-            keep, and drop the rest before the file could be truncated, which
-            would make a later access fault. :func:`~ckpt_lesson.files.checkpoint.load_checkpoint`
-            does exactly that. Any failure of the mapped load (a file system
-            that cannot map, a damaged archive) falls back to the plain read,
-            which loads the file or reports it as any load would. Ignored for
-            bytes in memory: their tensors are private copies already.
+        mmap: Map the verified private copy instead of reading it into new
+            memory. Every byte is read from the file once, by the pass that hashes
+            it, which also copies it into private memory
+            (:class:`~ckpt_lesson.files.private_copy.PrivateCopy`, a sealed memfd on
+            Linux); the load reads only that copy, so it loads exactly the verified
+            bytes however the file changes meanwhile. The returned tensors then share
+            the copy's pages (a private, copy-on-write mapping): copy what you keep,
+            or it keeps the whole copy alive.
+            :func:`~ckpt_lesson.files.checkpoint.load_checkpoint` does exactly that.
+            Any failure of the mapped load (a damaged archive) falls back to the
+            plain read of the copy, which loads it or reports it as any load would.
+            Ignored for bytes in memory: their tensors are private copies already.
         fresh: With ``mmap``, start faulting in memory for the copies the
             caller will make (:class:`~ckpt_lesson.files.fresh_memory.FreshMemory`)
             before the hash pass, so that the two overlap.
@@ -127,35 +131,54 @@ def load_verified_file(
                 f"{path}: {size} bytes on disk but {expected_size} recorded; the file was truncated "
                 "or replaced after it was saved. Restore an older checkpoint."
             )
-        same_file = Path(f"/proc/self/fd/{f.fileno()}")
-        mapped = mmap and same_file.exists()
-        if mapped and fresh is not None:
-            fresh.start(f, size)
-        try:
-            digest = verify_footer(f, name=path, algo=algo)
-        except OSError as exc:  # EIO and friends: this copy cannot be read back, which is damage
-            raise CorruptCheckpointError(
-                f"{path}: I/O error while reading ({exc.strerror or exc}); this copy is damaged. "
-                "Restore an older checkpoint."
-            ) from exc
-        # Compare case-insensitively: hex digests copied from other tools are sometimes upper case.
-        if expected_digest is not None and digest.digest != expected_digest.lower():
-            raise CorruptCheckpointError(
-                f"{path}: {digest.algo} {digest.digest[:12]}... does not match the recorded "
-                f"{expected_digest[:12]}...; the file changed after it was saved. "
-                "Restore an older checkpoint."
-            )
-        check_archive(f, size, name=path)
-        # Mapping by path could open a file renamed over this one since we hashed it;
-        # /proc/self/fd/N opens the same inode we verified.
-        if mapped:
+        if mmap and fresh is not None:
+            fresh.start(f, size)  # sizes only, from the directory: nothing here is trusted
+        # Records go straight into CPU buffers only for a CPU load: tensors that map_location moves
+        # elsewhere are read from the mapping while it is loaded, so every byte must be there.
+        on_cpu = map_location is None or str(map_location) == "cpu"
+        with PrivateCopy(size, fresh=fresh if mmap and on_cpu else None) as copy:
             try:
-                return torch.load(same_file, map_location=map_location, weights_only=True, mmap=True), digest
-            except Exception:  # any failure is judged by the plain read below
-                # A file system without mmap, a hostile pickle, a damaged archive: the read path
-                # below loads it the ordinary way, or classifies the failure exactly as for any load.
-                f.seek(0)
-        return _weights_only_load(f, path, map_location), digest
+                # One read: every byte hashed here is also copied into private memory, and the
+                # load below reads only that copy, so it loads exactly the bytes verified.
+                digest = verify_footer(copy.reader(f), name=path, algo=algo)
+            except OSError as exc:  # EIO and friends: this copy cannot be read back, which is damage
+                raise CorruptCheckpointError(
+                    f"{path}: I/O error while reading ({exc.strerror or exc}); this copy is damaged. "
+                    "Restore an older checkpoint."
+                ) from exc
+            if digest.size != size:  # it grew or shrank while we read: what we copied was not all hashed
+                raise CorruptCheckpointError(
+                    f"{path}: changed size while it was being verified ({size} -> {digest.size} bytes); "
+                    "another process is writing it. Retry when it is done, or restore an older checkpoint."
+                )
+            # Compare case-insensitively: hex digests copied from other tools are sometimes upper case.
+            if expected_digest is not None and digest.digest != expected_digest.lower():
+                raise CorruptCheckpointError(
+                    f"{path}: {digest.algo} {digest.digest[:12]}... does not match the recorded "
+                    f"{expected_digest[:12]}...; the file changed after it was saved. "
+                    "Restore an older checkpoint."
+                )
+            copy.seal()
+            with copy.open() as private:
+                check_archive(private, size, name=path)
+                if mmap and copy.map_path is not None:
+                    try:  # the sealed copy: nobody can change or truncate what the tensors map
+                        obj = torch.load(
+                            copy.map_path, map_location=map_location, weights_only=True, mmap=True
+                        )
+                    except Exception:  # any failure is judged by the plain read below
+                        # A hostile pickle, a damaged archive: the read below loads it the ordinary
+                        # way, or classifies the failure exactly as for any load.
+                        private.seek(0)
+                    else:
+                        copy.adopt(obj)  # large records: from the buffers the hash pass filled
+                        return obj, digest
+                obj = _weights_only_load(private, path, map_location)
+                if copy.scattered:  # the copy has holes where records went to buffers: not a load
+                    raise CorruptCheckpointError(
+                        f"{path}: its verified copy could not be mapped; restore with mmap=False."
+                    )
+                return obj, digest
 
 
 def check_archive(f: BinaryIO, size: int, *, name: str | os.PathLike[str] = "<file>") -> None:

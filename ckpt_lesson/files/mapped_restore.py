@@ -1,33 +1,30 @@
 """What a mapped restore may keep mapped, and what it must copy out first.
 
-``load_checkpoint(mmap=True)`` (the default) maps the verified file and lets
-``model.load_state_dict`` copy the weights straight from the page cache. A
-mapping is only as stable as the file under it: if another process truncates
-the file while pages are still mapped (a sync tool, a careless script, a
-retention job that truncates before unlinking), touching a page past the new
-end kills the process with SIGBUS, which Python cannot catch.
+``load_checkpoint(mmap=True)`` (the default) maps the verified private copy of
+the file and lets ``model.load_state_dict`` copy the weights straight from it.
+A tensor left on that mapping keeps the whole copy (the file's size) in memory,
+and a tensor written in place (an optimizer's moment) would be copied page by
+page beside it. (Until round four the mapping was of the file itself, and a
+truncation by another process killed the restore with SIGBUS.)
 
 So nothing mapped may outlive the restore:
 
 * every bucket but ``model`` is copied out at once (the optimizer would
   otherwise keep its moments mapped: ``Optimizer.load_state_dict`` keeps a
-  tensor that already has the parameter's dtype and device). The copies land in
-  memory a helper thread faulted in while the file was being hashed
-  (:mod:`~ckpt_lesson.files.fresh_memory`), so they cost a memcpy, not a page
-  fault per 4 KiB;
+  tensor that already has the parameter's dtype and device). A large record is
+  already in a buffer of its own, which the hash pass filled (then nothing is
+  copied); a copy otherwise lands in memory a helper thread faulted in while the
+  file was being hashed (:mod:`~ckpt_lesson.files.fresh_memory`), so it costs a
+  memcpy, not a page fault per 4 KiB;
 * in ``model``, parameters and buffers are *copied* by ``load_state_dict``
   (``param.copy_(saved)``), but **extra state** (``*._extra_state``) is handed
   to the module's ``set_extra_state`` as it is, and a module may keep it. It is
   copied out here too.
 
-What remains is a window, not a leak: while ``load_state_dict`` copies the
-weights, a truncation of the file by another process still raises SIGBUS.
-``mmap=False`` (on ``load_checkpoint``, ``read_checkpoint`` as
-``mmap_model=False``, and ``CheckpointManager.restore_latest``) reads the file
-into memory instead and closes that window, at the cost measured in
-``benchmarks/`` (about 1.15x against 0.88-0.94x of a plain restore here).
-``tests/test_mapped_restore.py`` shows both: the window with ``mmap=True``,
-and its absence with ``mmap=False``.
+The copy is sealed (:mod:`~ckpt_lesson.files.private_copy`): nobody can change
+or truncate what the tensors map, so the SIGBUS window while ``load_state_dict``
+copies the weights is closed, with ``mmap=True`` and ``mmap=False`` alike
+(``tests/test_mapped_restore.py``).
 """
 
 from __future__ import annotations
@@ -53,7 +50,7 @@ def copy_out(tree: Any, *, fresh: FreshMemory | None = None) -> Any:
     """``tree`` with every CPU tensor cloned into memory of its own (device tensors are copies already).
 
     Every mapped restore calls this on what it keeps: a tensor still backed by the
-    file's mapping would die with SIGBUS if the file were truncated later. Tensors
+    copy's mapping would keep the whole copy alive (and, written in place, double). Tensors
     that ``map_location`` already moved to a device are copies; cloning them again
     would only double, for a moment, the device memory they take. A dict keeps its
     type when it is an ``OrderedDict`` (state dicts are). With ``fresh``, a tensor

@@ -49,6 +49,7 @@ from ckpt_lesson.files.integrity import FileDigest, file_digest
 from ckpt_lesson.files.rng import capture_rng_state
 from ckpt_lesson.files.schema import MANIFEST_NAME
 from ckpt_lesson.files.sharded import INDEX_NAME
+from ckpt_lesson.short_repr import short_repr
 
 __all__ = [
     "DEFAULT_BACKUP_SUFFIX",
@@ -72,6 +73,8 @@ class MigrationResult:
         from_schema: The schema the file had.
         to_schema: The schema it has now.
     """
+
+    __repr__ = short_repr  # one short line: see ckpt_lesson/short_repr.py
 
     path: Path
     backup: Path | None

@@ -18,7 +18,15 @@ another order loads without a word and every moment lands on the wrong
 parameter; an AdamW checkpoint loads into SGD and fails only at the first
 ``step()``. So each save records, inside every parameter group, the optimizer
 class and the model's name for each parameter, and a load compares them (and
-the group keys, and each state tensor's shape against its parameter) first.
+the group keys, and each per-parameter state tensor's shape against its parameter) first.
+
+Which state is per-parameter is read from the optimizer's own ``state_dict`` at
+save time, never assumed: AdamW's moments have their parameter's shape, but
+LBFGS keeps whole-model flat tensors (``d``, ``prev_flat_grad``, lists of them
+in ``old_dirs``) under its first parameter's entry. The binding records, per
+group, the state keys whose tensors had their parameter's shape; a load holds
+exactly those to the live parameter's shape, so a save is never refused by the
+check its own state passed.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from ckpt_lesson.files.modules import WRAPPER_PREFIXES, model_state, param_names
 
 __all__ = [
     "BINDING_KEY",
+    "PARAM_SHAPED_KEY",
     "check_model_state",
     "check_optimizer_fit",
     "optimizer_state_with_bindings",
@@ -40,8 +49,11 @@ __all__ = [
     "validate_payload",
 ]
 
-#: Key added to each saved parameter group: ``{"optimizer": class name, "param_names": [...]}``.
+#: Key added to each saved parameter group: ``{"optimizer": class name, "param_names": [...],
+#: "param_shaped": [state keys that hold tensors of their parameter's shape]}``.
 BINDING_KEY = "ckpt_lesson_binding"
+#: Inside the binding: the state keys checked against the live parameter's shape on load.
+PARAM_SHAPED_KEY = "param_shaped"
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype, torch.device)
 _MAX_DEPTH = 64
@@ -128,11 +140,14 @@ def optimizer_state_with_bindings(model: Any, optimizer: Any) -> dict[str, Any]:
     if groups is None or not isinstance(sd.get("param_groups"), list):
         return sd
     names = param_names(model)  # canonical: a compiled or DDP-wrapped model records the plain names
+    state = sd.get("state") if isinstance(sd.get("state"), dict) else {}
     out_groups = []
     for saved, live in zip(sd["param_groups"], groups, strict=False):
+        pairs = zip(saved.get("params") or [], live["params"], strict=False)
         binding = {
             "optimizer": type(optimizer).__name__,
             "param_names": [names.get(id(p)) for p in live["params"]],
+            PARAM_SHAPED_KEY: sorted(_param_shaped_keys(state, pairs), key=str),
         }
         out_groups.append({**saved, BINDING_KEY: binding})
     return {**sd, "param_groups": out_groups}
@@ -149,7 +164,10 @@ def check_optimizer_fit(opt_sd: dict[str, Any], optimizer: Any, model: Any, *, s
 
     Compares, group by group: the optimizer class and parameter names recorded
     at save time (when present), the group's hyper-parameter keys, and the
-    shape of every per-parameter state tensor against its live parameter.
+    shape of every per-parameter state tensor against its live parameter. Which
+    keys are per-parameter is what the save recorded from the optimizer's own
+    state (``PARAM_SHAPED_KEY``); flat whole-model state such as LBFGS's ``d``
+    is not compared with any one parameter.
 
     Raises:
         StateMismatchError: The first difference found.
@@ -158,8 +176,6 @@ def check_optimizer_fit(opt_sd: dict[str, Any], optimizer: Any, model: Any, *, s
         >>> check_optimizer_fit(payload["optimizer"], opt, model, source="last.pt")  # doctest: +SKIP
     """
     live_names = param_names(model)
-    saved_ids: list[Any] = []
-    live_params: list[Any] = []
     for i, (saved, live) in enumerate(zip(opt_sd["param_groups"], optimizer.param_groups, strict=True)):
         binding = saved.get(BINDING_KEY)
         if isinstance(binding, dict):
@@ -192,23 +208,46 @@ def check_optimizer_fit(opt_sd: dict[str, Any], optimizer: Any, model: Any, *, s
                 f"{lacking}; it was saved by another optimizer class. Build the same optimizer as the "
                 "saved run."
             )
-        saved_ids.extend(saved["params"])
-        live_params.extend(live["params"])
-    by_id = dict(zip(saved_ids, live_params, strict=True))
-    for pid, entry in opt_sd["state"].items():
-        param = by_id.get(pid)
-        if param is None or not isinstance(entry, dict):
+        pairs = list(zip(saved["params"], live["params"], strict=True))
+        recorded = binding.get(PARAM_SHAPED_KEY) if isinstance(binding, dict) else None
+        if isinstance(recorded, list):
+            shaped = {key for key in recorded if isinstance(key, (str, int))}
+        else:  # a save from before the record: a key some entry holds in its parameter's shape
+            shaped = _param_shaped_keys(opt_sd["state"], pairs, any_entry=True)
+        for pid, param in pairs:
+            _check_entry_shapes(opt_sd["state"].get(pid), shaped, param, live_names, pid, source)
+
+
+def _param_shaped_keys(state: dict[Any, Any], pairs: Any, *, any_entry: bool = False) -> set[Any]:
+    """The state keys whose tensors have their parameter's shape (in every entry, or ``any_entry``)."""
+    matched: set[Any] = set()
+    other: set[Any] = set()
+    for pid, param in pairs:
+        entry = state.get(pid)
+        if not isinstance(entry, dict):
             continue
         for key, value in entry.items():
-            # Per-parameter moments have the parameter's shape; scalars (step counts) have none.
-            moment = isinstance(value, torch.Tensor) and value.dim() > 0
-            if moment and tuple(value.shape) != tuple(param.shape):
-                name = live_names.get(id(param), f"parameter {pid}")
-                raise StateMismatchError(
-                    f"{source}: optimizer state {key!r} of {name} has shape {tuple(value.shape)} but the "
-                    f"parameter has {tuple(param.shape)}; build the same model and optimizer as the "
-                    "saved run."
-                )
+            # Scalars (step counts, LBFGS's H_diag) have no shape to compare.
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                (matched if tuple(value.shape) == tuple(param.shape) else other).add(key)
+    return matched if any_entry else matched - other
+
+
+def _check_entry_shapes(
+    entry: Any, shaped: set[Any], param: Any, names: dict[int, str], pid: Any, source: str
+) -> None:
+    if not isinstance(entry, dict):
+        return
+    for key in sorted(shaped & set(entry), key=str):
+        value = entry[key]
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        if shape != tuple(param.shape):
+            name = names.get(id(param), f"parameter {pid}")
+            raise StateMismatchError(
+                f"{source}: optimizer state {key!r} of {name} has shape {shape} but the parameter has "
+                f"{tuple(param.shape)} (the save recorded {key!r} as a per-parameter tensor); build the "
+                "same model and optimizer as the saved run."
+            )
 
 
 def _unprefixed(name: Any) -> Any:

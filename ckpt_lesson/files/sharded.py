@@ -73,6 +73,7 @@ from ckpt_lesson.files.shard_plan import (
     plan_shards,
     shard_keys_by_prefix,
 )
+from ckpt_lesson.short_repr import short_repr
 
 __all__ = [
     "INDEX_NAME",
@@ -113,6 +114,8 @@ class ShardedSaveResult:
         meta: ``{"name", "bytes", "algo", "digest"}`` of ``meta.pt``.
         index: Digest of ``index.json``; a manifest can record it to pin the whole save.
     """
+
+    __repr__ = short_repr  # one short line: see ckpt_lesson/short_repr.py
 
     out_dir: Path
     files: list[dict[str, Any]]

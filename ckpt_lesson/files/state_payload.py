@@ -37,6 +37,7 @@ from ckpt_lesson.files.payload import optimizer_state_with_bindings, validate_pa
 from ckpt_lesson.files.rng import capture_rng_state, validate_rng_state
 from ckpt_lesson.files.schema import SCHEMA_V2, current_env
 from ckpt_lesson.files.train_state import TrainState
+from ckpt_lesson.short_repr import short_repr
 
 __all__ = ["OBJECT", "PARTS_SCHEMA", "VALUE", "Restored", "build_state_payload", "parts_view"]
 
@@ -59,6 +60,8 @@ class Restored:
         save_id: The save's id from its manifest (managed saves), else ``None``.
         skipped: Newer saves passed over as damaged: ``{"step", "status", "reason"}`` each.
     """
+
+    __repr__ = short_repr  # one short line: see ckpt_lesson/short_repr.py
 
     step: int
     values: dict[str, Any] = field(default_factory=dict)

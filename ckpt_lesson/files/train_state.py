@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, StateMismatchError
+from ckpt_lesson.short_repr import short_repr
 
 __all__ = ["BUCKETS", "REQUIRES_KEY", "TrainState", "check_positional_objects"]
 
@@ -32,6 +33,8 @@ class TrainState:
             to train on has this index.
         losses: One training loss per completed step.
     """
+
+    __repr__ = short_repr  # one short line: see ckpt_lesson/short_repr.py
 
     step: int = 0
     epoch: int = 0

@@ -43,6 +43,7 @@ from ckpt_lesson.files.checkpoint import (
     save_checkpoint,
 )
 from ckpt_lesson.files.integrity import FileDigest
+from ckpt_lesson.short_repr import short_repr
 
 __all__ = [
     "ACCUMULATION_SCHEMA",
@@ -66,6 +67,8 @@ class AccumulationState(TrainState):
             the next optimizer step (0 at a boundary).
         micro_losses: Their losses, to report the step's mean loss.
     """
+
+    __repr__ = short_repr  # one short line: see ckpt_lesson/short_repr.py
 
     micro_step: int = 0
     micro_losses: list[float] = field(default_factory=list)

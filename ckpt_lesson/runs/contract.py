@@ -39,6 +39,7 @@ import torch
 from ckpt_lesson.errors import CheckpointError, ContractMismatchError
 from ckpt_lesson.files.modules import model_state
 from ckpt_lesson.files.schema import current_env
+from ckpt_lesson.short_repr import short_repr
 
 __all__ = [
     "CONTRACT_KEY",
@@ -171,6 +172,8 @@ class ContractRow:
 @dataclass(frozen=True)
 class ResumeReport:
     """Which save a resume would use, and how it compares with the current run."""
+
+    __repr__ = short_repr  # one short line: see ckpt_lesson/short_repr.py
 
     save_id: str | None
     step: int | None

@@ -40,6 +40,7 @@ import math
 from dataclasses import dataclass
 
 from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.short_repr import short_repr
 
 __all__ = [
     "SpotComparison",
@@ -111,6 +112,8 @@ class SpotComparison:
         savings_fraction: ``1 - spot_cost / on_demand_cost``; negative when
             spot ended up dearer.
     """
+
+    __repr__ = short_repr  # one short line: see ckpt_lesson/short_repr.py
 
     on_demand_cost: float
     spot_cost: float

@@ -352,8 +352,8 @@ class CheckpointManager(LoopMethods):
           ``strict=False`` ignores parts present on one side only.
         * ``restore_latest(model, optimizer, scheduler)``: returns the :class:`TrainState`.
 
-        ``mmap=False`` reads files into memory instead of mapping them: slower, but immune to
-        another process truncating a file mid-restore (SIGBUS; docs/guarantees.md, safety limits).
+        Either way a file is read once, into a sealed private copy that is verified and loaded
+        (``mmap=True`` maps the copy, ``mmap=False`` reads it); its changes after the hash do not count.
 
         Returns:
             The result above, or ``None`` when the run directory holds no save at all (a fresh start).

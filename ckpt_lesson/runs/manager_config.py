@@ -17,6 +17,7 @@ from ckpt_lesson.files.hashing import DEFAULT_ALGO, check_algo
 from ckpt_lesson.files.readback import verify_mode
 from ckpt_lesson.runs.cadence import validate_cadence
 from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
+from ckpt_lesson.short_repr import short_repr
 
 __all__ = ["EventHook", "ManagerConfig"]
 
@@ -77,6 +78,8 @@ class ManagerConfig:
         >>> ManagerConfig(keep_last=2, every_steps=10).num_shards is None
         True
     """
+
+    __repr__ = short_repr  # one short line: see ckpt_lesson/short_repr.py
 
     keep_last: int = 3
     every_steps: int | None = None

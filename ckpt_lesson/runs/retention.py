@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.short_repr import short_repr
 
 __all__ = ["KeepBest", "KeepLastK", "RetentionPolicy", "keep_last_k"]
 
@@ -86,6 +87,8 @@ class KeepLastK:
         [1]
     """
 
+    __repr__ = short_repr  # one short line: see ckpt_lesson/short_repr.py
+
     k: int
 
     def __post_init__(self) -> None:
@@ -119,6 +122,8 @@ class KeepBest:
         >>> policy.to_delete([1, 2, 3, 4], verified={1, 2, 3, 4})
         [1, 3]
     """
+
+    __repr__ = short_repr  # one short line: see ckpt_lesson/short_repr.py
 
     metric_by_step: Mapping[int, float] = field(hash=False)
     k_best: int = 1

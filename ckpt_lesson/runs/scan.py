@@ -54,6 +54,7 @@ from ckpt_lesson.runs.dcp_manifest import check_dcp_part, check_parts_list, read
 from ckpt_lesson.runs.dcp_marker import COMMIT_MARKER
 from ckpt_lesson.runs.folder_manifest import FOLDER_MANIFEST_NAME, checkpoint_folder_step, verify_folder
 from ckpt_lesson.runs.lightning_files import LIGHTNING_SUFFIX, inspect_lightning_file, is_lightning_temp_file
+from ckpt_lesson.short_repr import short_repr
 
 __all__ = [
     "LAYOUTS",
@@ -123,6 +124,8 @@ class ScanResult:
         reason: Why it is not ok (file names only, no directories); ``""`` when ok.
         epoch: A Lightning file's ``epoch`` where readable; ``None`` otherwise.
     """
+
+    __repr__ = short_repr  # one short line: see ckpt_lesson/short_repr.py
 
     path: Path
     step: int | None

@@ -24,6 +24,7 @@ from ckpt_lesson.files.modules import model_state
 from ckpt_lesson.files.payload import optimizer_state_with_bindings, validate_payload
 from ckpt_lesson.files.rng import capture_rng_state, validate_rng_state
 from ckpt_lesson.runs.deferred_copy import DeferredCopies
+from ckpt_lesson.short_repr import short_repr
 
 __all__ = ["TrainingSnapshot", "snapshot_payload"]
 
@@ -110,6 +111,8 @@ class TrainingSnapshot:
         state: A copy of the :class:`~ckpt_lesson.files.checkpoint.TrainState`.
         rng: The generators, from :func:`~ckpt_lesson.files.rng.capture_rng_state`.
     """
+
+    __repr__ = short_repr  # one short line: see ckpt_lesson/short_repr.py
 
     model: _FrozenState
     optimizer: _FrozenState

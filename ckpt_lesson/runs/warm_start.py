@@ -39,6 +39,7 @@ from ckpt_lesson.files.checkpoint import check_model_state, load_verified_file, 
 from ckpt_lesson.files.integrity import part_digest
 from ckpt_lesson.runs.contract import model_fingerprint
 from ckpt_lesson.runs.scan import MANIFEST_NAME, read_manifest
+from ckpt_lesson.short_repr import short_repr
 
 __all__ = ["WARM_START_NAME", "WarmStartRecord", "read_warm_start", "warm_start_from"]
 
@@ -66,6 +67,8 @@ class WarmStartRecord:
         source_algo: Algorithm of ``source_sha256``'s digests (records from
             earlier versions lack it: they are sha256).
     """
+
+    __repr__ = short_repr  # one short line: see ckpt_lesson/short_repr.py
 
     kind: str
     run_id: str
