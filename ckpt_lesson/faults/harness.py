@@ -114,7 +114,15 @@ def compute_baseline(cfg: RunConfig) -> Baseline:
     return Baseline(list(state.losses), ids, weights)
 
 
+#: In a child: tells the harness that a kill trigger fired, just before the SIGKILL. A SIGKILL from
+#: anywhere else (the harness after 120 s without progress, the kernel's OOM killer on a loaded
+#: machine) is not a kill at the planned point, and the prediction must not be judged against it.
+_announce: Any = None
+
+
 def _suicide() -> None:
+    if _announce is not None:
+        _announce()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -176,6 +184,12 @@ def _life(run_dir: Path, cfg: RunConfig, plan: KillPlan | None, conn: Any, store
     ``store``: a :class:`~ckpt_lesson.faults.store_kills.StoreTarget` when the run saves to a bucket
     (then ``run_dir`` holds only this machine's scratch, and the bucket is the run).
     """
+    global _announce
+
+    def announce() -> None:
+        conn.send(("kill",))  # in the pipe before the SIGKILL: the harness reads it after the death
+
+    _announce = announce
     try:
         from ckpt_lesson.course.managed import run_managed_training
 
@@ -328,10 +342,20 @@ def run_kill_sequence(
                 pending.error = life_error
             break
         outcome = KillOutcome(plan, predict_restored_step(plan, cfg.every_steps), error=life_error)
-        outcome.killed = code == -signal.SIGKILL
+        # Killed at its point: the trigger announced it, then the process died by SIGKILL. Only then
+        # does the prediction say which save the next restore must choose.
+        fired = any(msg[0] == "kill" for msg in messages)
+        outcome.killed = fired and code == -signal.SIGKILL
         outcomes.append(outcome)
         if not outcome.killed:
-            outcome.error = outcome.error or f"kill point {plan.point} at step {plan.step} was never reached"
+            missed = f"kill point {plan.point} at step {plan.step} was never reached"
+            if code == -signal.SIGKILL:
+                missed = (
+                    f"killed by a SIGKILL that was not the kill trigger, before {plan.point} at step "
+                    f"{plan.step} (the harness after 120 s without progress, or the OOM killer); "
+                    "no restore to judge"
+                )
+            outcome.error = outcome.error or missed
             return outcomes, diffs, finished_equal
         if store is not None:
             store.damage(plan)
