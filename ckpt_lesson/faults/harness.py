@@ -115,9 +115,13 @@ def compute_baseline(cfg: RunConfig) -> Baseline:
 
 
 #: In a child: tells the harness that a kill trigger fired, just before the SIGKILL. A SIGKILL from
-#: anywhere else (the harness after 120 s without progress, the kernel's OOM killer on a loaded
+#: anywhere else (the harness after SILENCE_S without progress, the kernel's OOM killer on a loaded
 #: machine) is not a kill at the planned point, and the prediction must not be judged against it.
 _announce: Any = None
+#: The longest a child may stay silent (no step, no restore) before the harness kills it as hung.
+#: A save to a bucket on a loaded 2-core machine can wait out one botocore read timeout (60 s)
+#: and its retry: 120 s was too close to that.
+SILENCE_S = 300
 
 
 def _suicide() -> None:
@@ -279,9 +283,9 @@ def _spawn(
     child.close()
     messages = []
     while True:
-        if not parent.poll(120):
+        if not parent.poll(SILENCE_S):
             proc.kill()
-            messages.append(("error", "child made no progress for 120 s"))
+            messages.append(("error", f"child made no progress for {SILENCE_S} s"))
             break
         try:
             messages.append(parent.recv())
@@ -352,7 +356,7 @@ def run_kill_sequence(
             if code == -signal.SIGKILL:
                 missed = (
                     f"killed by a SIGKILL that was not the kill trigger, before {plan.point} at step "
-                    f"{plan.step} (the harness after 120 s without progress, or the OOM killer); "
+                    f"{plan.step} (the harness after {SILENCE_S} s without progress, or the OOM killer); "
                     "no restore to judge"
                 )
             outcome.error = outcome.error or missed
