@@ -358,8 +358,15 @@ def test_the_committed_skill_recipe_is_what_the_package_renders_now() -> None:
     )
 
 
-def test_the_demo_writes_into_the_repositorys_outputs_folder_by_default() -> None:
+def test_the_demo_writes_into_an_ignored_folder_by_default_not_over_the_committed_outputs() -> None:
+    import subprocess
+
     from ckpt_lesson.course.demo import DEFAULT_OUT
 
     repo = Path(__file__).resolve().parent.parent
-    assert DEFAULT_OUT == repo / "outputs"
+    assert DEFAULT_OUT == repo / "outputs" / "latest"
+    if not (repo / ".git").exists():
+        pytest.skip("not a git checkout: nothing to check the ignore rules with")
+    for name in ARTIFACTS:
+        ignored = subprocess.run(["git", "check-ignore", "-q", str(DEFAULT_OUT / name)], cwd=repo)
+        assert ignored.returncode == 0, f"{DEFAULT_OUT / name} is not ignored by git"

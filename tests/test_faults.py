@@ -99,3 +99,31 @@ def test_chaos_cli_prints_the_table_and_exits_zero(tmp_path, capsys):
 def test_chaos_cli_refuses_zero_kills_with_exit_2(capsys):
     assert cli.main(["chaos", "--kills", "0"]) == 2
     assert "error: --kills must be >= 1" in capsys.readouterr().err
+
+
+def test_a_sigkill_that_is_not_the_kill_trigger_is_a_harness_problem_not_a_wrong_choice(
+    tmp_path, monkeypatch
+):
+    # What the OOM killer, or the harness itself after 120 s without progress, does on a loaded
+    # machine: a SIGKILL before the planned point. The prediction assumed the planned kill (step 8
+    # published), so judging the next restore (step 4) against it would report a wrong choice that
+    # the library never made.
+    import os
+    import signal
+
+    from ckpt_lesson.faults import harness
+
+    cfg = RunConfig(total_steps=12, every_steps=4)
+    base = compute_baseline(cfg)
+
+    def arm(plan):
+        def hook(name, info):
+            if name == "save_end" and info.get("step") == 4:
+                os.kill(os.getpid(), signal.SIGKILL)  # not the trigger: nothing announced
+
+        return hook
+
+    monkeypatch.setattr(harness, "_arm", arm)  # the forked child runs this one
+    outcomes, _, _ = run_kill_sequence(tmp_path / "run", cfg, [KillPlan(8, "published")], base)
+    assert not outcomes[0].killed and not outcomes[0].wrong_choice
+    assert "not the kill trigger" in outcomes[0].error

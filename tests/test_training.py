@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -106,6 +109,34 @@ def test_the_dataset_is_a_pure_function_of_its_seed():
     assert a.fingerprint() == b.fingerprint() != c.fingerprint()
     b.x[0, 0] += 1e-6
     assert b.fingerprint() != a.fingerprint()
+
+
+# The course's data (seed 11: notebooks 05 and 10, the demo). Its fingerprint is part of every
+# resume contract the course writes, so it must be one value on every CPU.
+COURSE_DATA_FINGERPRINT = "7f03460f8dd3aa9c8026012daea8ef92b92d67049fbe7171d5b15b03758f0163"
+
+
+def test_the_course_datas_fingerprint_is_the_one_constant():
+    assert SyntheticRegression(seed=11).fingerprint() == COURSE_DATA_FINGERPRINT
+
+
+def test_the_course_data_is_exact_integers_over_powers_of_two():
+    data = SyntheticRegression(seed=11)
+    # Every value is an integer divided by a power of two: nothing was rounded on the way.
+    assert torch.equal(data.x * 32, (data.x * 32).round())
+    assert torch.equal(data.y * 16384, (data.y * 16384).round())
+    assert (data.y * 16384).abs().max() < 2**24
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2"])
+def test_the_course_datas_fingerprint_does_not_change_with_the_cpus_kernels(capability):
+    # ATEN_CPU_CAPABILITY picks torch's CPU kernels as another CPU would; on this kind of machine
+    # it changes the bits of randn, of a float matmul and of tanh, but not of integer arithmetic.
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    code = "import ckpt_lesson.course.training as t; print(t.SyntheticRegression(seed=11).fingerprint())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == COURSE_DATA_FINGERPRINT
 
 
 def test_train_draws_each_epochs_permutation_once_and_the_same_batches_as_next_batch_ids(monkeypatch):

@@ -23,7 +23,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--seed", type=int, default=11, help="seed for generators, data and order (default 11)"
     )
     parser.add_argument(
-        "--out", type=Path, default=DEFAULT_OUT, help="artifact folder (default: the repo's outputs/)"
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help="artifact folder (default: outputs/latest/, ignored by git; "
+        "--out outputs refreshes the committed files)",
     )
     parser.add_argument(
         "--ckpt-dir", type=Path, default=None, help="keep checkpoints here (default: a temp dir)"

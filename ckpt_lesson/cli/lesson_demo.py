@@ -7,7 +7,7 @@ flags and defaults (``--total-steps 24 --interrupt-at 10 --num-shards 3 --seed 1
 so its text and its outputs read the same. Two deliberate differences:
 
 * The summary goes to ``--out`` (default ``outputs/lesson/``), not the repo's
-  ``outputs/``: ``python -m ckpt_lesson demo`` owns ``outputs/resume-demo.json``
+  ``outputs/``: ``python -m ckpt_lesson demo --out outputs`` owns ``outputs/resume-demo.json``
   and writes it in its own, richer format.
 * A drifted resume is one line on stderr and exit code 1, where the lesson's
   ``assert`` prints a traceback (and ``python -O`` would skip the check).

@@ -52,9 +52,12 @@ RESUME_TOLERANCE = 1e-4
 #: The single-file variant's checkpoint inside ``ckpt_dir`` (the lesson's name).
 SINGLE_FILE_NAME = "ckpt.pt"
 _CHECKOUT = Path(__file__).resolve().parents[2]
-#: The repository's ``outputs/`` when the package runs from a checkout; ``./outputs`` when it is
-#: installed (never a folder inside the installed package).
-DEFAULT_OUT = _CHECKOUT / "outputs" if (_CHECKOUT / "pyproject.toml").is_file() else Path("outputs")
+#: Where ``python -m ckpt_lesson demo`` writes unless ``--out`` says otherwise: ``outputs/latest/``
+#: of the checkout (ignored by git), or ``./outputs/latest`` when the package is installed (never a
+#: folder inside the installed package). The committed ``outputs/`` files change only when asked
+#: for (``--out outputs``): a run on another CPU rounds the losses' last bits differently and
+#: would show a learner's clone modified files.
+DEFAULT_OUT = (_CHECKOUT if (_CHECKOUT / "pyproject.toml").is_file() else Path()) / "outputs" / "latest"
 
 
 def _validate(total_steps: int, interrupt_at: int, num_shards: int) -> None:
@@ -253,7 +256,7 @@ def run_full_demo(
 
     The single-file and sharded resumes and both negative controls, all
     against the same baseline. Notebook 05 calls this too, so with the same
-    arguments both write byte-identical artifacts.
+    arguments on the same machine both give the same results.
 
     Args:
         total_steps, interrupt_at, num_shards, seed: The run's shape.

@@ -2,9 +2,13 @@
 
 Everything written here is deterministic (no timestamps, no temp paths, a
 fixed plot style, PNG metadata without a software version), so running the
-demo twice with the same arguments on the same stack rewrites the same bytes,
-and ``git status`` stays clean. ``python -m ckpt_lesson demo`` and notebook 05
-both write through :func:`write_demo_artifacts`.
+demo twice with the same arguments on the same machine and stack rewrites the
+same bytes. Not on every machine: another CPU rounds the losses' last bits
+differently and another matplotlib draws other pixels, so the committed
+``outputs/`` is written only when asked (``--out outputs``) and tests compare
+what holds everywhere (``tests/test_demo_artifacts.py``).
+``python -m ckpt_lesson demo`` and notebook 05 both write through
+:func:`write_demo_artifacts`.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ def write_demo_artifacts(results: dict[str, Any], out_dir: str | os.PathLike[str
     """Write ``resume-demo.json``, ``loss-curves.png`` and the skill recipe to ``out_dir``.
 
     Deterministic: no timestamps, no temp paths, fixed plot style and PNG
-    metadata, so re-running with the same arguments rewrites identical bytes.
+    metadata, so re-running with the same arguments on the same machine
+    rewrites identical bytes.
 
     Args:
         results: What :func:`run_full_demo` returned.

@@ -84,19 +84,34 @@ def make_optimizer_and_scheduler(
 class SyntheticRegression:
     """A learnable regression task: ``y = teacher(x) + noise`` with a fixed teacher.
 
+    The data is made with integer arithmetic only (``torch.randint``, integer sums and
+    ``clamp``), then divided by powers of two that every value survives exactly in
+    float32. Float products (and ``randn``, ``tanh``) round differently on different
+    CPUs (AVX2, AVX-512, a plain build), so data made from them, and its
+    :meth:`fingerprint` that the resume contract compares, would change with the
+    machine; these bytes are the same on every one.
+
     Args:
         n: Number of samples.
         in_dim: Input features.
-        seed: Generates the data; the same seed gives the same bytes.
+        seed: Generates the data; the same seed gives the same bytes on every machine.
         out_dim: Targets per sample (``1`` gives the course's data, byte for byte).
     """
 
     def __init__(self, n: int = 256, in_dim: int = 8, seed: int = 0, *, out_dim: int = 1) -> None:
         g = torch.Generator().manual_seed(10_000 + seed)
-        self.x = torch.randn(n, in_dim, generator=g)
-        w1 = torch.randn(in_dim, 16, generator=g) / in_dim**0.5
-        w2 = torch.randn(16, out_dim, generator=g) / 4.0
-        self.y = torch.tanh(self.x @ w1) @ w2 + 0.05 * torch.randn(n, out_dim, generator=g)
+        # Inputs on a grid of 1/32 in [-2, 2); teacher weights small integers.
+        xi = torch.randint(-64, 64, (n, in_dim), generator=g)
+        w1 = torch.randint(-16, 17, (in_dim, 16), generator=g)
+        w2 = torch.randint(-8, 9, (16, out_dim), generator=g)
+        # Hidden layer: x @ w1 scaled to about unit spread (x is in 1/32, so /32 * 1/32 = /1024),
+        # then a hard tanh (clamp at +-1.0, i.e. +-1024): exact in int64, whatever the CPU.
+        hidden = (xi.unsqueeze(2) * w1.unsqueeze(0)).sum(dim=1).clamp(-1024, 1024)
+        yi = (hidden.unsqueeze(2) * w2.unsqueeze(0)).sum(dim=1)  # in units of 1/(1024*16)
+        yi = yi + torch.randint(-1400, 1401, (n, out_dim), generator=g)  # noise of std ~0.05
+        # |yi| < 16*1024*8 + 1400 < 2**24: every value, and each quotient, is exact in float32.
+        self.x = xi.to(torch.float32) / 32
+        self.y = yi.to(torch.float32) / (1024 * 16)
         self.seed = seed
 
     def __len__(self) -> int:

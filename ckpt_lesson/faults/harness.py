@@ -114,7 +114,19 @@ def compute_baseline(cfg: RunConfig) -> Baseline:
     return Baseline(list(state.losses), ids, weights)
 
 
+#: In a child: tells the harness that a kill trigger fired, just before the SIGKILL. A SIGKILL from
+#: anywhere else (the harness after SILENCE_S without progress, the kernel's OOM killer on a loaded
+#: machine) is not a kill at the planned point, and the prediction must not be judged against it.
+_announce: Any = None
+#: The longest a child may stay silent (no step, no restore) before the harness kills it as hung.
+#: A save to a bucket on a loaded 2-core machine can wait out one botocore read timeout (60 s)
+#: and its retry: 120 s was too close to that.
+SILENCE_S = 300
+
+
 def _suicide() -> None:
+    if _announce is not None:
+        _announce()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -176,6 +188,12 @@ def _life(run_dir: Path, cfg: RunConfig, plan: KillPlan | None, conn: Any, store
     ``store``: a :class:`~ckpt_lesson.faults.store_kills.StoreTarget` when the run saves to a bucket
     (then ``run_dir`` holds only this machine's scratch, and the bucket is the run).
     """
+    global _announce
+
+    def announce() -> None:
+        conn.send(("kill",))  # in the pipe before the SIGKILL: the harness reads it after the death
+
+    _announce = announce
     try:
         from ckpt_lesson.course.managed import run_managed_training
 
@@ -265,9 +283,9 @@ def _spawn(
     child.close()
     messages = []
     while True:
-        if not parent.poll(120):
+        if not parent.poll(SILENCE_S):
             proc.kill()
-            messages.append(("error", "child made no progress for 120 s"))
+            messages.append(("error", f"child made no progress for {SILENCE_S} s"))
             break
         try:
             messages.append(parent.recv())
@@ -328,10 +346,20 @@ def run_kill_sequence(
                 pending.error = life_error
             break
         outcome = KillOutcome(plan, predict_restored_step(plan, cfg.every_steps), error=life_error)
-        outcome.killed = code == -signal.SIGKILL
+        # Killed at its point: the trigger announced it, then the process died by SIGKILL. Only then
+        # does the prediction say which save the next restore must choose.
+        fired = any(msg[0] == "kill" for msg in messages)
+        outcome.killed = fired and code == -signal.SIGKILL
         outcomes.append(outcome)
         if not outcome.killed:
-            outcome.error = outcome.error or f"kill point {plan.point} at step {plan.step} was never reached"
+            missed = f"kill point {plan.point} at step {plan.step} was never reached"
+            if code == -signal.SIGKILL:
+                missed = (
+                    f"killed by a SIGKILL that was not the kill trigger, before {plan.point} at step "
+                    f"{plan.step} (the harness after {SILENCE_S} s without progress, or the OOM killer); "
+                    "no restore to judge"
+                )
+            outcome.error = outcome.error or missed
             return outcomes, diffs, finished_equal
         if store is not None:
             store.damage(plan)

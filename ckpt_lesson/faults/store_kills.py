@@ -25,14 +25,12 @@ which the forked children inherit, as a replacement machine would be given them.
 
 from __future__ import annotations
 
-import os
-import signal
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt_lesson.faults.harness import _arm
+from ckpt_lesson.faults.harness import _arm, _suicide
 from ckpt_lesson.faults.kill_plan import KillPlan
 from ckpt_lesson.files.checkpoint import load_verified_file
 from ckpt_lesson.files.storage import open_storage
@@ -49,7 +47,7 @@ _MAX_DAMAGE_BYTES = 256 << 20
 
 
 def _die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)  # the machine is gone, mid-request or between two
+    _suicide()  # the machine is gone, mid-request or between two (announced to the harness first)
 
 
 def _is_marker(key: str) -> bool:
