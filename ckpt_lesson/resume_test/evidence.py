@@ -112,9 +112,10 @@ LOADER_AFTER_RESTORE = (
     "restore draws its permutation seed from the restored global generator (the uninterrupted run drew "
     "it at the epoch's start), so the order and every later random draw shift; save the loader's "
     "position: cl.resumable(loader) in the state (each epoch's order from (seed, epoch), the batches "
-    "already trained on skipped), or torchdata's StatefulDataLoader. Other consumers: a prefetch, a "
-    "model or module built after the restore; sample_ids in log_step tell them apart (here they "
-    "differ: the data order)"
+    "already trained on skipped), or torchdata's StatefulDataLoader. Other consumers: a prefetch (or "
+    "an RNG saved after the next batch was already drawn: capture it before the prefetch and pass it "
+    "to save as rng=), a model or module built after the restore; sample_ids in log_step tell them "
+    "apart (here they differ: the data order)"
 )
 DRAWN_AFTER_RESTORE = (
     "; the save it resumed from ({save}) holds the RNG state, so after the restore something reseeded "
