@@ -158,3 +158,17 @@ def test_ckpt_glob_aims_a_mid_save_kill_at_the_named_file_not_the_log(tmp_path, 
     kill = trial.attempts[0].kill
     assert kill.point == "while files were being written after step 4 (state.json)" and kill.mid_save
     assert [d["name"] for d in kill.damaged] == ["state.json"]
+
+
+def test_a_temporary_file_of_a_save_in_progress_is_not_a_save_a_restart_could_load():
+    # A kill during a plain folder's first save leaves only such files: a restart from step 1 is right.
+    from ckpt_lesson.resume_test.runner import _in_progress
+
+    for name in (
+        ".epoch=0-step=6.ckpt.tmp-1970-d3c5675e",
+        "tmp-checkpoint-8/model.safetensors",
+        "ckpt.pt.partial",
+    ):
+        assert _in_progress(name), name
+    for name in ("epoch=0-step=6.ckpt", "checkpoint-8/model.safetensors", "template.pt", "attempt-2.pt"):
+        assert not _in_progress(name), name

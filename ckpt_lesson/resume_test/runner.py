@@ -17,6 +17,7 @@ folders, files cut short.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -36,6 +37,9 @@ from ckpt_lesson.resume_test.procs import ATTEMPT_ENV, Stopped, end_tagged, new_
 from ckpt_lesson.resume_test.steps import StepPattern, StepReader, StepRecord
 from ckpt_lesson.resume_test.watch import MANAGER, NONE, FolderWatcher, SaveBurst, Waker
 from ckpt_lesson.runs.steplog import CKPT_DIR_ENV, STEP_LOG_ENV
+
+#: A path part that names a temporary file or folder: `x.tmp`, `x.tmp-123`, `tmp-checkpoint-8`, `x.partial`.
+_TEMP_PART = re.compile(r"(^|[.\-_])(tmp|temp|partial)([.\-_]|$)", re.IGNORECASE)
 
 __all__ = ["Attempt", "Kill", "RunSpec", "TrialRun", "run_attempt", "run_trial"]
 
@@ -330,7 +334,14 @@ def _last(records: list[StepRecord], default: int | None) -> int | None:
 def _holds_save(watcher: FolderWatcher) -> bool:
     if watcher.layout == MANAGER:
         return bool(watcher.published_steps())
-    return bool(watcher.checkpoint_files())
+    # A temporary file (Lightning's `.epoch=0-step=6.ckpt.tmp-...`, HF's `tmp-checkpoint-8/`) is a save
+    # in progress, not one a restart could load: a kill during the first save leaves only such files.
+    return any(not _in_progress(name) for name in watcher.checkpoint_files())
+
+
+def _in_progress(name: str) -> bool:
+    """Whether a file of a plain folder belongs to a save still being written (a hidden or temp name)."""
+    return any(part.startswith(".") or _TEMP_PART.search(part) for part in name.split("/"))
 
 
 def run_trial(spec: RunSpec, folder: Path, plan: TrialPlan, *, layout: str) -> TrialRun:
