@@ -35,7 +35,7 @@ from ckpt_lesson.resume_test.plan import KillTarget, KillTrigger, TrialPlan
 from ckpt_lesson.resume_test.proc_tree import ProcessTree
 from ckpt_lesson.resume_test.procs import ATTEMPT_ENV, Stopped, end_tagged, new_token, stop_later
 from ckpt_lesson.resume_test.steps import StepPattern, StepReader, StepRecord
-from ckpt_lesson.resume_test.watch import MANAGER, NONE, FolderWatcher, SaveBurst, Waker
+from ckpt_lesson.resume_test.watch import MANAGER, NONE, FolderWatcher, SaveBurst, Snapshot, Waker
 from ckpt_lesson.runs.steplog import CKPT_DIR_ENV, STEP_LOG_ENV
 
 #: A path part that names a temporary file or folder: `x.tmp`, `x.tmp-123`, `tmp-checkpoint-8`, `x.partial`.
@@ -248,7 +248,8 @@ def run_attempt(
                 # ... unless what was open was only a log, written before any checkpoint file had
                 # shown which names are saves: then these changes are a save of their own.
                 only_logs = names.active and not any(names.is_checkpoint(n) for n in burst.names)
-                activity = set() if burst.names and not only_logs else activity
+                if burst.names and not only_logs:
+                    activity = _written_after(activity, watcher.files(), burst, records[0].t)
                 burst = SaveBurst()
             if activity:
                 if not burst.names:
@@ -325,6 +326,23 @@ def run_attempt(
 def _relative(paths: set[str], root: Path) -> set[str]:
     prefix = str(root) + os.sep
     return {p[len(prefix) :] for p in paths if p.startswith(prefix)}
+
+
+def _written_after(names: set[str], files: Snapshot, burst: SaveBurst, t: float) -> set[str]:
+    """The files among ``names`` that a new save wrote: not the tail of ``burst``, the save under way.
+
+    Under load one poll can hold a save's tail, the next step reports and the next save (seen in
+    CI: an HF run's final save was dated as the tail of the save before it, and lost). The save
+    under way ended before the first of those reports (``t``), so a file it never had (a new
+    inode) last written after ``t`` belongs to a new save. A file rewritten in place keeps its
+    inode and stays the tail: that ambiguity is the old rule's, no worse.
+    """
+    after = int(t * 1e9)
+    return {
+        n
+        for n in names
+        if n in files and not n.endswith("/") and files[n][2] not in burst.first_name and files[n][1] > after
+    }
 
 
 def _last(records: list[StepRecord], default: int | None) -> int | None:
