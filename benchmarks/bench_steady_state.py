@@ -5,6 +5,7 @@ set, see ``shared/notes/facts.md``)::
 
     python benchmarks/bench_steady_state.py --mb 64 --rounds 3          # a smoke run
     python benchmarks/bench_steady_state.py --mb 384 1024 4096 --rounds 5 --dir /mnt/disk
+    python benchmarks/bench_steady_state.py --only save --mb 64 384 --rounds 15  # keep_last=1 only
 
 For each size, the state is weights plus AdamW moments (12 bytes per parameter),
 and every row pairs ours with its baseline in the same run, interleaved round
@@ -236,19 +237,8 @@ def rows_for_size(mb: int, rounds: int, work: Path) -> list[tuple[str, str, floa
     shutil.rmtree(work / f"m3-{mb}")
     shutil.rmtree(work / f"h3-{mb}")
 
-    # keep_last=1 against torch.save + fsync.
-    mgr = CheckpointManager(work / f"m1-{mb}", keep_last=1, every_steps=1)
-    hand = HandRolled(work / f"h1-{mb}", keep=1)
-    for _ in range(2):
-        n = next(ids)
-        mgr.save(model, opt, None, TrainState(step=n))
-        hand.save(model, opt, n)
-    ours, base = paired(
-        rounds,
-        lambda i: timed(lambda: mgr.save(model, opt, None, TrainState(step=next(ids)))),
-        lambda i: timed(lambda: hand.save(model, opt, next(ids))),
-    )
-    rows.append((f"keep_last=1, {label}", "torch.save + fsync", ours, base, ""))
+    mgr, hand, row = keep_last_1_row(model, opt, mb, rounds, work, ids, label)
+    rows.append(row)
 
     # verify_on_save: price the checks, each against the default in the same rounds.
     for mode in ("device", False):
@@ -333,6 +323,49 @@ def rows_for_size(mb: int, rounds: int, work: Path) -> list[tuple[str, str, floa
     shutil.rmtree(mgr.run_dir)
     shutil.rmtree(hand.folder)
     return rows
+
+
+def keep_last_1_row(model, opt, mb: int, rounds: int, work: Path, ids, label: str, *, modes: bool = False):
+    """The managed ``keep_last=1`` save against ``torch.save`` + fsync; returns both savers and the row.
+
+    With ``modes`` the note lists every round's seconds, sorted, for both sides: a bimodal disk
+    shows its modes in the baseline too, and a mode of our own shows only on our side.
+    """
+    mgr = CheckpointManager(work / f"m1-{mb}", keep_last=1, every_steps=1)
+    hand = HandRolled(work / f"h1-{mb}", keep=1)
+    for _ in range(2):
+        n = next(ids)
+        mgr.save(model, opt, None, TrainState(step=n))
+        hand.save(model, opt, n)
+    ours_s: list[float] = []
+    base_s: list[float] = []
+
+    def ours(i: int) -> float:
+        ours_s.append(timed(lambda: mgr.save(model, opt, None, TrainState(step=next(ids)))))
+        return ours_s[-1]
+
+    def base(i: int) -> float:
+        base_s.append(timed(lambda: hand.save(model, opt, next(ids))))
+        return base_s[-1]
+
+    ours_med, base_med = paired(rounds, ours, base)
+    note = ""
+    if modes:
+        note = "ours " + " ".join(f"{x:.3f}" for x in sorted(ours_s))
+        note += "; baseline " + " ".join(f"{x:.3f}" for x in sorted(base_s))
+    return mgr, hand, (f"keep_last=1, {label}", "torch.save + fsync", ours_med, base_med, note)
+
+
+def only_save_rows(mb: int, rounds: int, work: Path) -> list[tuple[str, str, float, float, str]]:
+    """``--only save``: the managed ``keep_last=1`` save, every round's time in the note."""
+    model, opt = build(mb)
+    label = f"{sum(p.numel() for p in model.parameters()) * 12 / 1e6:,.0f} MB"
+    ids = iter(range(1, 1_000_000))
+    mgr, hand, row = keep_last_1_row(model, opt, mb, rounds, work, ids, label, modes=True)
+    mgr.close()
+    shutil.rmtree(mgr.run_dir)
+    shutil.rmtree(hand.folder)
+    return [row]
 
 
 def only_restore_rows(mb: int, rounds: int, work: Path) -> list[tuple[str, str, float, float, str]]:
@@ -519,7 +552,9 @@ def main() -> None:
     parser.add_argument("--folders", type=int, default=10_000)
     parser.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the markdown result")
-    parser.add_argument("--only", choices=["restore"], default=None, help="only these rows (no folder rows)")
+    parser.add_argument(
+        "--only", choices=["restore", "save"], default=None, help="only these rows (no folder rows)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     load_before = os.getloadavg()
@@ -528,11 +563,8 @@ def main() -> None:
         work = Path(tmp)
         write, read = disk_speed(work, min(max(args.mb, default=64), 1024))
         for mb in args.mb:
-            rows += (
-                only_restore_rows(mb, args.rounds, work)
-                if args.only
-                else rows_for_size(mb, args.rounds, work)
-            )
+            only = {"restore": only_restore_rows, "save": only_save_rows}.get(args.only, rows_for_size)
+            rows += only(mb, args.rounds, work)
         if args.folders and not args.only:
             rows += folder_rows(args.folders, args.rounds, work)
     load_after = os.getloadavg()
