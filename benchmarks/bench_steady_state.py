@@ -18,6 +18,8 @@ by round (ours, baseline, ours, ...), each writing fresh files:
   what the training thread waits for.
 * ``keep_last=1``: the managed save against ``torch.save`` + fsync of file and
   folder (and ``os.remove`` of the previous file, so both keep one on disk).
+  ``--only save`` runs this row alone and lists every round's time, sorted, for
+  both sides: a disk with two speeds shows both in the baseline too.
 * ``async stall``: ``AsyncCheckpointer.save_async`` (the training thread's
   share) against the synchronous managed save. With ``overlap_copy=False``
   (everything copied at once): once with the background deletion of the
