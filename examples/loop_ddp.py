@@ -10,10 +10,12 @@ across ranks, and each rank's generators go into a file of its own, so ranks
 may seed differently. It takes the DDP-wrapped model as it is (its
 ``module.`` keys are normalised on save and on restore).
 examples/before/loop_ddp.py is the loop without checkpoints; this file
-changes six lines of it, one over the recipes' five (``tests/test_recipes.py``
-counts them): the manager, the restore, the start step (a modified line, 2),
-the save, and ``mgr.close()``, which waits for the last save's retention and
-frees the manager's process groups before the default group is destroyed.
+changes five lines of it (``tests/test_recipes.py`` counts them): the
+manager, the restore, the start step (a modified line, 2) and the save.
+``save_if_due(..., last_step=args.steps)`` saves the last step whatever the
+cadence and then closes the manager: it waits for that save's retention and
+frees the manager's process groups, which must go before the default group
+is destroyed.
 
 ``--mistake optimizer`` empties the optimizer's state after the restore (the
 lines marked MISTAKE): a restart trains on with a fresh AdamW on every rank,
@@ -74,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.all_reduce(mean)  # the global batch's loss, so every rank's divergence shows
         if rank == 0:
             cl.log_step(step, mean.item() / world, sample_ids=batch)
-        mgr.save_if_due(step, state)  # every 5 steps; a collective
-    mgr.close()  # waits for the last save's retention, frees the manager's groups before the default one
+        mgr.save_if_due(step, state, last_step=args.steps)  # every 5 steps and the last, then closes
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -4,13 +4,13 @@ The token stream is cut into ``BSZ`` columns and read ``BPTT`` tokens at a
 time; the hidden state at the end of one chunk is where the next chunk
 starts (detached, so backpropagation stops at the chunk's edge). That
 hidden state is training state like the weights: lose it at a restart and
-the next chunk starts from zeros. It is a plain value, so it goes into the
-saved state as one and comes back in the state ``resume`` returns.
-examples/before/loop_lstm.py is the loop without checkpoints; this file
-changes six lines of it, one over the recipes' five (``tests/test_recipes.py``
-counts them): the hidden state is reassigned every step, so besides the
-manager, the restore, the start step (a modified line, 2) and the save, it
-needs a line that takes the restored value back out of the state:
+the next chunk starts from zeros. ``resume`` restores a tensor value, or a
+tuple of them like this ``(h, c)``, in place, so ``hidden`` holds the saved
+pair after it; each save hands the current pair, since the loop reassigns
+it every step. examples/before/loop_lstm.py is the loop without
+checkpoints; this file changes five lines of it (``tests/test_recipes.py``
+counts them): the manager, the restore, the start step (a modified line, 2)
+and the save:
 
     python -m ckpt_lesson resume-test -- python examples/loop_lstm.py
 
@@ -82,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
     hidden = model.init_hidden(BSZ)
     mgr = cl.CheckpointManager(every_steps=10)  # into $CKPT_LESSON_CKPT_DIR if set, else checkpoints/
-    start, state = mgr.resume(model=model, optimizer=optimizer, hidden=hidden)  # in place; 0: a first run
-    hidden = state["hidden"]  # the (h, c) pair the last save held (the zeros above on a first run)
+    start, state = mgr.resume(model=model, optimizer=optimizer, hidden=hidden)  # in place, hidden too
     if args.mistake == "hidden":  # MISTAKE: a resumed run starts its next chunk from zeros
         hidden = model.init_hidden(BSZ)  # MISTAKE
 

@@ -95,3 +95,81 @@ def test_a_manager_given_no_folder_saves_into_the_variable_else_checkpoints(tmp_
     monkeypatch.setenv("CKPT_LESSON_CKPT_DIR", "s3://bucket/run")
     with pytest.raises(cl.CheckpointError, match=r"is a URL; pass it to the manager explicitly"):
         cl.CheckpointManager(every_steps=1)
+
+
+def test_resume_restores_a_tensor_and_a_tuple_of_tensors_in_place_and_keeps_them_in_the_state(tmp_path):
+    model, _ = parts()
+    mgr = cl.CheckpointManager(tmp_path / "run", every_steps=1)
+    hidden, count = (torch.zeros(2, 3), torch.zeros(2, 3)), torch.tensor(0)
+    start, state = mgr.resume(model=model, hidden=hidden, count=count)
+    assert start == 0 and state["hidden"] is hidden  # a first run keeps what it was given
+    mgr.save_if_due(1, {**state, "hidden": (torch.full((2, 3), 1.0), torch.full((2, 3), 2.0)), "count": 7})
+    mgr.save_if_due(2, {**state, "hidden": (torch.full((2, 3), 3.0), torch.full((2, 3), 4.0)), "count": 9})
+
+    fresh = (torch.zeros(2, 3), torch.zeros(2, 3))
+    start, state = cl.CheckpointManager(tmp_path / "run", every_steps=1).resume(
+        model=model, hidden=fresh, count=0
+    )
+    assert start == 2 and state["hidden"] is fresh  # the same tuple, the same tensors, the saved values
+    assert torch.equal(fresh[0], torch.full((2, 3), 3.0)) and torch.equal(fresh[1], torch.full((2, 3), 4.0))
+    assert state["count"] == 9  # not a tensor: back in the state, as before
+
+
+F32 = r"torch.float32 tensor"
+
+
+@pytest.mark.parametrize(
+    "given, pattern",
+    [
+        (
+            (torch.zeros(2, 4), torch.zeros(2, 3)),
+            rf"hidden\[0\] is a \(2, 4\) {F32}, the save of step 1 holds a \(2, 3\)",
+        ),
+        (
+            (torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float64)),
+            r"hidden\[1\] is a \(2, 3\) torch.float64",
+        ),
+        ((torch.zeros(2, 3),) * 3, r"hidden is a tuple of 3, the save of step 1 holds a tuple of 2"),
+        (torch.zeros(2, 3), rf"hidden is a \(2, 3\) {F32}, the save of step 1 holds a tuple of 2"),
+    ],
+)
+def test_resume_refuses_a_tensor_value_unlike_the_saved_one_by_name_and_writes_none(tmp_path, given, pattern):
+    model, _ = parts()
+    mgr = cl.CheckpointManager(tmp_path / "run", every_steps=1)
+    mgr.save_if_due(1, {"model": model, "hidden": (torch.ones(2, 3), torch.ones(2, 3)), "h0": torch.ones(1)})
+    h0 = torch.zeros(1)
+    with pytest.raises(cl.CheckpointError, match=pattern):
+        cl.CheckpointManager(tmp_path / "run", every_steps=1).resume(model=model, h0=h0, hidden=given)
+    assert torch.equal(h0, torch.zeros(1))  # checked before the first copy: nothing was written
+    assert all(torch.equal(t, torch.zeros_like(t)) for t in ([given] if torch.is_tensor(given) else given))
+
+
+def test_resume_refuses_two_tensors_of_one_value_that_share_memory(tmp_path):
+    model, _ = parts()
+    mgr = cl.CheckpointManager(tmp_path / "run", every_steps=1)
+    mgr.save_if_due(1, {"model": model, "hidden": (torch.ones(3), torch.full((3,), 2.0))})
+    same = torch.zeros(3)
+    with pytest.raises(cl.CheckpointError, match="two tensors of 'hidden' share memory"):
+        cl.CheckpointManager(tmp_path / "run", every_steps=1).resume(model=model, hidden=(same, same))
+
+
+def test_save_if_due_saves_the_last_step_off_the_cadence_then_closes_the_manager(tmp_path):
+    model, opt = parts()
+    mgr = cl.CheckpointManager(tmp_path / "run", every_steps=4)
+    start, state = mgr.resume(model=model, optimizer=opt)
+    saved = [mgr.save_if_due(step, state, last_step=6) is not None for step in range(start + 1, 7)]
+    assert saved == [False, False, False, True, False, True] and mgr.all_steps() == [4, 6]
+    with pytest.raises(cl.CheckpointError, match="closed"):  # closed after the last step's save
+        mgr.save(7, state)
+    assert cl.CheckpointManager(tmp_path / "run", every_steps=4).resume(model=model, optimizer=opt)[0] == 6
+
+
+def test_a_distributed_manager_saves_its_last_step_and_closes_there_too(tmp_path):
+    # One process without a process group: the same LoopMethods path a torchrun script takes.
+    model, opt = parts()
+    mgr = cl.DistributedCheckpointManager(tmp_path / "run", every_steps=4)
+    start, state = mgr.resume(model=model, optimizer=opt)
+    saved = [mgr.save_if_due(step, state, last_step=5) is not None for step in range(start + 1, 6)]
+    assert saved == [False, False, False, True, True]
+    with pytest.raises(cl.CheckpointError, match="this manager is closed"):
+        mgr.save(6, state)

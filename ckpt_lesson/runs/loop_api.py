@@ -16,7 +16,15 @@ sets it), else into ``checkpoints`` (:func:`default_run_dir`), so the loop needs
 and no flag to be tested.
 
 They are thin on purpose: ``resume`` is ``restore_latest(state)`` and ``save_if_due`` is
-``should_save(step)`` then ``save(step, state)``; the rules of those two hold unchanged.
+``should_save(step)`` then ``save(step, state)``; the rules of those two hold unchanged. Each adds
+one thing a loop would otherwise spell out in a line of its own:
+
+- ``resume`` restores a tensor value (or a tuple or list of them, like an LSTM's ``(h, c)``) in
+  place, as ``torch.distributed.checkpoint.load`` does, so the variable the loop passed holds the
+  saved value without taking it back out of the returned state. Same shape and dtype, or it
+  refuses by name: nothing is cast.
+- ``save_if_due(..., last_step=n)`` saves step ``n`` whatever the cadence and then closes the
+  manager, so a DDP script needs no ``mgr.close()`` before ``dist.destroy_process_group()``.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.storage import is_store_url
@@ -72,6 +82,9 @@ class LoopMethods:
         Objects (anything with ``state_dict``/``load_state_dict``) are restored in place, the
         generators too, exactly as :meth:`restore_latest` does. Plain values come back in the
         returned state: a first run keeps the values given, a resumed run gets the saved ones.
+        A tensor value, or a tuple or list of tensors (an LSTM's ``(h, c)``), is also restored
+        in place (``copy_``, as DCP's ``load`` does): the objects given come back in the state,
+        holding the saved values.
 
         Args:
             state: The parts by name, as a mapping; or give them as keywords (or both: the
@@ -84,9 +97,10 @@ class LoopMethods:
             ``Restored`` itself (path, skipped saves) is kept in ``self.restored``.
 
         Raises:
-            CheckpointError: No parts given, a name given twice, or anything
-                :meth:`restore_latest` refuses (a part missing on either side, saves that
-                exist but none usable), named there.
+            CheckpointError: No parts given, a name given twice, a tensor value whose shape,
+                dtype or nesting differs from the saved one (checked before any is written), or
+                anything :meth:`restore_latest` refuses (a part missing on either side, saves
+                that exist but none usable), named there.
 
         Example:
             >>> start, state = mgr.resume(model=model, optimizer=opt)  # doctest: +SKIP
@@ -102,9 +116,20 @@ class LoopMethods:
         self.restored = self.restore_latest(given)  # type: ignore[attr-defined]
         if self.restored is None:
             return 0, given
-        return self.restored.step, {**given, **self.restored.values}
+        values, step = self.restored.values, self.restored.step
+        # Every tensor value is checked before the first is written: all of them, or none.
+        found = {
+            name: _tensor_pairs(name, given[name], values[name], step) for name in values if name in given
+        }
+        in_place = {name: pairs for name, pairs in found.items() if pairs is not None}
+        with torch.no_grad():
+            for target, saved in (pair for pairs in in_place.values() for pair in pairs):
+                target.copy_(saved)
+        return step, {**given, **values, **{name: given[name] for name in in_place}}
 
-    def save_if_due(self, step: int, state: Mapping[str, Any], *, rng: Any = None) -> Path | None:
+    def save_if_due(
+        self, step: int, state: Mapping[str, Any], *, rng: Any = None, last_step: int | None = None
+    ) -> Path | None:
         """Save ``state`` after ``step`` when the cadence (``every_steps``/``every_seconds``) says so.
 
         Args:
@@ -112,16 +137,77 @@ class LoopMethods:
             state: The parts by name, as for :meth:`save`.
             rng: As for :meth:`save`: ``None`` (or ``True``) captures the generators now; a dict from
                 ``capture_rng_state()`` taken before a prefetch is saved as given.
+            last_step: The run's last step. At it (or past it) the save is due whatever the
+                cadence, and the manager is closed after it (:meth:`close`: background work
+                waited for; a distributed manager frees its process groups, so
+                ``dist.destroy_process_group()`` may follow). A run restarted after its last
+                save runs no step, so nothing here closes it: the process ending does.
 
         Returns:
             The published save (as :meth:`save` returns it), or ``None`` when no save was due.
 
         Raises:
-            CheckpointError: Whatever :meth:`save` raises.
+            CheckpointError: Whatever :meth:`save` raises (a manager closed at ``last_step``
+                refuses later saves).
 
         Example:
-            >>> mgr.save_if_due(step, state)  # doctest: +SKIP
+            >>> mgr.save_if_due(step, state, last_step=1000)  # doctest: +SKIP
         """
-        if not self.should_save(step):  # type: ignore[attr-defined]
+        due = self.should_save(step)  # type: ignore[attr-defined]  # first: may be a collective
+        last = last_step is not None and step >= last_step
+        if not (due or last):
             return None
-        return self.save(step, state, rng=rng)  # type: ignore[attr-defined]
+        path = self.save(step, state, rng=rng)  # type: ignore[attr-defined]
+        if last:
+            self.close()  # type: ignore[attr-defined]
+        return path
+
+
+def _is_tensors(value: Any) -> bool:
+    """A tensor, or a non-empty tuple/list (nested) holding only tensors: restored in place."""
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, (tuple, list)) and len(value) > 0 and all(_is_tensors(v) for v in value)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {tuple(value.shape)} {value.dtype} tensor"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
+
+
+def _tensor_pairs(name: str, given: Any, saved: Any, step: int) -> list[tuple[torch.Tensor, Any]] | None:
+    """``(target, saved)`` for each tensor of a tensor value given to ``resume``; None: not tensors.
+
+    The saved value must have the same nesting and each tensor the same shape and dtype (nothing
+    is cast); two given tensors may not share memory (the second copy would overwrite the first).
+    """
+    if not _is_tensors(given):
+        return None
+    pairs: list[tuple[torch.Tensor, Any]] = []
+    todo = [(given, saved, name)]
+    while todo:
+        mine, theirs, where = todo.pop()
+        alike = isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor)
+        if alike and (mine.shape, mine.dtype) == (theirs.shape, theirs.dtype):
+            pairs.append((mine, theirs))
+        elif (
+            not isinstance(mine, torch.Tensor)
+            and isinstance(theirs, (tuple, list))
+            and len(theirs) == len(mine)
+        ):
+            todo.extend((m, t, f"{where}[{i}]") for i, (m, t) in enumerate(zip(mine, theirs, strict=True)))
+        else:
+            raise CheckpointError(
+                f"resume: {where} is {_describe(mine)}, the save of step {step} holds {_describe(theirs)}; "
+                f"a tensor value is restored in place: pass {name!r} as saved, or leave it out of resume()."
+            )
+    starts = [target.untyped_storage().data_ptr() for target, _ in pairs if target.numel()]
+    if len(set(starts)) != len(starts):
+        raise CheckpointError(
+            f"resume: two tensors of {name!r} share memory, so one copy would overwrite the other; "
+            "give each its own tensor (e.g. torch.zeros twice, not one tensor twice)."
+        )
+    return pairs
