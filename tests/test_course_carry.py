@@ -20,9 +20,10 @@ import pytest
 
 import ckpt_lesson as cl
 from ckpt_lesson.course import solutions
-from ckpt_lesson.course.carry import YOURS_DIR, Kept, keep, yours
+from ckpt_lesson.course.carry import yours
 from ckpt_lesson.course.exercises import EXERCISES
 from ckpt_lesson.course.grading import FAIL_MARK, PASS_MARK
+from ckpt_lesson.course.keeping import YOURS_DIR, Kept, keep
 
 RNG_CELL = "import random\n\nimport numpy as np\nimport torch\n\n\n" + "\n\n".join(
     inspect.getsource(f) for f in (solutions.capture_rng_state, solutions.restore_rng_state)

@@ -1,13 +1,9 @@
 """Continuity: what the learner writes in one lesson is used in the lessons after it.
 
-When a lesson's exercise check passes, :meth:`Exercise.check` calls :func:`keep`:
-each function the learner wrote (in a notebook cell, so in ``__main__``) is
-written to ``ckpt_work/yours/<function>.py``, relative to the working directory
-(a notebook's kernel runs in the notebook's folder), as source with every global
-it reads (:mod:`ckpt_lesson.course.kept_source`), but only after that copy,
-loaded on its own, passes the same check: otherwise the verdict is FAIL and
-names what went missing. Later cells, and later notebooks in a fresh kernel,
-call :func:`yours`::
+When a lesson's exercise check passes, the learner's functions are kept, one file
+each under ``ckpt_work/yours/`` (:func:`ckpt_lesson.course.keeping.keep`, only
+after the copy, loaded on its own, passes the same check). Later cells, and later
+notebooks in a fresh kernel, call :func:`yours`::
 
     from ckpt_lesson.course.carry import yours
     capture, restore = yours("capture_rng_state", "restore_rng_state")
@@ -19,30 +15,25 @@ saying whose version is used. The committed notebooks are unsolved, so their
 stored output is always the package's line.
 
 The kept files are the learner's own code, run again in this process: they are
-read only if they are regular files (never through a symlink), size-capped, and
-written atomically; a file that does not load is reported and the package's
-version is used instead.
+read only if they are regular files (never through a symlink) and size-capped;
+a file that does not load is reported and the package's version is used instead.
+This module needs the list of exercises (to find the package's version), so it
+sits above ``exercises.py``; keeping sits below ``exercise.py``.
 """
 
 from __future__ import annotations
 
-import builtins
-import linecache
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ckpt_lesson.course.grading import exception_text
-from ckpt_lesson.course.kept_source import kept_source
+from ckpt_lesson.course.exercise import _resolve
+from ckpt_lesson.course.exercises import EXERCISES
+from ckpt_lesson.course.keeping import MAX_SOURCE_BYTES, YOURS_DIR, load_kept
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.atomic import atomic_write_bytes
 from ckpt_lesson.files.safe_read import read_regular_file
 
-__all__ = ["LESSONS", "YOURS_DIR", "Kept", "keep", "yours"]
-
-#: Where kept functions live, relative to the working directory (the notebook's folder).
-YOURS_DIR = Path("ckpt_work") / "yours"
+__all__ = ["LESSONS", "yours"]
 
 #: The lesson whose exercise asks for each function, for the line :func:`yours` prints.
 LESSONS: dict[str, str] = {
@@ -55,92 +46,6 @@ LESSONS: dict[str, str] = {
     "write_shards": "04",
     "next_batch_ids": "05",
 }
-
-# A kept function is a page or two of code; anything far larger was not written by the course.
-_MAX_SOURCE_BYTES = 256 * 1024
-
-
-@dataclass(frozen=True)
-class Kept:
-    """What :func:`keep` did.
-
-    Attributes:
-        line: The line to print after the verdict (kept, or why not), or ``None``.
-        broken: Why the kept copy fails where the learner's function passed (a name
-            that was not kept, an error on loading, a failed case), or ``None``: the
-            PASS stands only when this is ``None``.
-    """
-
-    line: str | None
-    broken: str | None = None
-
-
-def keep(
-    functions: Mapping[str, Callable[..., Any]],
-    *,
-    exercise: str,
-    folder: Path = YOURS_DIR,
-    recheck: Callable[[Sequence[Callable[..., Any]]], str | None] | None = None,
-) -> Kept:
-    """Keep the learner's functions that just passed ``exercise``'s check, one file each.
-
-    Only functions defined in ``__main__`` (a notebook cell or a script) are the
-    learner's; the package's reference solutions passed to a check are not kept.
-    Each file is first loaded in a fresh namespace, as :func:`yours` will load it in
-    the next notebook, and ``recheck`` runs the exercise's check on those copies:
-    a copy that misses a name, fails to load or fails a case is not written, and
-    :attr:`Kept.broken` says why.
-
-    Args:
-        functions: The expected function name (``"capture_rng_state"``) mapped to the
-            function that passed, whatever the learner called it.
-        exercise: The exercise's name, written into each file's header.
-        folder: Where to keep them; :data:`YOURS_DIR` under the working directory.
-        recheck: Runs the check on the reloaded functions (in ``functions``' order) and
-            returns the first failure in words, or ``None``.
-
-    Returns:
-        A :class:`Kept`.
-
-    Example:
-        >>> from ckpt_lesson.course import solutions
-        >>> keep({"keep_last_k": solutions.keep_last_k}, exercise="keep_k").line is None  # not the learner's
-        True
-    """
-    learner = {name: fn for name, fn in functions.items() if getattr(fn, "__module__", None) == "__main__"}
-    if not learner:
-        return Kept(None)
-    listed = ", ".join(learner)
-    try:
-        _check_folder(folder)
-        texts = {name: _kept_text(name, fn, exercise) for name, fn in learner.items()}
-    except Exception as exc:  # keeping is a convenience: an unreadable source never turns a PASS into a crash
-        return _not_kept(listed, exc)
-    copies = dict(functions)
-    for name, (text, missing) in texts.items():
-        if missing:
-            unkept = ", ".join(missing)
-            return Kept(None, f"your {name} reads {unkept}, which cannot be written out as source")
-        try:
-            copies[name] = _load_text(text, name, (folder / f"{name}.py").as_posix())  # as yours() will
-        except Exception as exc:  # the learner's code, run again on its own
-            return Kept(None, f"your {name}, loaded on its own, raised {exception_text(exc)}")
-    failure = recheck(list(copies.values())) if recheck is not None else None
-    if failure is not None:
-        return Kept(None, f"loaded on its own, as the next notebook loads it: {failure}")
-    try:
-        for name, (text, _) in texts.items():
-            atomic_write_bytes(text.encode("utf-8"), folder / f"{name}.py")
-    except Exception as exc:  # a full disk or a read-only folder: the PASS still stands
-        return _not_kept(listed, exc)
-    them = "them" if len(learner) > 1 else "it"
-    where = folder.as_posix()
-    return Kept(f"Kept your {listed} in {where}/: later cells and notebooks use {them} (yours(...)).")
-
-
-def _not_kept(listed: str, exc: Exception) -> Kept:
-    reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
-    return Kept(f"Could not keep your {listed} for later notebooks ({reason}); they will use the package's.")
 
 
 def yours(*names: str, folder: Path = YOURS_DIR) -> Any:
@@ -177,7 +82,7 @@ def yours(*names: str, folder: Path = YOURS_DIR) -> Any:
     for name in names:
         path = folder / f"{name}.py"
         try:
-            data = read_regular_file(path, limit=_MAX_SOURCE_BYTES, what="kept function")
+            data = read_regular_file(path, limit=MAX_SOURCE_BYTES, what="kept function")
         except FileNotFoundError:
             problem = f"exercise {lessons} not solved yet"
             break
@@ -186,7 +91,7 @@ def yours(*names: str, folder: Path = YOURS_DIR) -> Any:
             problem += f"solve exercise {lessons} again"
             break
         try:
-            chosen.append(_load_text(data.decode("utf-8"), name, path.as_posix()))
+            chosen.append(load_kept(data.decode("utf-8"), name, path.as_posix()))
         except Exception as exc:  # the learner's code: any failure means "use the package's"
             reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
             problem = f"your kept {path.as_posix()} does not load ({reason}); solve exercise {lessons} again"
@@ -200,51 +105,8 @@ def yours(*names: str, folder: Path = YOURS_DIR) -> Any:
     return chosen[0] if len(names) == 1 else tuple(chosen)
 
 
-def _check_folder(folder: Path) -> None:
-    """Refuse a kept-functions folder, or its parent ``ckpt_work``, that is a symlink; else create it."""
-    for part in (folder.parent, folder):
-        if part.is_symlink():
-            raise CheckpointError(f"{part.as_posix()} is a symbolic link; remove it so kept files stay here.")
-    folder.mkdir(parents=True, exist_ok=True)
-
-
-def _kept_text(name: str, fn: Callable[..., Any], exercise: str) -> tuple[str, tuple[str, ...]]:
-    """The file for one kept function (a header, the source with what it uses, an alias if renamed)
-    and the globals it reads that could not be written out."""
-    source = kept_source(fn)
-    lines = [
-        f"# Your {name}, kept when {exercise}.check(...) passed.",
-        f'# yours("{name}") loads it in later cells and notebooks; delete this file to use the package\'s.',
-        source.text,
-    ]
-    if fn.__name__ != name:
-        lines.append(f"{name} = {fn.__name__}")
-    return "\n".join(lines) + "\n", source.missing
-
-
-def _load_text(text: str, name: str, filename: str) -> Callable[..., Any]:
-    """Run a kept file's source in a fresh namespace and return its function ``name``.
-
-    The namespace is named ``__main__``, as the notebook cell was, so a function kept
-    later that calls this one (03's ``save_checkpoint`` calling 01's
-    ``capture_rng_state``) carries its source along; the source is registered with
-    :mod:`linecache` so ``inspect.getsource`` finds it.
-    """
-    code = compile(text, filename, "exec")
-    linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
-    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
-    exec(code, namespace)  # the learner's own code, kept when their check passed
-    fn = namespace.get(name)
-    if not callable(fn):
-        raise NameError(f"the file defines no function {name}")
-    return fn
-
-
 def _package_version(name: str) -> tuple[Callable[..., Any], str]:
     """The package's own function for ``name`` (else the reference solution) and its exercise's name."""
-    from ckpt_lesson.course.exercise import _resolve  # noqa: PLC0415 (exercises import this module)
-    from ckpt_lesson.course.exercises import EXERCISES  # noqa: PLC0415
-
     for exercise in EXERCISES.values():
         for reference in exercise.references:
             if reference.__name__ != name:

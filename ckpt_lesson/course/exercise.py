@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt_lesson.course.carry import keep
 from ckpt_lesson.course.grading import GradeResult, kept_failure_line, verdict_line
+from ckpt_lesson.course.keeping import keep
 
 __all__ = ["SOLVE_FIRST", "Exercise", "show_source"]
 
@@ -90,7 +90,7 @@ class Exercise:
             **kwargs: Passed on to the grader.
 
         When the check passes, the learner's functions (those defined in ``__main__``)
-        are kept for later lessons (see :mod:`ckpt_lesson.course.carry`): each is loaded
+        are kept for later lessons (see :mod:`ckpt_lesson.course.keeping`): each is loaded
         on its own, as the next notebook loads it, and checked again; when that copy
         fails (a constant it reads was not kept, say) the verdict is FAIL, naming why.
 
@@ -99,7 +99,7 @@ class Exercise:
         """
         result = self.grader(*fns, verbose=False, **kwargs)
         kept = None
-        if result.passed:  # the learner's functions are kept for later lessons (course/carry.py)
+        if result.passed:  # the learner's functions are kept for later lessons (course/keeping.py)
 
             def recheck(copies: Sequence[Callable[..., Any]]) -> str | None:
                 again = self.grader(*copies, verbose=False, **kwargs)

@@ -109,22 +109,18 @@ def capture_rng_state():
     name, keys, pos, has_gauss, cached = np.random.get_state()
     return {
         "python": random.getstate(),  # tuples of ints (and the cached Gaussian): loads fine
-        "numpy": {"name": name, "keys": keys.tolist(), "pos": pos, "has_gauss": has_gauss, "cached": cached},
+        "numpy": (name, keys.tolist(), pos, has_gauss, cached),
         "torch_cpu": torch.get_rng_state(),  # a uint8 tensor (already a copy)
         "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
 
 
 def restore_rng_state(state):
-    version, internal, gauss_next = state["python"]
-    random.setstate((version, tuple(internal), gauss_next))
-    n = state["numpy"]
-    np.random.set_state(
-        (n["name"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached"])
-    )
+    random.setstate(state["python"])  # a weights-only load gives the tuples back as tuples
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))  # the array NumPy wants back
     torch.set_rng_state(state["torch_cpu"])
-    if state["torch_cuda"]:
-        torch.cuda.set_rng_state_all(state["torch_cuda"])
+    torch.cuda.set_rng_state_all(state["torch_cuda"])  # an empty list on a machine without CUDA
 
 
 # ---------------------------------------------------------------- 04 a param-group shard plan
@@ -186,8 +182,7 @@ def write_shards(shards, directory):
 
 
 def next_batch_ids(state, data, *, seed, batch_size):
-    per_epoch = len(data) // batch_size  # a last partial batch is dropped
-    if state.batch_in_epoch >= per_epoch:  # this epoch is used up: the next batch opens a new one
+    if state.batch_in_epoch >= len(data) // batch_size:  # epoch used up (a partial batch is dropped)
         state.epoch += 1
         state.batch_in_epoch = 0
     # The order of an epoch depends on (seed, epoch) only, from a private generator: no replay of
@@ -216,10 +211,8 @@ def atomic_save(payload, path):
         tmp.unlink(missing_ok=True)
         raise
     fd = os.open(path.parent, os.O_RDONLY)  # the rename lives in the directory: flush it too
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    os.fsync(fd)
+    os.close(fd)
 
 
 # ---------------------------------------------------------------- 03 the full round trip
@@ -231,12 +224,7 @@ def save_checkpoint(model, optimizer, scheduler, state, path):
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),  # AdamW's moments and step counts
         "scheduler": scheduler.state_dict(),  # where the learning-rate schedule is
-        "state": {
-            "step": state.step,
-            "epoch": state.epoch,
-            "batch_in_epoch": state.batch_in_epoch,
-            "losses": list(state.losses),
-        },  # fmt: skip
+        "state": vars(state),  # step, epoch, batch_in_epoch, losses: plain values
         "rng": capture_rng_state(),  # notebook 01's, or ckpt_lesson's
     }
     atomic_save(payload, path)  # notebook 02's, or ckpt_lesson's
@@ -246,19 +234,14 @@ def load_checkpoint(path, model, optimizer, scheduler):
     try:  # weights_only: build tensors and plain values, run no code from the file
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # cut short, not a zip, or asking for a forbidden global
-        raise ValueError(
-            f"{path}: cannot be read safely ({type(exc).__name__}); use an older checkpoint"
-        ) from exc
-    if not isinstance(payload, dict) or payload.get("schema") != "lesson.v1":
-        found = payload.get("schema") if isinstance(payload, dict) else type(payload).__name__
-        raise ValueError(f"{path}: schema {found!r} is not 'lesson.v1'; this code cannot read it")
+        raise ValueError(f"{path}: unreadable ({type(exc).__name__}); use an older checkpoint") from exc
+    schema = payload.get("schema") if isinstance(payload, dict) else type(payload).__name__
+    if schema != "lesson.v1":
+        raise ValueError(f"{path}: schema {schema!r} is not 'lesson.v1'; this code cannot read it")
     missing = [b for b in ("model", "optimizer", "scheduler", "state", "rng") if b not in payload]
     if missing:
         raise ValueError(f"{path}: lacks {missing}; a resume needs all five buckets")
-    try:
-        state = TrainState(**payload["state"])
-    except TypeError as exc:
-        raise ValueError(f"{path}: the 'state' bucket is malformed ({exc})") from exc
+    state = TrainState(**payload["state"])  # before any apply: a bad 'state' changes nothing
     # Everything checked: only now change the live objects (a refused file leaves them as they were).
     model.load_state_dict(payload["model"])
     optimizer.load_state_dict(payload["optimizer"])
