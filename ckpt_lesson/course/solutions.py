@@ -211,8 +211,10 @@ def atomic_save(payload, path):
         tmp.unlink(missing_ok=True)
         raise
     fd = os.open(path.parent, os.O_RDONLY)  # the rename lives in the directory: flush it too
-    os.fsync(fd)
-    os.close(fd)
+    try:
+        os.fsync(fd)
+    finally:  # a failed fsync must not leak the descriptor
+        os.close(fd)
 
 
 # ---------------------------------------------------------------- 03 the full round trip
