@@ -10,14 +10,19 @@ there touches no tracked file):
         --user-data-dir=<empty dir> --remote-debugging-port=9333 about:blank
     python take_screenshots.py <out dir>
 
-It opens 01, shows the "predict, then run" cell with its output hidden, runs it, types a typical
-first wrong answer into the exercise (NumPy's raw state kept) and runs the check. It needs
-websocket-client; images are saved at 1400x1000 (then reduced to 96 colours for the repository).
-`python take_screenshots.py <out dir> capstone` takes only 05's capstone plot: it runs 05's first
-cell and the capstone cell (a child process SIGKILLed, a fresh one resuming), then shows the plot.
+(As root, jupyter lab also needs --allow-root.)
+
+It opens 01, shows the first "predict, then run" cell with its output hidden, runs it, types a
+typical first wrong answer into the exercise's cell (scaffold and check share it; NumPy's raw state
+kept) and runs it. Cells are found by their source, not their index, so moving cells does not break
+it. It needs websocket-client and Pillow; images are saved at 1400x1000 and reduced to 96 colours
+for the repository. `python take_screenshots.py <out dir> capstone` takes only 05's capstone plot:
+it runs 05's first cell and the capstone cell (a child process SIGKILLed, a fresh one resuming),
+then shows the plot.
 """
 import base64, json, sys, time, urllib.request
 import websocket
+from PIL import Image
 
 PORT_LAB, PORT_CDP, TOKEN = 8899, 9333, "tok36"
 OUT = sys.argv[1]
@@ -59,7 +64,9 @@ def wait_for(expr, timeout=180):
 def shot(name):
     time.sleep(1.0)
     data = call("Page.captureScreenshot", format="png")["data"]
-    open(f"{OUT}/{name}.png", "wb").write(base64.b64decode(data))
+    path = f"{OUT}/{name}.png"
+    open(path, "wb").write(base64.b64decode(data))
+    Image.open(path).convert("RGB").quantize(96).save(path, optimize=True)  # ~80 KB instead of ~200
     print("saved", name)
 
 call("Emulation.setDeviceMetricsOverride", width=1400, height=1000, deviceScaleFactor=1, mobile=False)
@@ -106,10 +113,17 @@ def set_source(i, text):
 def hidden(i):
     return js(f"{NB}.widgets[{i}].outputHidden")
 
+def find(text):
+    """The index of the first cell whose source contains `text`."""
+    i = js(f"{NB}.widgets.findIndex(w => w.model.sharedModel.getSource().includes({json.dumps(text)}))")
+    if i < 0:
+        raise LookupError(f"no cell contains {text!r}")
+    return i
+
 def capstone():
     """05's capstone: run the setup cell and the capstone cell, then show the two-panel plot."""
     open_notebook("notebooks/05_mid_epoch_resume.ipynb")
-    i = js(f"{NB}.widgets.findIndex(w => w.model.sharedModel.getSource().includes('run_capstone(work'))")
+    i = find("run_capstone(work")
     print("run cell 1:", run(1))
     print("run capstone cell", i, ":", run(i))
     print("capstone output:", js(f"{NB}.widgets[{i}].outputArea.node.innerText")[:400])
@@ -123,16 +137,22 @@ if sys.argv[2:] == ["capstone"]:
 
 # 1. 01: a hidden prediction before and after running it
 open_notebook("notebooks/01_rng_capture.ipynb")
-print("cell 3 output hidden on open:", hidden(3))
-show(2)
+p = find("# Predict, then run")
+print(f"prediction cell {p} output hidden on open:", hidden(p))
+show(p - 1)  # from the markdown above it, which asks for the prediction
 shot("01-prediction-hidden-before-run")
 print("run cell 1:", run(1))
-print("run cell 3:", run(3))
-print("cell 3 output hidden after run:", hidden(3))
-show(2)
+print(f"run cell {p}:", run(p))
+print(f"cell {p} output hidden after run:", hidden(p))
+show(p - 1)
 shot("01-prediction-shown-after-run")
 
-# 2. 01's first exercise after a wrong answer (NumPy's raw state kept: a typical first try)
+# 2. 01's first exercise after a wrong answer (NumPy's raw state kept: a typical first try).
+# The scaffold and its check share one cell: the answer replaces the scaffold, the check line stays.
+e = find("rng_capture.check(")
+check_line = js(f"{NB}.widgets[{e}].model.sharedModel.getSource()").splitlines()[-1]
+if not check_line.startswith("result = rng_capture.check("):
+    raise RuntimeError(f"01's exercise cell {e} no longer ends with its check line: {check_line!r}")
 wrong = '''def capture_rng_state():
     return {
         "python": random.getstate(),
@@ -146,10 +166,11 @@ def restore_rng_state(snapshot):
     random.setstate(snapshot["python"])
     np.random.set_state(snapshot["numpy"])
     torch.set_rng_state(snapshot["torch_cpu"])
-'''
-set_source(5, wrong)
-print("run cell 5:", run(5))
-print("run cell 6:", run(6))
-print("verdict text:", js(f"{NB}.widgets[6].outputArea.node.innerText")[:600])
-show(5)
+
+
+''' + check_line
+set_source(e, wrong)
+print(f"run cell {e}:", run(e))
+print("verdict text:", js(f"{NB}.widgets[{e}].outputArea.node.innerText")[:600])
+show(e)
 shot("01-exercise-after-a-wrong-answer")
