@@ -64,7 +64,8 @@ def private_buffer(nbytes: int) -> torch.Tensor:
     ``MADV_HUGEPAGE`` faults in 2 MiB at a time where the kernel's transparent
     huge pages are ``madvise`` or ``always`` (0.03 s for the same 256 MB), and is
     returned to the system as soon as the tensor that holds it is freed. Elsewhere
-    (another OS, THP off, a failed mapping) it is ``torch.empty``.
+    (another OS, THP off, a failed mapping) it is ``torch.empty``. Like a tensor that
+    ``torch.load(mmap=True)`` returns, one on a mapping cannot have its storage resized.
 
     Args:
         nbytes: Size of the buffer.
