@@ -23,7 +23,10 @@ import pytest
 import torch
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.private_copy import PrivateCopy
+from ckpt_lesson.files.checkpoint import save_checkpoint
+from ckpt_lesson.files.fresh_memory import FreshMemory
+from ckpt_lesson.files.integrity import file_digest, verify_footer
+from ckpt_lesson.files.private_copy import PrivateCopy, private_buffer
 from ckpt_lesson.runs.manager import CheckpointManager
 
 ONE, SEVEN = struct.pack("<f", 1.0) * 16, struct.pack("<f", 7.0) * 16
@@ -163,3 +166,55 @@ def test_without_memfd_the_copy_is_a_bytearray_and_the_rewrite_still_loads_the_v
     with PrivateCopy(4) as copy:
         assert copy.fd is None and copy.map_path is None
     mgr.close()
+
+
+def test_a_large_record_is_read_straight_into_its_buffer_and_hashed_there_with_no_second_copy(tmp_path):
+    model = ones_model(1024)  # a 4 MiB weight record: above the size that gets a buffer
+    path = tmp_path / "c.pt"
+    save_checkpoint(model, torch.optim.SGD(model.parameters(), lr=0.1), None, ckpt_state(1), path)
+    data, size = path.read_bytes(), path.stat().st_size
+    with FreshMemory() as fresh, open(path, "rb") as f:
+        fresh.start(f, size)  # the record spans, from the archive's directory (as load_verified_file)
+        copy = PrivateCopy(size, fresh=fresh)
+        if copy.fd is None:
+            pytest.skip("records go to buffers only beside a memfd copy (Linux)")
+        reader = copy.reader(f)
+        pieces = []  # (file offset, address of the bytes handed to the hash, the bytes)
+        while len(view := reader.read_view(1 << 20)):
+            at = reader.tell() - len(view)
+            pieces.append((at, torch.frombuffer(view, dtype=torch.uint8).data_ptr(), bytes(view)))
+        assert b"".join(p[2] for p in pieces) == data  # every byte once, in order
+        assert fresh.spans, "the 4 MiB record must get a buffer"
+        for start, n in fresh.spans:
+            buf = copy._taken[start][0]
+            assert bytes(buf.numpy()) == data[start : start + n]
+            inside = [(at, ptr) for at, ptr, _ in pieces if start <= at < start + n]
+            assert inside and all(ptr == buf.data_ptr() + at - start for at, ptr in inside)
+        f.seek(0)
+        digest = verify_footer(copy.reader(f), name=path)  # the footer check reads through the same path
+        copy.close()
+    assert digest == file_digest(path)
+
+
+@pytest.mark.parametrize("nbytes", [1 << 20, (6 << 20) + 3], ids=["below-2MiB", "huge-page-sized"])
+def test_a_private_buffer_is_exactly_the_size_asked_writable_and_freed_with_its_tensor(nbytes):
+    buf = private_buffer(nbytes)
+    assert buf.dtype == torch.uint8 and buf.shape == (nbytes,) and buf.is_contiguous()
+    buf.fill_(7)
+    assert int(buf[-1]) == 7 and int(buf.sum()) == 7 * nbytes
+    start = buf.data_ptr()
+    moments = buf[: nbytes - nbytes % 4].view(torch.float32)  # what an optimizer keeps: a view
+    del buf
+    assert moments.data_ptr() == start and float(moments[0]) != 0.0
+    if Path("/proc/self/maps").exists():
+        del moments
+
+        def mapped() -> bool:
+            with open("/proc/self/maps") as maps:
+                return any(
+                    int(line.split("-")[0], 16) <= start < int(line.split()[0].split("-")[1], 16)
+                    for line in maps
+                )
+
+        if nbytes >= 2 << 20:  # a mapping of its own: gone as soon as the last tensor on it is
+            assert not mapped()

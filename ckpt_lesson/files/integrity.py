@@ -277,17 +277,22 @@ def verify_footer(
     f.seek(0)
     h = new_hasher(footer_algo or algo)
     extra = new_hasher(algo) if footer_algo and algo != footer_algo else None
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
+    # A private copy's reader hands out each piece where it will be loaded from (read_view), so
+    # the bytes hashed are the bytes kept, with no copy between the two.
+    read_view = getattr(f, "read_view", None)
+    view = memoryview(bytearray(_CHUNK if read_view is None else 0))
     left = content_len
     while left > 0:
-        got = f.readinto(view[: min(_CHUNK, left)])
-        if not got:
+        if read_view is not None:
+            chunk = read_view(min(_CHUNK, left))
+        else:
+            chunk = view[: f.readinto(view[: min(_CHUNK, left)]) or 0]
+        if not len(chunk):
             break
-        h.update(view[:got])
+        h.update(chunk)
         if extra is not None:
-            extra.update(view[:got])
-        left -= got
+            extra.update(chunk)
+        left -= len(chunk)
     content = h.hexdigest()
     whole = extra if extra is not None else h.copy()
     if found is not None:
