@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -34,6 +35,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from ckpt_lesson import log_step
 
 SAMPLES, BATCH, EPOCHS, SAVE_EVERY = 48, 8, 3, 4
+#: Seconds each step waits, standing in for a real step's compute: a step of a few milliseconds is
+#: over before resume-test's kill arrives, which then lands several steps after where it aimed.
+STEP_SECONDS = 0.05
 
 
 def newest_save(out: Path) -> tuple[Path, int] | None:
@@ -84,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             scheduler.step()
             step += 1
             log_step(step, loss.item(), sample_ids=ids)
+            time.sleep(STEP_SECONDS)
             if step % SAVE_EVERY == 0:
                 accelerator.save_state(str(out / f"step_{step}"))
     return 0

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
@@ -32,6 +33,9 @@ from transformers.utils import logging as hf_logging
 from ckpt_lesson import log_step
 
 SEQUENCES, LENGTH, BATCH, EPOCHS, SAVE_EVERY = 48, 8, 8, 3, 4
+#: Seconds each step waits, standing in for a real step's compute: a step of a few milliseconds is
+#: over before resume-test's kill arrives, which then lands several steps after where it aimed.
+STEP_SECONDS = 0.05
 
 
 class LogSteps(TrainerCallback):
@@ -40,6 +44,7 @@ class LogSteps(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             log_step(state.global_step, logs["loss"], grad_norm=logs["grad_norm"], lr=logs["learning_rate"])
+            time.sleep(STEP_SECONDS)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 import warnings
 
 import lightning as L
@@ -30,6 +31,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from ckpt_lesson import log_step
 
 SAMPLES, BATCH, EPOCHS, SAVE_EVERY = 48, 8, 3, 4
+#: Seconds each step waits, standing in for a real step's compute: a step of a few milliseconds is
+#: over before resume-test's kill arrives, which then lands several steps after where it aimed.
+STEP_SECONDS = 0.05
 
 
 class Tiny(L.LightningModule):
@@ -38,12 +42,13 @@ class Tiny(L.LightningModule):
         self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 1))
 
     def training_step(self, batch, batch_idx):
-        x, y, _ = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        # global_step counts optimizer steps and has already moved past this one.
-        log_step(self.trainer.global_step, outputs["loss"].item(), sample_ids=batch[2])
+        x, y, ids = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        # Reported here, before ModelCheckpoint's on_train_batch_end saves this step: a save then
+        # follows the report of its step, as resume-test expects (global_step counts finished steps).
+        log_step(self.trainer.global_step + 1, loss.item(), sample_ids=ids)
+        time.sleep(STEP_SECONDS)
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
