@@ -35,8 +35,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from ckpt_lesson import log_step
 
 SAMPLES, BATCH, EPOCHS, SAVE_EVERY = 48, 8, 3, 4
-#: Seconds each step waits, standing in for a real step's compute: a step of a few milliseconds is
-#: over before resume-test's kill arrives, which then lands several steps after where it aimed.
+#: Seconds each step waits before it reports, standing in for a real step's compute: a step of a few
+#: milliseconds is over before resume-test's kill arrives, which then lands steps after its aim, and a
+#: save that follows its step's report at once is not taken for the next step's.
 STEP_SECONDS = 0.05
 
 
@@ -87,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.step()
             scheduler.step()
             step += 1
-            log_step(step, loss.item(), sample_ids=ids)
             time.sleep(STEP_SECONDS)
+            log_step(step, loss.item(), sample_ids=ids)  # reported, then saved at once
             if step % SAVE_EVERY == 0:
                 accelerator.save_state(str(out / f"step_{step}"))
     return 0

@@ -33,18 +33,21 @@ from transformers.utils import logging as hf_logging
 from ckpt_lesson import log_step
 
 SEQUENCES, LENGTH, BATCH, EPOCHS, SAVE_EVERY = 48, 8, 8, 3, 4
-#: Seconds each step waits, standing in for a real step's compute: a step of a few milliseconds is
-#: over before resume-test's kill arrives, which then lands several steps after where it aimed.
+#: Seconds each step waits before it reports, standing in for a real step's compute: a step of a few
+#: milliseconds is over before resume-test's kill arrives, which then lands steps after its aim, and a
+#: save that follows its step's report at once is not taken for the next step's.
 STEP_SECONDS = 0.05
 
 
 class LogSteps(TrainerCallback):
     """Report each optimizer step's loss to resume-test (``logging_steps=1``)."""
 
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(STEP_SECONDS)  # the step's compute; the Trainer then logs it, then saves
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             log_step(state.global_step, logs["loss"], grad_norm=logs["grad_norm"], lr=logs["learning_rate"])
-            time.sleep(STEP_SECONDS)
 
 
 def main(argv: list[str] | None = None) -> int:

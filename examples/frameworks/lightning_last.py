@@ -31,8 +31,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from ckpt_lesson import log_step
 
 SAMPLES, BATCH, EPOCHS, SAVE_EVERY = 48, 8, 3, 4
-#: Seconds each step waits, standing in for a real step's compute: a step of a few milliseconds is
-#: over before resume-test's kill arrives, which then lands several steps after where it aimed.
+#: Seconds each step waits before it reports, standing in for a real step's compute: a step of a few
+#: milliseconds is over before resume-test's kill arrives, which then lands steps after its aim, and a
+#: save that follows its step's report at once is not taken for the next step's.
 STEP_SECONDS = 0.05
 
 
@@ -46,8 +47,8 @@ class Tiny(L.LightningModule):
         loss = nn.functional.mse_loss(self.net(x), y)
         # Reported here, before ModelCheckpoint's on_train_batch_end saves this step: a save then
         # follows the report of its step, as resume-test expects (global_step counts finished steps).
-        log_step(self.trainer.global_step + 1, loss.item(), sample_ids=ids)
         time.sleep(STEP_SECONDS)
+        log_step(self.trainer.global_step + 1, loss.item(), sample_ids=ids)
         return loss
 
     def configure_optimizers(self):
