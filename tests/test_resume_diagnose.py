@@ -146,6 +146,53 @@ def test_sample_ids_from_the_epoch_start_mean_the_data_position_was_lost():
     assert v.diagnosis.startswith("sample ids repeat from the epoch start (step 5)")
 
 
+#: A shuffled baseline: epochs of 4 steps (1-4, 5-8, 9-12), each in its own order.
+ORDERS = [
+    [(0, 1), (2, 3), (4, 5), (6, 7)],
+    [(3, 6), (1, 4), (7, 0), (5, 2)],
+    [(5, 0), (7, 2), (1, 6), (3, 4)],
+]
+SHUFFLED = {s: ORDERS[(s - 1) // 4][(s - 1) % 4] for s in range(1, 13)}
+
+
+def shuffled_trial(killed_after, resumed_ids):
+    first = killed(run(1, range(1, killed_after + 1), ids=SHUFFLED))
+    return trial(first, run(2, range(killed_after + 1, 13), ids={**SHUFFLED, **resumed_ids}))
+
+
+def test_an_epoch_that_replays_an_earlier_epochs_order_after_a_save_at_an_epochs_end_is_not_a_lost_position():
+    # Resumed from the save at the end of epoch 2: epoch 3 begins where it should, in epoch 1's order
+    # (a shuffle whose generator began again from its seed), as Lightning's stock resume does.
+    base = trajectory(run(1, range(1, 13), ids=SHUFFLED).records)
+    v = judge(
+        shuffled_trial(8, {9: ORDERS[0][0], 10: ORDERS[0][1], 11: ORDERS[0][2], 12: ORDERS[0][3]}), base
+    )
+    assert v.first_difference.step == 9 and v.first_difference.what == "sample_ids"
+    assert v.diagnosis.startswith(
+        "sample ids at the first step after resume are those of step 1, the same place in the epoch begun "
+        "at step 1: the data position is restored, but the epoch's shuffled order replays"
+    )
+    assert "restarts the epoch" not in v.diagnosis
+
+
+def test_a_mid_epoch_resume_at_the_right_place_in_an_earlier_epochs_order_names_the_order():
+    base = trajectory(run(1, range(1, 13), ids=SHUFFLED).records)
+    v = judge(
+        shuffled_trial(6, {7: ORDERS[0][2], 8: ORDERS[0][3]}), base
+    )  # the batches skipped, but of epoch 1
+    assert v.diagnosis.startswith("sample ids at the first step after resume are those of step 3, the same")
+
+
+def test_a_restarted_epoch_in_an_earlier_epochs_order_names_the_position_and_the_order():
+    base = trajectory(run(1, range(1, 13), ids=SHUFFLED).records)
+    v = judge(shuffled_trial(6, {7: ORDERS[0][0], 8: ORDERS[0][1]}), base)  # epoch 2 begun again as epoch 1
+    assert v.diagnosis.startswith("sample ids repeat from the epoch start (step 1) at the first step after")
+    assert v.diagnosis.endswith(
+        "not of the interrupted one begun at step 5: the generator the shuffle draws from was not "
+        "restored either"
+    )
+
+
 def test_unseen_sample_ids_mean_the_data_order_was_lost():
     other = {s: (100 + s,) for s in range(7, 13)}
     v = judge(trial(killed(run(1, range(1, 7))), run(2, range(7, 13), ids={**IDS, **other})))

@@ -9,9 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+from ckpt_lesson import cli
+from ckpt_lesson.files.storage import open_storage
 from ckpt_lesson.resume_test.provenance import code_version, environment, format_evidence
+from ckpt_lesson.runs.store_commit import read_commit
+
+EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "resume_train.py")
 
 
 def _git(cwd: Path, *args: str) -> str:
@@ -63,3 +69,29 @@ def test_the_text_head_shows_code_environment_scenario_and_the_saves_resumed_fro
         "scenario     SIGKILL at after-save; 1 trial(s) x 1 kill(s), seed 0; machine lost at every kill",
         "resumed from trial 1 run 2: step 10 (save id bbbbbbbbbbbb)",
     ]
+
+
+@pytest.mark.parametrize("lose", [False, True], ids=["same-machine", "lose-machine"])
+def test_a_restart_from_a_bucket_records_the_save_id_of_the_commit_it_resumed_from(
+    tmp_path, capsys, s3_bucket, monkeypatch, lose
+):
+    for name, value in s3_bucket.env().items():
+        monkeypatch.setenv(name, value)
+    argv = ["resume-test", *(["--lose-machine"] if lose else []), "--trials", "1", "--kills", "1",
+            "--kill-at", "after-save", "--workdir", str(tmp_path / "w"), "--", sys.executable, EXAMPLE,
+            "--steps", "20", f"--ckpt-dir=s3://{s3_bucket.name}/{{run_id}}"]  # fmt: skip
+    code = cli.main(argv)
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "w" / "report.json").read_text())
+    if lose:  # without --lose-machine the bucket's saves are not watched, so no kill aims at them
+        assert code == 0 and report["failure_domain"]["verdict"] == "PASS", out
+    (resumed,) = report["evidence"]["resumed_from"]
+    step = resumed["resumed_from_step"]
+    assert step is not None and resumed["first_step"] == step + 1
+    # The save is named by its URL in the trial's own prefix, and its id is the one its COMMIT marker holds.
+    prefix, _, name = resumed["save"].rpartition("/")
+    assert prefix.startswith(f"s3://{s3_bucket.name}/") and prefix.endswith("-trial-01")
+    assert name == f"step-{step:08d}"
+    marker, _ = read_commit(open_storage(prefix), step)
+    assert resumed["save_id"] == marker["save_id"]
+    assert f"step {step} (save id {marker['save_id'][:12]})" in out

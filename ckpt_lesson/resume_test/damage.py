@@ -12,10 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.safe_read import parse_json_text
+from ckpt_lesson.files.storage import open_storage
 from ckpt_lesson.resume_test.watch import MANAGER, FolderWatcher, SaveBurst
-from ckpt_lesson.runs.scan import published_steps, read_manifest, scan_checkpoints
+from ckpt_lesson.runs.scan import published_steps, read_manifest, scan_checkpoints, step_dir_name
+from ckpt_lesson.runs.store_commit import committed_steps, read_commit
 
-__all__ = ["damage_after_kill", "newest_save"]
+__all__ = ["damage_after_kill", "newest_save", "newest_store_save"]
 
 
 def newest_save(ckpt_dir: Path) -> dict[str, Any] | None:
@@ -43,6 +46,43 @@ def newest_save(ckpt_dir: Path) -> dict[str, Any] | None:
         "name": folder.name,
         "step": steps[-1],
         "save_id": manifest.get("save_id") if isinstance(manifest.get("save_id"), str) else None,
+        "covers": [str(c) for c in covers] if isinstance(covers, list) else None,
+    }
+
+
+def newest_store_save(url: str) -> dict[str, Any] | None:
+    """The newest committed save in a store (``s3://...``), as a restart on any machine will find it.
+
+    A run that saves to a bucket leaves nothing in its local checkpoint folder, so the save a
+    restart resumed from, and its id, can only be read from the store: the ``COMMIT`` marker of
+    the highest committed step, checked against the manifest it names.
+
+    Args:
+        url: The store URL the command was given (``{run_id}`` already filled in).
+
+    Returns:
+        ``{"name", "step", "save_id", "covers"}`` as :func:`newest_save` returns, ``name`` being the
+        save's URL; ``None`` when the store holds no committed save, or cannot be read, or its
+        newest marker or manifest does not check out (the restart's own error will say why).
+
+    Example:
+        >>> newest_store_save("s3://bucket/run-1")  # doctest: +SKIP
+        {'name': 's3://bucket/run-1/step-00000010', 'step': 10, 'save_id': '5d0c...', 'covers': [...]}
+    """
+    try:
+        storage = open_storage(url)
+        steps = committed_steps(storage)
+        if not steps:
+            return None
+        marker, raw = read_commit(storage, steps[-1])
+        manifest = parse_json_text(raw, where=url)
+    except (OSError, CheckpointError):
+        return None
+    covers = manifest.get("covers") if isinstance(manifest, dict) else None
+    return {
+        "name": f"{url.rstrip('/')}/{step_dir_name(steps[-1])}",
+        "step": steps[-1],
+        "save_id": marker["save_id"],
         "covers": [str(c) for c in covers] if isinstance(covers, list) else None,
     }
 

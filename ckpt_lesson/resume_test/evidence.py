@@ -208,14 +208,37 @@ def reset_metric(
     return None
 
 
+ORDER_REPLAYED = (
+    "sample ids {where} are those of step {repeat}, the same place in the epoch begun at step {there}: "
+    "the data position is restored, but the epoch's shuffled order replays that earlier epoch's. The "
+    "generator the shuffle draws each epoch's order from was not restored (seeded again at start): a "
+    "DataLoader(shuffle=True) draws its permutation from the global generator when its iterator is "
+    "created; save and restore that generator with the checkpoint, or take each epoch's order from "
+    "(seed, epoch): cl.resumable(loader) in the state"
+)
+
+
 def data_diagnosis(diff: Difference, offset: int, baseline: dict[int, StepRecord]) -> str:
     ids = tuple(diff.resumed)
     repeat = find_repeat(ids, diff.step, baseline)
     where = "at the first step after resume" if offset == 0 else f"{offset + 1} steps after resume"
-    if repeat is not None and repeat in epoch_starts(baseline):
+    starts = epoch_starts(baseline)
+    # The epochs the differing step and the repeated one belong to in the uninterrupted run.
+    here = max((s for s in starts if s <= diff.step), default=None)
+    there = max((s for s in starts if repeat is not None and s <= repeat), default=None)
+    if here is not None and there is not None and here != there and diff.step - here == repeat - there:
+        # The right place in the epoch, an earlier epoch's batch there: the order, not the position.
+        return ORDER_REPLAYED.format(where=where, repeat=repeat, there=there)
+    if repeat is not None and repeat in starts:
+        also = (
+            f", and the order is that of the epoch begun at step {repeat}, not of the interrupted one "
+            f"begun at step {here}: the generator the shuffle draws from was not restored either"
+            if here is not None and here != repeat
+            else ""
+        )
         return (
             f"sample ids repeat from the epoch start (step {repeat}) {where}: the data position is not "
-            "restored; the loader restarts the epoch instead of skipping the batches already seen"
+            f"restored; the loader restarts the epoch instead of skipping the batches already seen{also}"
         )
     if repeat is not None:
         return (

@@ -114,8 +114,10 @@ def environment(command: list[str], env: dict[str, str], cwd: Path) -> dict[str,
 def resumed_saves(trials: list[Any], verdicts: list[Any]) -> list[dict[str, Any]]:
     """For each restart: the step it began at, the save it resumed from (step and id where known).
 
-    The save's name and id come from the manifest of the newest CheckpointManager save at the kill
-    (see :func:`~ckpt_lesson.resume_test.damage.newest_save`), when the restart resumed from its step.
+    The save's name and id come from the manifest of the newest CheckpointManager save at the kill,
+    or for a run that saves to a store, from the newest COMMIT marker there
+    (see :func:`~ckpt_lesson.resume_test.damage.newest_save` and ``newest_store_save``), when the
+    restart resumed from its step.
 
     Returns:
         ``{"trial", "restart", "first_step", "resumed_from_step", "save", "save_id"}`` per restart.

@@ -27,8 +27,8 @@ from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.side_files import open_beside
-from ckpt_lesson.resume_test.damage import damage_after_kill, newest_save
-from ckpt_lesson.resume_test.machine import lose_machine, machine_for
+from ckpt_lesson.resume_test.damage import damage_after_kill, newest_save, newest_store_save
+from ckpt_lesson.resume_test.machine import lose_machine, machine_for, store_urls
 from ckpt_lesson.resume_test.names import NameFilter
 from ckpt_lesson.resume_test.outside import OpenWrites
 from ckpt_lesson.resume_test.plan import KillTarget, KillTrigger, TrialPlan
@@ -82,7 +82,8 @@ class Kill:
     held_save: bool = False
     exit_code: int | None = None
     damaged: list[dict[str, Any]] = field(default_factory=list)
-    #: The newest published save at the kill (a CheckpointManager folder): what a restart resumes from.
+    #: The newest published save at the kill (a CheckpointManager folder, else the store named in the
+    #: command): what a restart resumes from.
     newest: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -320,6 +321,9 @@ def run_attempt(
         attempt.kill.exit_code = proc.returncode
         attempt.kill.damaged = damage_after_kill(ckpt_dir, watcher, burst)
         attempt.kill.newest = newest_save(ckpt_dir) if watcher.layout == MANAGER else None
+        stores = store_urls(spec.command, spec.env) if attempt.kill.newest is None else []
+        if stores:  # a run that saves to a bucket: the restart resumes from the store's newest
+            attempt.kill.newest = newest_store_save(stores[0])
     return attempt
 
 
