@@ -58,7 +58,7 @@ def test_a_save_with_a_scheduler_is_refused_for_a_restore_without_one(tmp_path: 
 
 
 def test_the_world_size_message_names_both_sizes_the_reason_and_both_ways_out() -> None:
-    message = world_size_message(Path("step-00000040"), 4, 2)
+    message = world_size_message("step-00000040", 4, 2)
     for part in (
         "step-00000040",
         "saved by 4",
