@@ -16,8 +16,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ckpt_lesson import IncompleteCheckpointError, TrainState
 from ckpt_lesson.distributed import (
     CommitWriter,
-    FolderTarget,
     DistributedCheckpointManager,
+    FolderTarget,
     HashingFileSystem,
     hash_file,
     read_dcp_manifest,

@@ -56,8 +56,8 @@ from ckpt_lesson.runs.store_lease import LeaseRenewer
 from ckpt_lesson.runs.store_report import StoreRecoveryRecorder
 
 from .hashing_fs import Emit
+from .reader import StoreSave, VerifiedSave, VerifyingReader, verify_save
 from .restore import DistributedRestore
-from .store_reader import StoreReader, VerifiedStoreSave, verify_store_save
 from .writer import StoreTarget
 
 __all__ = ["DEFAULT_LEASE_SECONDS", "StoreSaves"]
@@ -191,13 +191,13 @@ class StoreSaves:
         except Exception:
             log.exception("retention after %s failed; the save itself is committed", final)
 
-    def verify(self, step: int, comm: Any) -> VerifiedStoreSave:
+    def verify(self, step: int, comm: Any) -> VerifiedSave:
         """Verify committed save ``step`` on every rank together; collective."""
-        return verify_store_save(self.storage, step, comm)
+        return verify_save(StoreSave(self.storage, step), comm)
 
-    def reader(self, verified: VerifiedStoreSave) -> StoreReader:
+    def reader(self, verified: VerifiedSave) -> VerifyingReader:
         """DCP's storage reader for a verified save."""
-        return StoreReader(verified, self.storage_options)
+        return VerifyingReader(verified, self.storage_options)
 
     def mark_good(self, step: int) -> None:
         """Nothing to remember: the store's retention reads markers on every pass."""
