@@ -20,7 +20,9 @@ from .manager import DistributedCheckpointManager
 from .reader import VerifiedSave, VerifyingReader, WeightsOnlyLoadPlanner, verify_save
 from .restore import WORLD_SIZE_POLICIES, DistributedRestore
 from .safe_metadata import RestrictedUnpickler, load_metadata_bytes
-from .writer import CommitWriter, FolderTarget, HashingFileSystem, StoreTarget
+from .saving import FolderTarget
+from .store_saves import StoreTarget
+from .writer import CommitWriter, HashingFileSystem
 
 __all__ = [
     "Comm",

@@ -1,6 +1,6 @@
 """The parts of a distributed save around DCP's own call, and the backend of a run in a POSIX folder.
 
-:func:`check_inputs` runs before any byte is written and is where the ranks
+:func:`open_save` runs before any byte is written and is where the ranks
 agree: every rank checks its own input first (a bad ``data_state``, a
 ``state`` that is not a ``TrainState``) and the outcomes are gathered, so a
 refusal on one rank becomes the same refusal on all of them instead of one
@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,29 +30,27 @@ from typing import Any, NoReturn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.atomic import fsync_dir
+from ckpt_lesson.files.atomic import atomic_write_bytes, fsync_dir
 from ckpt_lesson.files.rng import capture_rng_state
 from ckpt_lesson.files.storage import is_store_url
-from ckpt_lesson.runs.commit import QUARANTINE_PREFIX, clean_stale, open_staging
-from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, clean_unmarked, open_marker_folder
+from ckpt_lesson.runs.commit import QUARANTINE_PREFIX, clean_stale, open_staging, publish
+from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, clean_unmarked, open_marker_folder, write_commit_marker
 from ckpt_lesson.runs.deleter import BackgroundRetention
 from ckpt_lesson.runs.retention import RetentionPolicy
 from ckpt_lesson.runs.reverify import check_save
-from ckpt_lesson.runs.scan import published_steps, step_dir_name, step_of
+from ckpt_lesson.runs.scan import MANIFEST_NAME, published_steps, step_dir_name, step_of
 
 from .comm import Comm, raise_from_checkpoint_exception
-from .hashing_fs import Emit
 from .reader import VerifyingReader, verify_save
 from .state import build_save_state, encode_rank_state, rank_key
 from .store_saves import StoreSaves
-from .writer import CommitWriter, FolderTarget
+from .writer import CommitWriter, Emit, HashingFileSystem
 
 __all__ = [
     "FolderSaves",
+    "FolderTarget",
     "SaveJob",
-    "check_inputs",
     "fail_save",
-    "manifest_fields",
     "open_save",
     "open_saves",
 ]
@@ -139,10 +138,19 @@ def open_save(
         ...     metadata={}, algo="xxh3_128", thread_count=1, emit=emit)
     """
     model, optimizer, scheduler, state, data_state, rng = args
-    step, state_dict, covers = check_inputs(
-        ctl=ctl, model=model, optimizer=optimizer, scheduler=scheduler, state=state,
-        data_state=data_state, rng=rng, emit=emit,
-    )  # fmt: skip
+    error, state_dict, step = None, {}, getattr(state, "step", None)
+    try:  # everything local first; a rank that fails must not leave the others inside a collective
+        blob = encode_rank_state(state, capture_rng_state() if rng is None else rng, data_state)
+        state_dict = build_save_state(model, optimizer, scheduler, rank=ctl.rank, blob=blob)
+    except CheckpointError as exc:
+        error = str(exc)
+    views = ctl.all_gather((step, scheduler is not None, error))
+    errors = [f"rank {r}: {v[2]}" for r, v in enumerate(views) if v[2]]
+    if errors:
+        raise CheckpointError(f"save refused before writing anything: {errors[0]}")
+    if len({v[:2] for v in views}) != 1:
+        raise CheckpointError(f"ranks disagree on (step, has scheduler): {[v[:2] for v in views]}.")
+    emit("save_begin", step=step)
     saves.step_done(step)  # a loop that saves without asking should_save still gets its record
     stack, name, held, refusal = ExitStack(), None, None, None
     if ctl.rank == 0:
@@ -157,64 +165,25 @@ def open_save(
     writer = CommitWriter(
         saves.target(step, name, held),  # type: ignore[arg-type]
         step=step,
-        manifest_fields=manifest_fields(ctl, state, covers, metadata),
+        manifest_fields={  # besides the parts: rank 0's counters, the per-rank keys
+            "world_size": ctl.world_size,
+            "per_rank_keys": [rank_key(r) for r in range(ctl.world_size)],
+            "state": {"step": state.step, "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch},
+            "covers": [
+                "model",
+                "optimizer",
+                *(["scheduler"] if scheduler is not None else []),
+                "rng",
+                "data",
+            ],
+            "metadata": metadata,
+        },
         algo=algo,
         emit=emit,
         after_publish=saves.after_publish if ctl.rank == 0 else None,
         thread_count=thread_count,
     )
     return SaveJob(step, saves.step_dir(step), writer, state_dict, stack)
-
-
-def check_inputs(
-    *,
-    ctl: Comm,
-    model: Any,
-    optimizer: Any,
-    scheduler: Any,
-    state: Any,
-    data_state: Any,
-    rng: Any,
-    emit: Emit,
-) -> tuple[int, dict[str, Any], list[str]]:
-    """Every rank checks and encodes its own input, then all agree; collective.
-
-    Returns:
-        ``(step, state dict for DCP, covered buckets)``, the same step on every rank.
-
-    Raises:
-        CheckpointError: On every rank alike: some rank's input is invalid, or the ranks disagree.
-
-    Example:
-        >>> step, state_dict, covers = check_inputs(ctl=Comm(), model=m, optimizer=opt,  # doctest: +SKIP
-        ...     scheduler=None, state=state, data_state=None, rng=None, emit=emit)
-    """
-    error, state_dict, step = None, {}, getattr(state, "step", None)
-    try:  # everything local first; a rank that fails must not leave the others inside a collective
-        blob = encode_rank_state(state, capture_rng_state() if rng is None else rng, data_state)
-        state_dict = build_save_state(model, optimizer, scheduler, rank=ctl.rank, blob=blob)
-    except CheckpointError as exc:
-        error = str(exc)
-    views = ctl.all_gather((step, scheduler is not None, error))
-    errors = [f"rank {r}: {v[2]}" for r, v in enumerate(views) if v[2]]
-    if errors:
-        raise CheckpointError(f"save refused before writing anything: {errors[0]}")
-    if len({v[:2] for v in views}) != 1:
-        raise CheckpointError(f"ranks disagree on (step, has scheduler): {[v[:2] for v in views]}.")
-    emit("save_begin", step=step)
-    covers = ["model", "optimizer", *(["scheduler"] if scheduler is not None else []), "rng", "data"]
-    return step, state_dict, covers
-
-
-def manifest_fields(ctl: Comm, state: Any, covers: list[str], metadata: dict[str, Any]) -> dict[str, Any]:
-    """The manifest fields every writer records besides its parts (rank 0's counters, per-rank keys)."""
-    return {
-        "world_size": ctl.world_size,
-        "per_rank_keys": [rank_key(r) for r in range(ctl.world_size)],
-        "state": {"step": state.step, "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch},
-        "covers": covers,
-        "metadata": metadata,
-    }
 
 
 def clear_target(run_dir: Path, final: Path, emit: Emit) -> None:
@@ -248,6 +217,48 @@ def fail_save(job: SaveJob, exc: BaseException, rank: int) -> NoReturn:
             "nothing was published, the previous save stays the latest."
         ) from exc
     raise exc
+
+
+class FolderTarget:
+    """The commit of a save in a POSIX folder, by rename (default) or by a marker written last.
+
+    Args:
+        staging: Where the files are written (created and locked by rank 0 beforehand).
+        final: Where the save is published, e.g. ``RUN_DIR/step-00000040``.
+        publish: ``"rename"``: ``staging`` is renamed to ``final``; ``"marker"``: ``staging``
+            *is* ``final`` and a commit marker written last publishes it
+            (see :mod:`ckpt_lesson.runs.dcp_marker`).
+
+    Example:
+        >>> target = FolderTarget(run / ".staging-step-00000040-x", run / "step-00000040")  # doctest: +SKIP
+    """
+
+    sync_files = True  # fsync each file through DCP
+
+    def __init__(self, staging: Path, final: Path, publish: str = "rename") -> None:
+        self.staging, self.final, self.publish = Path(staging), Path(final), publish
+        self.save_id, self.where, self.checkpoint_id = uuid.uuid4().hex, self.staging.name, str(self.final)
+
+    def file_system(self, algo: str, emit: Emit) -> tuple[HashingFileSystem, Path]:
+        return HashingFileSystem(algo, emit), self.staging
+
+    def remove(self, names: list[str]) -> None:
+        for name in names:
+            (self.staging / name).unlink(missing_ok=True)
+
+    def commit(self, step: int, manifest: dict[str, Any], raw: bytes, written: Callable[[], None]) -> str:
+        """Write the manifest, call ``written``, publish; returns where the save now lives."""
+        atomic_write_bytes(raw, self.staging / MANIFEST_NAME)  # fsyncs file and folder
+        written()
+        if self.publish == "marker":  # no rename: the marker, written last, is the commit
+            write_commit_marker(self.final, manifest, raw)
+        else:
+            if self.final.exists():
+                raise CheckpointError(
+                    f"{self.final}: appeared while this save was written (another writer?); not replacing it."
+                )
+            publish(self.staging, self.final)  # one rename, then fsync of the run directory
+        return str(self.final)
 
 
 class FolderSaves:

@@ -31,7 +31,7 @@ import math
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -42,30 +42,84 @@ from ckpt_lesson.errors import (
     IncompleteCheckpointError,
     LoadEnvironmentError,
 )
-from ckpt_lesson.files.storage import open_storage
+from ckpt_lesson.files.storage import Storage, open_storage
 from ckpt_lesson.runs.retention import RetentionPolicy
-from ckpt_lesson.runs.scan import step_dir_name
+from ckpt_lesson.runs.scan import MANIFEST_NAME, step_dir_name
 from ckpt_lesson.runs.store_commit import (
     COMMIT_NAME,
     apply_store_retention,
     clean_uncommitted,
+    commit_attempt,
     committed_steps,
     read_commit,
 )
 from ckpt_lesson.runs.store_lease import LeaseRenewer
 from ckpt_lesson.runs.store_report import StoreRecoveryRecorder
 
-from .hashing_fs import Emit
 from .reader import StoreSave, VerifiedSave, VerifyingReader, verify_save
 from .restore import DistributedRestore
-from .writer import StoreTarget
+from .writer import Emit, HashingFsspecFileSystem
 
-__all__ = ["DEFAULT_LEASE_SECONDS", "StoreSaves"]
+__all__ = ["DEFAULT_LEASE_SECONDS", "StoreSaves", "StoreTarget"]
 
 log = logging.getLogger("ckpt_lesson.distributed")
 
 #: How long a writer that went silent still counts as alive (its upload is left alone until then).
 DEFAULT_LEASE_SECONDS = 900.0
+
+
+class StoreTarget:
+    """The commit of a save under ``URL/step-XXXXXXXX/<save_id>/``: a conditional ``COMMIT`` under a lease.
+
+    Args:
+        storage: The run's store (rank 0 writes manifest and marker through it).
+        step: The step being saved.
+        save_id: This save's id, the same on every rank (rank 0 chose it).
+        storage_options: fsspec options for DCP's file system (``None``: the environment).
+        lease: Rank 0: the renewer of this save's ``LEASE``; the commit stops it just before
+            ``COMMIT`` and refuses to commit if the lease ran out (a cleaner may have come in).
+
+    Example:
+        >>> target = StoreTarget(store, 40, sid, lease=renewer)  # doctest: +SKIP
+    """
+
+    # An upload is durable when its PUT returns; DCP's fsync fallback would otherwise be a
+    # machine-wide os.sync() per file (an S3 stream has no fileno).
+    sync_files = False
+    publish = "marker"
+
+    def __init__(
+        self,
+        storage: Storage,
+        step: int,
+        save_id: str,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        lease: LeaseRenewer | None = None,
+    ) -> None:
+        self.storage, self.save_id, self.lease = storage, save_id, lease
+        self.attempt = f"{step_dir_name(step)}/{save_id}"
+        self.where = self.checkpoint_id = storage.where(self.attempt)
+        self.options = dict(storage_options or {})
+
+    def file_system(self, algo: str, emit: Emit) -> tuple[HashingFsspecFileSystem, Any]:
+        fs = HashingFsspecFileSystem(algo, emit)
+        return fs, fs.init_path(self.where, **self.options)
+
+    def remove(self, names: list[str]) -> None:
+        self.storage.delete([f"{self.attempt}/{name}" for name in names])
+
+    def commit(self, step: int, manifest: dict[str, Any], raw: bytes, written: Callable[[], None]) -> str:
+        """Upload the manifest, call ``written``, commit if the lease holds; returns the step's URL."""
+        self.storage.put_bytes(f"{self.attempt}/{MANIFEST_NAME}", raw)
+        written()
+        if self.lease is not None:
+            # Renewing stops first: commit_attempt deletes the LEASE, and a renewal must not bring it
+            # back. A lease that already ran out may have let a cleaner in, so nothing is committed.
+            self.lease.stop()
+            self.lease.check()
+        commit_attempt(self.storage, step, self.save_id, raw, algo=manifest["parts"][0]["algo"])
+        return self.storage.where(step_dir_name(step))
 
 
 class StoreSaves:

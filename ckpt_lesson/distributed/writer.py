@@ -22,14 +22,14 @@ and file format and changes three things:
    commit strategy of its storage. ``dcp.async_save`` calls the same ``finish``
    in its background thread, so an asynchronous save runs the same protocol.
 
-Two targets, one writer:
+Two targets, one writer (each lives with its storage's backend):
 
-* :class:`FolderTarget`, a POSIX folder: everything lives in a
+* :class:`~.saving.FolderTarget`, a POSIX folder: everything lives in a
   ``.staging-step-...`` folder that no reader mistakes for a save, published
   by one rename (or written in place and published by a commit marker written
   last, ``publish="marker"``). A kill of any rank earlier leaves the previous
   save as the newest one.
-* :class:`StoreTarget`, an object store (in the order of
+* :class:`~.store_saves.StoreTarget`, an object store (in the order of
   :mod:`ckpt_lesson.runs.store_commit`)::
 
     RUN/step-00000040/<save_id>/LEASE            written before any rank starts, renewed (rank 0)
@@ -48,41 +48,167 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import uuid
-from collections.abc import Callable
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckpt_lesson.errors import CheckpointError, IncompleteCheckpointError
-from ckpt_lesson.files.atomic import atomic_write_bytes
 from ckpt_lesson.files.record_seal import seal_record
-from ckpt_lesson.files.storage import Storage
-from ckpt_lesson.files.tagged_hash import DEFAULT_ALGO
-from ckpt_lesson.runs.commit import publish
+from ckpt_lesson.files.tagged_hash import DEFAULT_ALGO, new_hasher
 from ckpt_lesson.runs.dcp_manifest import METADATA_FILE, build_manifest
-from ckpt_lesson.runs.dcp_marker import write_commit_marker
-from ckpt_lesson.runs.scan import MANIFEST_NAME, step_dir_name
-from ckpt_lesson.runs.store_commit import commit_attempt
-from ckpt_lesson.runs.store_lease import LeaseRenewer
-
-from .hashing_fs import Emit, HashingFileSystem, HashingFsspecFileSystem, HashingStream, no_event
 
 __all__ = [
     "CommitWriter",
     "Digested",
-    "FolderTarget",
+    "Emit",
     "HashingFileSystem",
     "HashingFsspecFileSystem",
     "HashingStream",
-    "StoreTarget",
     "check_and_unwrap",
+    "no_event",
 ]
+
+
+#: ``emit(name, **info)``: the manager's event hook (tests kill ranks from it).
+Emit = Callable[..., None]
+
+
+def no_event(name: str, **info: Any) -> None:
+    """The default event hook: does nothing."""
+
+
+class HashingStream:
+    """A write-only file wrapper: every byte written also goes through the hasher."""
+
+    def __init__(self, raw: Any, algo: str, on_first_write: Callable[[], None]) -> None:
+        self._raw = raw
+        self._hasher = new_hasher(algo)
+        self._on_first_write: Callable[[], None] | None = on_first_write
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        written = self._raw.write(data)
+        view = memoryview(data).cast("B")
+        n = len(view) if written is None else written
+        self._hasher.update(view[:n])  # exactly the bytes the file took, nothing it refused
+        self.size += n
+        if self._on_first_write is not None:
+            hook, self._on_first_write = self._on_first_write, None
+            hook()
+        return n
+
+    def hexdigest(self) -> str:
+        return self._hasher.hexdigest()
+
+    def tell(self) -> int:
+        return self._raw.tell()  # DCP records each item's offset from this
+
+    def fileno(self) -> int:
+        return self._raw.fileno()  # DCP fsyncs through this
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def closed(self) -> bool:
+        return self._raw.closed
+
+
+class _Hashing:
+    """What both hashing file systems add to DCP's: exclusive creates, and a record per finished file.
+
+    Files are created exclusively (``"xb"``; ``If-None-Match: *`` on S3): a save's folder or
+    prefix is fresh, so an existing name means two writers collided, and that must fail,
+    not overwrite. A file that failed halfway gets no record, so it can never be listed in
+    a manifest.
+
+    Args:
+        algo: Hash algorithm for the records.
+        emit: Event hook; called with ``file_begin``, ``file_partial`` (after the
+            first bytes reached the file) and ``file_written``.
+    """
+
+    def __init__(self, algo: str = DEFAULT_ALGO, emit: Emit = no_event) -> None:
+        super().__init__()
+        self.algo, self.emit = algo, emit
+        #: file name -> (bytes, {"algo", "digest"}), for every file this process wrote completely.
+        self.records: dict[str, tuple[int, dict[str, str]]] = {}
+        self._lock = threading.Lock()  # DCP may write several files from several threads
+
+    def _open_new(self, path: str | os.PathLike[str], mode: str) -> Any:  # a context manager
+        raise NotImplementedError
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:  # type: ignore[misc]
+                yield stream
+            return
+        name = os.fspath(path).rsplit("/", 1)[-1]
+        self.emit("file_begin", file=name)
+        with self._open_new(path, mode.replace("w", "x")) as raw:
+            stream = HashingStream(raw, self.algo, lambda: self.emit("file_partial", file=name))
+            yield stream
+        # Reached only when DCP's block finished without an error.
+        with self._lock:
+            self.records[name] = (stream.size, {"algo": self.algo, "digest": stream.hexdigest()})
+        self.emit("file_written", file=name, bytes=stream.size)
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        super().rename(path, new_path)  # type: ignore[misc]  # DCP: .metadata.tmp -> .metadata
+        with self._lock:  # the record follows the name
+            record = self.records.pop(os.fspath(path).rsplit("/", 1)[-1], None)
+            if record is not None:
+                self.records[os.fspath(new_path).rsplit("/", 1)[-1]] = record
+
+
+class HashingFileSystem(_Hashing, FileSystem):
+    """DCP's local file system, with write streams that record each file's size and digest."""
+
+    def _open_new(self, path: str | os.PathLike[str], mode: str) -> Any:
+        return Path(path).open(mode)
+
+
+class HashingFsspecFileSystem(_Hashing, FsspecFileSystem):
+    """DCP's fsspec file system, with write streams that record each object's size and digest.
+
+    An upload that fails halfway is discarded (its multipart upload aborted), never completed.
+    """
+
+    @contextmanager
+    def _open_new(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        raw = self.fs.open(os.fspath(path), mode)
+        try:
+            yield raw
+            raw.close()  # the object appears here (one PUT, or the multipart upload completes)
+        except BaseException:
+            try:
+                discard = getattr(raw, "discard", None)
+                if discard is not None:
+                    discard()
+            finally:
+                try:
+                    raw.closed = True  # fsspec completes an open write file on close() and in __del__
+                except AttributeError:
+                    pass
+            raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,107 +225,14 @@ class Digested:
     record: dict[str, str]
 
 
-class FolderTarget:
-    """The commit of a save in a POSIX folder, by rename (default) or by a marker written last.
-
-    Args:
-        staging: Where the files are written (created and locked by rank 0 beforehand).
-        final: Where the save is published, e.g. ``RUN_DIR/step-00000040``.
-        publish: ``"rename"``: ``staging`` is renamed to ``final``; ``"marker"``: ``staging``
-            *is* ``final`` and a commit marker written last publishes it
-            (see :mod:`ckpt_lesson.runs.dcp_marker`).
-
-    Example:
-        >>> target = FolderTarget(run / ".staging-step-00000040-x", run / "step-00000040")  # doctest: +SKIP
-    """
-
-    sync_files = True  # fsync each file through DCP
-
-    def __init__(self, staging: Path, final: Path, publish: str = "rename") -> None:
-        self.staging, self.final, self.publish = Path(staging), Path(final), publish
-        self.save_id, self.where, self.checkpoint_id = uuid.uuid4().hex, self.staging.name, str(self.final)
-
-    def file_system(self, algo: str, emit: Emit) -> tuple[HashingFileSystem, Path]:
-        return HashingFileSystem(algo, emit), self.staging
-
-    def remove(self, names: list[str]) -> None:
-        for name in names:
-            (self.staging / name).unlink(missing_ok=True)
-
-    def commit(self, step: int, manifest: dict[str, Any], raw: bytes, written: Callable[[], None]) -> str:
-        """Write the manifest, call ``written``, publish; returns where the save now lives."""
-        atomic_write_bytes(raw, self.staging / MANIFEST_NAME)  # fsyncs file and folder
-        written()
-        if self.publish == "marker":  # no rename: the marker, written last, is the commit
-            write_commit_marker(self.final, manifest, raw)
-        else:
-            if self.final.exists():
-                raise CheckpointError(
-                    f"{self.final}: appeared while this save was written (another writer?); not replacing it."
-                )
-            publish(self.staging, self.final)  # one rename, then fsync of the run directory
-        return str(self.final)
-
-
-class StoreTarget:
-    """The commit of a save under ``URL/step-XXXXXXXX/<save_id>/``: a conditional ``COMMIT`` under a lease.
-
-    Args:
-        storage: The run's store (rank 0 writes manifest and marker through it).
-        step: The step being saved.
-        save_id: This save's id, the same on every rank (rank 0 chose it).
-        storage_options: fsspec options for DCP's file system (``None``: the environment).
-        lease: Rank 0: the renewer of this save's ``LEASE``; the commit stops it just before
-            ``COMMIT`` and refuses to commit if the lease ran out (a cleaner may have come in).
-
-    Example:
-        >>> target = StoreTarget(store, 40, sid, lease=renewer)  # doctest: +SKIP
-    """
-
-    # An upload is durable when its PUT returns; DCP's fsync fallback would otherwise be a
-    # machine-wide os.sync() per file (an S3 stream has no fileno).
-    sync_files = False
-    publish = "marker"
-
-    def __init__(
-        self,
-        storage: Storage,
-        step: int,
-        save_id: str,
-        *,
-        storage_options: dict[str, Any] | None = None,
-        lease: LeaseRenewer | None = None,
-    ) -> None:
-        self.storage, self.save_id, self.lease = storage, save_id, lease
-        self.attempt = f"{step_dir_name(step)}/{save_id}"
-        self.where = self.checkpoint_id = storage.where(self.attempt)
-        self.options = dict(storage_options or {})
-
-    def file_system(self, algo: str, emit: Emit) -> tuple[HashingFsspecFileSystem, Any]:
-        fs = HashingFsspecFileSystem(algo, emit)
-        return fs, fs.init_path(self.where, **self.options)
-
-    def remove(self, names: list[str]) -> None:
-        self.storage.delete([f"{self.attempt}/{name}" for name in names])
-
-    def commit(self, step: int, manifest: dict[str, Any], raw: bytes, written: Callable[[], None]) -> str:
-        """Upload the manifest, call ``written``, commit if the lease holds; returns the step's URL."""
-        self.storage.put_bytes(f"{self.attempt}/{MANIFEST_NAME}", raw)
-        written()
-        if self.lease is not None:
-            # Renewing stops first: commit_attempt deletes the LEASE, and a renewal must not bring it
-            # back. A lease that already ran out may have let a cleaner in, so nothing is committed.
-            self.lease.stop()
-            self.lease.check()
-        commit_attempt(self.storage, step, self.save_id, raw, algo=manifest["parts"][0]["algo"])
-        return self.storage.where(step_dir_name(step))
-
-
 class CommitWriter(FileSystemWriter):
     """Writes one save through its target's file system and, on rank 0, commits it.
 
     Args:
-        target: Where and how the save is committed: :class:`FolderTarget` or :class:`StoreTarget`.
+        target: Where and how the save is committed: a folder's :class:`~.saving.FolderTarget`
+            or a store's :class:`~.store_saves.StoreTarget`. Each has ``save_id``, ``where``,
+            ``checkpoint_id``, ``publish``, ``sync_files``, ``file_system(algo, emit)`` (DCP's
+            hashing file system and path), ``remove(names)`` and ``commit(step, manifest, raw, written)``.
         step: The step being saved.
         manifest_fields: ``world_size``, ``per_rank_keys``, ``state``, ``covers`` and
             ``metadata`` for :func:`~ckpt_lesson.runs.dcp_manifest.build_manifest` (used on rank 0).
@@ -224,7 +257,7 @@ class CommitWriter(FileSystemWriter):
 
     def __init__(
         self,
-        target: FolderTarget | StoreTarget,
+        target: Any,
         *,
         step: int,
         manifest_fields: dict[str, Any],
