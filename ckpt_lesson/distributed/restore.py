@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -47,7 +47,7 @@ from ckpt_lesson.runs.scan import step_dir_name
 from ckpt_lesson.short_repr import short_repr
 
 from .comm import Comm, quiet_single_process, raise_from_checkpoint_exception
-from .reader import WeightsOnlyLoadPlanner
+from .reader import VerifiedSave, VerifyingReader, WeightsOnlyLoadPlanner, verify_save
 from .state import apply_shared_state, build_load_template, decode_rank_state, rank_key, reseed_generators
 from .state_api import has_rank_parts
 
@@ -58,18 +58,51 @@ log = logging.getLogger("ckpt_lesson.distributed")
 WORLD_SIZE_POLICIES = ("refuse", "reseed")
 
 
-class Saves(Protocol):
-    """What a restore needs of a run's storage backend (a folder's or a store's; see :mod:`.manager`)."""
+class Saves:
+    """A run's storage backend as the manager and the restore use it: one subclass per storage.
 
-    where: str
+    :class:`~.saving.FolderSaves` keeps a run in a folder every rank shares,
+    :class:`~.store_saves.StoreSaves` in an object store. Verification and reading are one
+    path for both (:mod:`.reader`); the hooks only a store needs do nothing here.
+    """
 
-    def published(self) -> list[int] | Exception: ...
+    where: str = ""  # the run, for messages
+    storage_options: dict[str, Any] | None = None
 
-    def step_dir(self, step: int) -> Any: ...
+    def published(self) -> list[int] | Exception:
+        """Published steps, ascending (rank 0 lists; a store's error is returned, not raised)."""
+        raise NotImplementedError
 
-    def verify(self, step: int, comm: Comm) -> Any: ...
+    def step_dir(self, step: int) -> Any:
+        """Where the save of ``step`` lives: a folder, or a URL."""
+        raise NotImplementedError
 
-    def reader(self, verified: Any) -> Any: ...
+    def source(self, step: int) -> Any:
+        """What :func:`~.reader.verify_save` reads for ``step``: a folder, or a ``StoreSave``."""
+        raise NotImplementedError
+
+    def verify(self, step: int, comm: Comm) -> VerifiedSave:
+        """Verify ``step`` on every rank together; collective."""
+        return verify_save(self.source(step), comm)
+
+    def reader(self, verified: VerifiedSave) -> VerifyingReader:
+        """DCP's storage reader for a verified save."""
+        return VerifyingReader(verified, self.storage_options)
+
+    def mark_good(self, step: int) -> None:
+        """``step`` was verified in full just now (a restore read and hashed it)."""
+
+    def wait(self) -> None:
+        """Wait for the retention pass in flight, if any."""
+
+    def restored(self, restored: DistributedRestore) -> None:
+        """Rank 0: note a restore (a store records it in ``recovery.jsonl`` after the next step)."""
+
+    def step_done(self, step: int) -> None:
+        """The first step after a restore (or a save) is done: see :meth:`restored`."""
+
+    def close(self) -> None:
+        """Drop what a restore left pending."""
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ from ckpt_lesson.runs.reverify import check_save
 from ckpt_lesson.runs.scan import MANIFEST_NAME, published_steps, step_dir_name, step_of
 
 from .comm import Comm, raise_from_checkpoint_exception
-from .reader import VerifyingReader, verify_save
+from .reader import verify_save
+from .restore import Saves
 from .state import build_save_state, encode_rank_state, rank_key
 from .store_saves import StoreSaves
 from .writer import CommitWriter, Emit, HashingFileSystem
@@ -261,7 +262,7 @@ class FolderTarget:
         return str(self.final)
 
 
-class FolderSaves:
+class FolderSaves(Saves):
     """The saves of a run in a shared folder: staging, known-good saves, and the purge after each publish.
 
     The purge is the single-process manager's: the same rule
@@ -322,22 +323,9 @@ class FolderSaves:
         """Where every rank's writer writes: the folder rank 0 opened, published as ``step``."""
         return FolderTarget(self.run_dir / staging, self.step_dir(step), self.publish)
 
-    def verify(self, step: int, comm: Comm) -> Any:
-        """Verify ``step`` on every rank together (see :func:`~.reader.verify_save`); collective."""
-        return verify_save(self.step_dir(step), comm)
-
-    def reader(self, verified: Any) -> VerifyingReader:
-        """DCP's storage reader for a verified save."""
-        return VerifyingReader(verified)
-
-    def restored(self, restored: Any) -> None:
-        """A folder run keeps no recovery record of a multi-rank restore."""
-
-    def step_done(self, step: int) -> None:
-        """Nothing recorded: see :meth:`restored`."""
-
-    def close(self) -> None:
-        """Nothing to drop: see :meth:`restored`."""
+    def source(self, step: int) -> Path:
+        """The folder :func:`~.reader.verify_save` reads for ``step``."""
+        return self.step_dir(step)
 
     @property
     def verified(self) -> set[int]:

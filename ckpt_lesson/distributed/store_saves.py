@@ -56,8 +56,8 @@ from ckpt_lesson.runs.store_commit import (
 from ckpt_lesson.runs.store_lease import LeaseRenewer
 from ckpt_lesson.runs.store_report import StoreRecoveryRecorder
 
-from .reader import StoreSave, VerifiedSave, VerifyingReader, verify_save
-from .restore import DistributedRestore
+from .reader import StoreSave
+from .restore import DistributedRestore, Saves
 from .writer import Emit, HashingFsspecFileSystem
 
 __all__ = ["DEFAULT_LEASE_SECONDS", "StoreSaves", "StoreTarget"]
@@ -122,7 +122,7 @@ class StoreTarget:
         return self.storage.where(step_dir_name(step))
 
 
-class StoreSaves:
+class StoreSaves(Saves):
     """The saves of a run in an object store: listing, commit attempts, retention, cleanup, recovery record.
 
     Args:
@@ -245,19 +245,9 @@ class StoreSaves:
         except Exception:
             log.exception("retention after %s failed; the save itself is committed", final)
 
-    def verify(self, step: int, comm: Any) -> VerifiedSave:
-        """Verify committed save ``step`` on every rank together; collective."""
-        return verify_save(StoreSave(self.storage, step), comm)
-
-    def reader(self, verified: VerifiedSave) -> VerifyingReader:
-        """DCP's storage reader for a verified save."""
-        return VerifyingReader(verified, self.storage_options)
-
-    def mark_good(self, step: int) -> None:
-        """Nothing to remember: the store's retention reads markers on every pass."""
-
-    def wait(self) -> None:
-        """Retention runs inside the commit: nothing is in flight."""
+    def source(self, step: int) -> StoreSave:
+        """The committed save :func:`~.reader.verify_save` reads for ``step``."""
+        return StoreSave(self.storage, step)
 
     # ------------------------------------------------------------------ recovery record
 
