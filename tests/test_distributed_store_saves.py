@@ -380,3 +380,25 @@ def test_a_stopped_renewer_never_brings_its_lease_back_and_an_expired_lease_refu
     assert store.list_keys("step-00000002") == []
     with pytest.raises(CheckpointError, match=r"step-00000002/abc123: the LEASE of this save expired"):
         lease.check()
+
+
+def test_a_url_gives_the_one_manager_the_store_backend_and_the_old_class_name_still_imports(
+    s3_bucket: Bucket, tmp_path: Path
+) -> None:
+    from ckpt_lesson.distributed.manager import StoreDistributedCheckpointManager
+    from ckpt_lesson.distributed.saving import FolderSaves
+    from ckpt_lesson.distributed.store_saves import StoreSaves
+
+    assert StoreDistributedCheckpointManager is DistributedCheckpointManager
+    on_bucket = DistributedCheckpointManager(
+        s3_bucket.url(), storage_options=s3_bucket.options, every_steps=1
+    )
+    in_folder = DistributedCheckpointManager(tmp_path / "run", every_steps=1)
+    try:
+        assert isinstance(on_bucket.saves, StoreSaves) and on_bucket.publish == "marker"
+        assert isinstance(in_folder.saves, FolderSaves) and in_folder.publish == "rename"
+        assert on_bucket.step_dir(4) == f"{s3_bucket.url()}/step-00000004"
+        assert in_folder.step_dir(4) == tmp_path / "run" / "step-00000004"
+    finally:
+        on_bucket.close()
+        in_folder.close()
