@@ -402,3 +402,35 @@ def test_a_url_gives_the_one_manager_the_store_backend_and_the_old_class_name_st
     finally:
         on_bucket.close()
         in_folder.close()
+
+
+def test_a_restore_takes_the_newer_save_when_the_trainers_retention_deletes_the_one_it_reads(
+    s3_bucket: Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpt_lesson.distributed.store_saves import StoreSaves
+
+    # One process is enough: the listing is rank 0's, and the restore's relisting is what is tested.
+    model, opt, sched, sampler = make_run("plain", 1, 0)
+    url, options = s3_bucket.url(), s3_bucket.options
+    trainer = DistributedCheckpointManager(url, storage_options=options, keep_last=1, every_steps=2)
+    for step in (2, 4):
+        train_step(model, opt, sched, sampler)
+        trainer.save(step, {"model": model, "optimizer": opt})
+    real = StoreSaves.source
+
+    def trainer_moves_on(saves: StoreSaves, step: int) -> Any:
+        if step == 4 and 6 not in trainer.saves.published():
+            # While the eval job reads step 4, the trainer commits 6 and its keep_last=1 deletes 4.
+            train_step(model, opt, sched, sampler)
+            trainer.save(6, {"model": model, "optimizer": opt})
+        return real(saves, step)
+
+    monkeypatch.setattr(StoreSaves, "source", trainer_moves_on)
+    fresh, fresh_opt, _, _ = make_run("plain", 1, 0)
+    with DistributedCheckpointManager(url, storage_options=options, every_steps=2) as reader:
+        restored = reader.restore_latest({"model": fresh, "optimizer": fresh_opt})
+    trainer.close()
+    assert restored.step == 6
+    assert [s["step"] for s in restored.skipped] == [4]
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
