@@ -51,7 +51,7 @@ from .reader import VerifiedSave, VerifyingReader, WeightsOnlyLoadPlanner, verif
 from .state import apply_shared_state, build_load_template, decode_rank_state, rank_key, reseed_generators
 from .state_api import has_rank_parts
 
-__all__ = ["WORLD_SIZE_POLICIES", "DistributedRestore", "restore_newest", "restore_save"]
+__all__ = ["WORLD_SIZE_POLICIES", "DistributedRestore", "Saves", "listed", "restore_newest", "restore_save"]
 
 log = logging.getLogger("ckpt_lesson.distributed")
 
@@ -307,8 +307,19 @@ def restore_newest(steps: list[int], *, saves: Saves, ctl: Comm, **options: Any)
 def listed(saves: Saves, ctl: Comm) -> list[int]:
     """The run's published steps, listed by rank 0 and the same on every rank; collective.
 
+    Args:
+        saves: The run's backend.
+        ctl: The control group.
+
+    Returns:
+        The published steps, ascending.
+
     Raises:
         LoadEnvironmentError: Rank 0 could not list the store (every rank raises it).
+
+    Example:
+        >>> listed(mgr.saves, Comm())  # doctest: +SKIP
+        [2, 4]
     """
     steps = ctl.broadcast(saves.published() if ctl.rank == 0 else None)
     if isinstance(steps, Exception):

@@ -37,7 +37,6 @@ from ckpt_lesson.runs.commit import QUARANTINE_PREFIX, clean_stale, open_staging
 from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, clean_unmarked, open_marker_folder, write_commit_marker
 from ckpt_lesson.runs.deleter import BackgroundRetention
 from ckpt_lesson.runs.retention import RetentionPolicy
-from ckpt_lesson.runs.reverify import check_save
 from ckpt_lesson.runs.scan import MANIFEST_NAME, published_steps, step_dir_name, step_of
 
 from .comm import Comm, raise_from_checkpoint_exception
@@ -83,6 +82,17 @@ def open_saves(
     lease_seconds: float,
 ) -> FolderSaves | StoreSaves:
     """The backend of a run: a shared folder's, or an object store's for a URL (``s3://bucket/run``).
+
+    Args:
+        location: The run's folder or URL.
+        policy: The retention policy.
+        emit: The manager's event hook.
+        publish: ``"rename"`` or ``"marker"``; ``None``: a folder's rename, a URL's marker.
+        storage_options: A URL's fsspec options (``None``: the environment).
+        lease_seconds: A URL's writer lease.
+
+    Returns:
+        :class:`FolderSaves` or :class:`~.store_saves.StoreSaves`.
 
     Raises:
         CheckpointError: An unknown ``publish``, or ``publish="rename"`` for a URL.
@@ -327,18 +337,6 @@ class FolderSaves(Saves):
         """The folder :func:`~.reader.verify_save` reads for ``step``."""
         return self.step_dir(step)
 
-    @property
-    def verified(self) -> set[int]:
-        """Steps known to be good (written, restored or re-checked by this process)."""
-        self.worker.wait()
-        return self.worker.known.verified
-
-    @verified.setter
-    def verified(self, steps: set[int]) -> None:
-        self.worker.wait()
-        self.worker.known.verified.clear()
-        self.worker.known.verified.update(steps)
-
     def mark_good(self, step: int) -> None:
         """``step`` was verified in full just now (a restore read and hashed it)."""
         self.worker.wait()
@@ -360,7 +358,3 @@ class FolderSaves(Saves):
             self.worker.submit(manifest["step"], checked=True)
         except Exception:  # the save is durable; a failed purge must not turn it into a failure
             log.exception("retention after %s failed; the save itself is published", final)
-
-    def sizes_ok(self, step: int) -> bool:
-        """A known-good save still has its manifest and every part at its size (a stat each, no hashing)."""
-        return check_save(self.run_dir / step_dir_name(step), full=False) is None
