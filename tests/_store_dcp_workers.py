@@ -82,7 +82,7 @@ def w_restore(rank: int, world: int, url: str, options: dict[str, Any], out: str
         report.update(step=restored.step, skipped=restored.skipped)
     except CheckpointError as exc:
         report["error"] = {"type": type(exc).__name__, "message": str(exc)}
-    report["committed"] = mgr._retention.published()
+    report["committed"] = mgr.saves.published()
     mgr.close()
     write_json(Path(out) / f"{name}-rank{rank}.json", report)
 

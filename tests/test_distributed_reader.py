@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-import ckpt_lesson.distributed.reader as reader_module
+import ckpt_lesson.distributed.verify as verify_module
 import ckpt_lesson.runs.dcp_manifest as dcp_manifest_module
 from ckpt_lesson import IncompleteCheckpointError, TrainState, UnsafeCheckpointError
 from ckpt_lesson.distributed import Comm, DistributedCheckpointManager, VerifyingReader, verify_save
@@ -66,9 +66,9 @@ def test_a_flipped_byte_in_metadata_is_refused_before_unpickling_and_restore_fal
     run: Path, loads: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     parsed: list[int] = []
-    real = reader_module.load_metadata_bytes
+    real = verify_module.load_metadata_bytes
     monkeypatch.setattr(
-        reader_module, "load_metadata_bytes", lambda data, **kw: parsed.append(1) or real(data, **kw)
+        verify_module, "load_metadata_bytes", lambda data, **kw: parsed.append(1) or real(data, **kw)
     )
     flip_byte(run / STEP4 / ".metadata", at=0.3)
     restored, _ = restore_locally(run)
@@ -230,9 +230,9 @@ def test_each_rank_hashes_only_its_share_of_the_data_files(
 def test_a_problem_another_rank_found_fails_the_save_on_this_rank_too(tmp_path: Path) -> None:
     save_locally(tmp_path / "run", steps=(2,))
     folder = tmp_path / "run" / "step-00000002"
-    mine = reader_module._local_findings(folder, Comm())[0]
+    mine = verify_module._local_findings(verify_module.FolderSave(folder, Comm()), Comm())[0]
     theirs = {**mine, "problems": ["__1_0.distcp: xxh3_128 0123... != recorded 4567..."]}
-    with pytest.raises(reader_module.CorruptCheckpointError, match="__1_0.distcp"):
+    with pytest.raises(verify_module.CorruptCheckpointError, match="__1_0.distcp"):
         verify_save(folder, _FakePeers(0, 2, theirs))
-    with pytest.raises(reader_module.CorruptCheckpointError, match="different manifests"):
+    with pytest.raises(verify_module.CorruptCheckpointError, match="different manifests"):
         verify_save(folder, _FakePeers(0, 2, {**mine, "manifest": "0" * 32}))

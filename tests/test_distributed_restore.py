@@ -1,10 +1,12 @@
-"""restore_save in one process: the world-size policy and the scheduler check, decided from the manifest."""
+"""Restores in one process: the world-size policy, the scheduler check, following the run as it changes."""
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from _distributed_workers import make_run
 from ckpt_lesson import StateMismatchError
 from ckpt_lesson.distributed import DistributedCheckpointManager
 from ckpt_lesson.distributed.restore import world_size_message
+from ckpt_lesson.distributed.saving import FolderSaves
 from ckpt_lesson.files.record_seal import seal_record
 
 
@@ -58,7 +61,7 @@ def test_a_save_with_a_scheduler_is_refused_for_a_restore_without_one(tmp_path: 
 
 
 def test_the_world_size_message_names_both_sizes_the_reason_and_both_ways_out() -> None:
-    message = world_size_message(Path("step-00000040"), 4, 2)
+    message = world_size_message("step-00000040", 4, 2)
     for part in (
         "step-00000040",
         "saved by 4",
@@ -76,3 +79,26 @@ def test_an_unknown_world_size_policy_is_refused(tmp_path: Path) -> None:
         DistributedCheckpointManager(tmp_path, every_steps=1).restore_latest(
             model, opt, sched, on_world_size_change="guess"
         )
+
+
+def test_a_restore_follows_the_run_to_a_newer_save_when_retention_deletes_the_one_it_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run, trainer = tmp_path / "run", tmp_path / "trainer"
+    save_locally(run, steps=(2, 4))
+    save_locally(trainer, steps=(6,))
+    real = FolderSaves.verify
+
+    def trainer_moves_on(saves: FolderSaves, step: int, comm: Any) -> Any:
+        if step == 4 and (trainer / "step-00000006").exists():
+            # While the eval job reads step 4, the trainer publishes step 6 and its keep_last=1
+            # retention deletes steps 2 and 4: the only good save is newer than the one listed.
+            (trainer / "step-00000006").rename(run / "step-00000006")
+            shutil.rmtree(run / "step-00000004")
+            shutil.rmtree(run / "step-00000002")
+        return real(saves, step, comm)
+
+    monkeypatch.setattr(FolderSaves, "verify", trainer_moves_on)
+    restored, _ = restore_locally(run)
+    assert restored.step == 6
+    assert [(s["step"], s["status"]) for s in restored.skipped] == [(4, "incomplete")]

@@ -13,7 +13,8 @@ from _distributed_workers import make_run
 from ckpt_lesson import CheckpointError, KeepLastK, TrainState
 from ckpt_lesson.distributed import DistributedCheckpointManager, verify_save
 from ckpt_lesson.distributed.comm import Comm
-from ckpt_lesson.distributed.saving import Retention, clear_target
+from ckpt_lesson.distributed.saving import FolderSaves, clear_target
+from ckpt_lesson.runs.reverify import check_save
 
 
 def test_an_invalid_data_state_is_refused_before_a_staging_folder_exists(tmp_path: Path) -> None:
@@ -51,10 +52,11 @@ def test_retention_deletes_only_after_k_good_saves_and_never_the_newest(tmp_path
 
 def test_retention_does_not_count_a_save_that_lost_a_part(tmp_path: Path) -> None:
     save_locally(tmp_path, steps=(2, 4))
-    keeper = Retention(tmp_path, KeepLastK(1), lambda name, **info: None)
-    keeper.verified = {2, 4}
+    keeper = FolderSaves(tmp_path, KeepLastK(1), lambda name, **info: None)
+    keeper.worker.known.verified.update({2, 4})
     (tmp_path / "step-00000004" / "__0_0.distcp").write_bytes(b"short")
-    assert keeper.sizes_ok(2) and not keeper.sizes_ok(4)
+    assert check_save(tmp_path / "step-00000002", full=False) is None
+    assert check_save(tmp_path / "step-00000004", full=False) is not None
     keeper.after_publish(tmp_path / "step-00000004", {"step": 4})
     keeper.wait()
     assert (tmp_path / "step-00000002").exists()  # the only good save is kept

@@ -17,6 +17,7 @@ from ckpt_lesson import IncompleteCheckpointError, TrainState
 from ckpt_lesson.distributed import (
     CommitWriter,
     DistributedCheckpointManager,
+    FolderTarget,
     HashingFileSystem,
     hash_file,
     read_dcp_manifest,
@@ -85,7 +86,7 @@ def test_a_planned_item_that_was_never_written_fails_the_save_and_publishes_noth
     staging, final = tmp_path / ".staging-step-00000002-x", tmp_path / "step-00000002"
     staging.mkdir()
     fields = {"world_size": 1, "per_rank_keys": ["rank0_local"], "state": {}, "covers": [], "metadata": {}}
-    writer = _LosesAnItem(staging, final, step=2, manifest_fields=fields)
+    writer = _LosesAnItem(FolderTarget(staging, final), step=2, manifest_fields=fields)
     with pytest.raises(CheckpointException) as info:
         dcp.save({"model": model.state_dict()}, storage_writer=writer, no_dist=True)
     [(error, _)] = info.value.failures.values()

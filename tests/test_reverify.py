@@ -133,7 +133,7 @@ def test_a_dcp_save_with_a_same_size_bit_flip_never_leaves_one_good_save(tmp_pat
 
     model, opt, sched, _ = make_run("plain", 1, 0)
     mgr = DistributedCheckpointManager(tmp_path, keep_last=2, every_steps=2)
-    mgr._retention.verified = {2, 4}  # what the saving process knew before the bit flipped
+    mgr.saves.worker.known.verified.update({2, 4})  # what the saving process knew before the bit flipped
     mgr.save(model, opt, sched, TrainState(step=6))
     mgr.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000004", "step-00000006"]

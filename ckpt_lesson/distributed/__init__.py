@@ -2,7 +2,8 @@
 
 Save and restore a multi-rank run (FSDP2, DDP or plain data parallel) through
 ``torch.distributed.checkpoint``: every file hashed while it is written, one
-manifest, publish by rename on rank 0, each rank's RNG and data position under
+manifest, a commit on rank 0 (a rename in a folder, a conditional marker
+under a lease in an object store), each rank's RNG and data position under
 its own key, and a restore that verifies every file (the ranks share the
 hashing) and unpickles nothing unverified or unsafe.
 
@@ -19,6 +20,8 @@ from .manager import DistributedCheckpointManager
 from .reader import VerifiedSave, VerifyingReader, WeightsOnlyLoadPlanner, verify_save
 from .restore import WORLD_SIZE_POLICIES, DistributedRestore
 from .safe_metadata import RestrictedUnpickler, load_metadata_bytes
+from .saving import FolderTarget
+from .store_saves import StoreTarget
 from .writer import CommitWriter, HashingFileSystem
 
 __all__ = [
@@ -27,8 +30,10 @@ __all__ = [
     "DEFAULT_ALGO",
     "DistributedCheckpointManager",
     "DistributedRestore",
+    "FolderTarget",
     "HashingFileSystem",
     "RestrictedUnpickler",
+    "StoreTarget",
     "VerifiedSave",
     "VerifyingReader",
     "WORLD_SIZE_POLICIES",

@@ -9,7 +9,12 @@ The life of one save of step 40 by two ranks::
 
 ``save_async`` runs the same save through ``dcp.async_save``: the state is copied
 to CPU on the calling thread; writing *and commit* run in DCP's background thread.
-A URL (``s3://bucket/run``) builds the object-store manager of :mod:`.store_manager`.
+
+One manager for every storage: where the saves live is a small backend, a folder
+every rank shares (:class:`~.saving.FolderSaves`) or an object store's URL such as
+``s3://bucket/run`` (:class:`~.store_saves.StoreSaves`, a conditional ``COMMIT``
+under a lease). The backend opens each save's attempt, names the writer's commit
+target (:mod:`.writer`), lists, verifies and purges; everything else is shared.
 
 Every call here is **collective**: all ranks call ``save``, ``save_async``,
 ``wait``, ``should_save`` and ``restore_latest`` in the same order. Decisions that
@@ -31,23 +36,19 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.storage import is_store_url
 from ckpt_lesson.files.tagged_hash import DEFAULT_ALGO
 from ckpt_lesson.runs.async_report import forget_failure, note_failure_of
 from ckpt_lesson.runs.cadence import SaveCadence
-from ckpt_lesson.runs.commit import clean_stale
-from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, clean_unmarked
 from ckpt_lesson.runs.loop_api import LoopMethods, default_run_dir
 from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
-from ckpt_lesson.runs.scan import step_dir_name
-from ckpt_lesson.runs.state_args import positional_restore_args
 
 from .comm import Comm, failure_summary, new_checkpoint_group, quiet_single_process, release_groups
-from .restore import WORLD_SIZE_POLICIES, DistributedRestore, restore_newest
-from .saving import Retention, SaveJob, fail_save, prepare_save
-from .state_api import apply_rank_parts, as_restored, save_args, split_state
+from .restore import WORLD_SIZE_POLICIES, DistributedRestore, listed, restore_newest
+from .saving import SaveJob, fail_save, open_save, open_saves
+from .state_api import apply_rank_parts, as_restored, restore_args, save_args
+from .store_saves import DEFAULT_LEASE_SECONDS
 
-__all__ = ["DistributedCheckpointManager"]
+__all__ = ["DistributedCheckpointManager", "StoreDistributedCheckpointManager"]
 
 log = logging.getLogger("ckpt_lesson.distributed")
 
@@ -56,7 +57,9 @@ class DistributedCheckpointManager(LoopMethods):
     """Save, purge and restore the DCP checkpoints of a multi-rank run.
 
     Args:
-        run_dir: The run's folder on a file system every rank shares, or an fsspec URL.
+        run_dir: The run's folder on a file system every rank shares, or an fsspec URL such
+            as ``s3://bucket/runs/a`` (every rank reaches the store itself, credentials from
+            the environment or ``storage_options``).
             Default: ``$CKPT_LESSON_CKPT_DIR`` when set, else ``checkpoints``.
         keep_last: How many verified saves retention keeps (ignored when ``retention`` is given).
         every_steps: Save every this many steps (with ``every_seconds``, at least one is set).
@@ -71,12 +74,18 @@ class DistributedCheckpointManager(LoopMethods):
             ``manifest_written``, ``published``, ``retention_delete``, ``quarantined``, ``save_end``.
         algo: Hash algorithm of the manifest records.
         thread_count: DCP writer threads per rank.
-        publish: ``"rename"`` (default): publish by renaming a staging folder (a POSIX file
-            system); ``"marker"``: write in place and publish by a commit marker written last,
-            for storage without atomic rename (see :mod:`ckpt_lesson.runs.dcp_marker`).
+        publish: ``"rename"`` (a folder's default): publish by renaming a staging folder (a POSIX
+            file system); ``"marker"`` (the only choice for a URL): write in place and publish by
+            a commit marker written last (see :mod:`ckpt_lesson.runs.dcp_marker`).
+        storage_options: A URL's fsspec options (``key``, ``secret``, ``client_kwargs``).
+        lease_seconds: A URL's writer lease: a silent writer's upload counts as alive this
+            long, and a live save renews its lease every third of it.
 
     Raises:
-        CheckpointError: Invalid settings, or ``run_dir`` is a file.
+        CheckpointError: Invalid settings, ``run_dir`` is a file, ``publish="rename"`` for a
+            URL, or the store client is missing (``pip install ckpt_lesson[s3]``). A store
+            without conditional writes is refused at the first save.
+        LoadEnvironmentError: The bucket cannot be reached; every rank raises it.
 
     Example:
         >>> mgr = DistributedCheckpointManager("/shared/run", keep_last=2, every_steps=100)  # doctest: +SKIP
@@ -101,20 +110,24 @@ class DistributedCheckpointManager(LoopMethods):
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
         algo: str = DEFAULT_ALGO,
         thread_count: int = 1,
-        publish: str = "rename",
+        publish: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
     ) -> None:
-        if publish not in PUBLISH_MODES:
-            raise CheckpointError(f"publish must be one of {PUBLISH_MODES}, got {publish!r}.")
         if retention is not None and not callable(getattr(retention, "to_delete", None)):
             raise CheckpointError("retention needs a to_delete(steps, verified) method, e.g. KeepLastK(3).")
         self.policy = retention if retention is not None else KeepLastK(keep_last)
+        self.saves = open_saves(
+            default_run_dir(run_dir), self.policy, self._emit, publish=publish,
+            storage_options=storage_options, lease_seconds=lease_seconds,
+        )  # fmt: skip
+        self.run_dir, self.url, self.publish = self.saves.run_dir, self.saves.where, self.saves.publish
         self._cadence = SaveCadence(every_steps, every_seconds, clock=clock)
         try:
             self.metadata = json.loads(json.dumps(dict(metadata or {}), allow_nan=False))
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"metadata must be a JSON dict: {exc}") from exc
-        self.run_dir = Path(default_run_dir(run_dir))
-        self.algo, self.thread_count, self.on_event, self.publish = algo, thread_count, on_event, publish
+        self.algo, self.thread_count, self.on_event = algo, thread_count, on_event
         # Two groups of our own: control decisions on the training thread, and DCP's collectives,
         # which an asynchronous save issues from its background thread (see comm.py).
         self._ctl_group = new_checkpoint_group()
@@ -122,14 +135,13 @@ class DistributedCheckpointManager(LoopMethods):
         self._io_group = new_checkpoint_group()
         self.rank, self.world_size = self._ctl.rank, self._ctl.world_size
         self._no_dist = not self._ctl.enabled  # says so to DCP, which otherwise warns on every call
-        self._retention = Retention(self.run_dir, self.policy, self._emit)
         self._pending: tuple[SaveJob, Future[Any]] | None = None
         self._closed = False
         self.last_restore: DistributedRestore | None = None
         problem: CheckpointError | None = None
         if self.rank == 0:
             try:
-                self._open_run()
+                self.saves.open_run()
             except CheckpointError as exc:
                 problem = exc  # the type travels too: a LoadEnvironmentError stays one on every rank
             except OSError as exc:
@@ -138,19 +150,8 @@ class DistributedCheckpointManager(LoopMethods):
         if problem is not None:
             raise problem
 
-    def __new__(cls, run_dir: Any = None, *args: Any, **kwargs: Any) -> DistributedCheckpointManager:
-        # s3://bucket/prefix: the store variant
-        if cls is DistributedCheckpointManager and is_store_url(default_run_dir(run_dir)):
-            from .store_manager import StoreDistributedCheckpointManager
-
-            return super().__new__(StoreDistributedCheckpointManager)
-        return super().__new__(cls)
-
-    def _open_run(self) -> None:  # rank 0, once
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise CheckpointError(f"{self.run_dir}: exists and is not a directory; pass a run directory.")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._clean()  # staging or unmarked folders of writers killed earlier (their flock is gone)
+    def __repr__(self) -> str:
+        return f"DistributedCheckpointManager({self.url!r})"
 
     # ------------------------------------------------------------------ basics
 
@@ -175,27 +176,50 @@ class DistributedCheckpointManager(LoopMethods):
         if not self._closed:
             try:
                 self.wait()
-                self._retention.wait()  # rank 0's purge behind the last save
+                self.saves.wait()  # rank 0's purge behind the last save
             finally:
                 self._closed = True
+                self.saves.close()  # a restore with no step after it goes unrecorded
                 self._ctl, io_group, self._io_group = Comm.solo(), self._io_group, None
                 release_groups(self._ctl_group, io_group)
                 self._ctl_group = None
 
-    def _clean(self) -> None:  # staging and unmarked folders of dead writers
-        clean_stale(self.run_dir)
-        clean_unmarked(self.run_dir)
+    def step_dir(self, step: int) -> Path | str:
+        """Where the published save of ``step`` lives (whether or not it exists): a folder, or a URL."""
+        return self.saves.step_dir(step)
 
-    def step_dir(self, step: int) -> Path:
-        """Where the published save of ``step`` lives (whether or not it exists)."""
-        return self.run_dir / step_dir_name(step)
+    def clean_uploads(self) -> list[str]:
+        """Remove now what dead writers left (as the first save of a store does); rank 0 only.
+
+        A manager opened only to restore writes nothing to a store; a job that will write
+        (or a harness that checks a restart cleans up) may call this before its first save.
+        On a store it proves the conditional writes first, as the first save would.
+
+        Returns:
+            What was removed: staging folders, or ``step-XXXXXXXX/<save_id>`` prefixes of
+            expired leases (``[]`` on other ranks).
+
+        Raises:
+            CheckpointError: The store lets a conditional create overwrite an object.
+            LoadEnvironmentError: The store cannot be reached.
+
+        Example:
+            >>> mgr.clean_uploads()  # doctest: +SKIP
+            ['step-00000004/5be0c1...']
+        """
+        return self.saves.clean_uploads() if self.rank == 0 else []
 
     def _emit(self, name: str, **info: Any) -> None:
         if self.on_event is not None:
             self.on_event(name, {**info, "rank": self.rank})
 
     def should_save(self, step: int) -> bool:
-        """True when the cadence says ``step`` is due; the same answer on every rank (collective)."""
+        """True when the cadence says ``step`` is due; the same answer on every rank (collective).
+
+        The first call after a restore (or the first save) also records that restore (a store's
+        ``recovery.jsonl``).
+        """
+        self.saves.step_done(step)
         due = self._cadence.should_save(step)
         if self._cadence.every_seconds is None:
             return due  # the step rule is a pure function of the step: no need to ask rank 0
@@ -283,33 +307,18 @@ class DistributedCheckpointManager(LoopMethods):
             fail_save(job, exc, self.rank)
         return self._end(job)
 
-    def _begin(
-        self, model: Any, optimizer: Any, scheduler: Any, state: Any, data_state: Any, rng: Any = None
-    ) -> SaveJob:
+    def _begin(self, *args: Any) -> SaveJob:
         if self._closed:
-            raise CheckpointError(f"{self.run_dir}: this manager is closed; create a new one.")
-        job = prepare_save(
-            ctl=self._ctl,
-            run_dir=self.run_dir,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            state=state,
-            data_state=data_state,
-            writer_options=dict(
-                algo=self.algo, thread_count=self.thread_count, metadata=self.metadata, publish=self.publish
-            ),
-            emit=self._emit,
-            after_publish=self._retention.after_publish,
-            rng=rng,
-        )
+            raise CheckpointError(f"{self.url}: this manager is closed; create a new one.")
+        job = open_save(self.saves, self._ctl, args, metadata=self.metadata, algo=self.algo,
+                        thread_count=self.thread_count, emit=self._emit)  # fmt: skip
         self._cadence.mark_saved(job.step)  # at request time: a save in flight must not be requested again
         return job
 
     def _end(self, job: SaveJob) -> Path:
-        job.stack.close()  # rank 0: releases the lock (the folder is published by now)
+        job.stack.close()  # rank 0: releases the lock or lease (the save is published by now)
         if self.rank == 0:
-            self._clean()
+            self.saves.clean()
         self._emit("save_end", step=job.step, path=str(job.final))
         return job.final
 
@@ -348,31 +357,27 @@ class DistributedCheckpointManager(LoopMethods):
             >>> loader.load_state_dict(restored.data_state)  # doctest: +SKIP
         """
         if self._closed:
-            raise CheckpointError(f"{self.run_dir}: this manager is closed; create a new one.")
+            raise CheckpointError(f"{self.url}: this manager is closed; create a new one.")
         if on_world_size_change not in WORLD_SIZE_POLICIES:
             raise CheckpointError(f"on_world_size_change must be one of {WORLD_SIZE_POLICIES}.")
         self.wait()
-        state = args[0] if len(args) == 1 and isinstance(args[0], Mapping) else None
-        if state is not None:
-            _, model, _, optimizer, _ = split_state(state)
-            scheduler = None
-        else:
-            model, optimizer, scheduler = positional_restore_args(
-                (*args, None)[:3] if len(args) == 2 else args
-            )
-        steps = self._ctl.broadcast(self._retention.published() if self.rank == 0 else None)
-        restored = self._restore_newest(
-            steps, ctl=self._ctl, io_group=self._io_group, model=model, optimizer=optimizer,
-            scheduler=scheduler, on_world_size_change=on_world_size_change, reseed_base=reseed_base,
+        state, model, optimizer, scheduler = restore_args(args)
+        restored = restore_newest(
+            listed(self.saves, self._ctl), saves=self.saves, ctl=self._ctl, io_group=self._io_group,
+            model=model, optimizer=optimizer, scheduler=scheduler,
+            on_world_size_change=on_world_size_change, reseed_base=reseed_base,
         )  # fmt: skip
         if restored is not None:
-            self._retention.mark_good(restored.step)
+            self.saves.mark_good(restored.step)
             self._cadence.mark_saved(restored.step)
             self.last_restore = restored
+            if self.rank == 0:  # a store's recovery record, written once the next step is done
+                self.saves.restored(restored)
         if state is None or restored is None:
             return restored
         values = apply_rank_parts(restored.data_state, state, source=str(restored.path), strict=strict)
         return as_restored(restored, values, restored.rng)
 
-    def _restore_newest(self, steps: list[int], **options: Any) -> DistributedRestore | None:
-        return restore_newest([self.step_dir(step) for step in steps], **options)
+
+#: The name of the object-store manager before the merge; a URL makes any manager one.
+StoreDistributedCheckpointManager = DistributedCheckpointManager

@@ -1,23 +1,34 @@
 """Verify a distributed save before DCP reads a byte of it, and read it without unpickling code.
 
-Restoring one candidate save happens in two stages:
+One path for a folder every rank shares and for an object store. Restoring one
+candidate save happens in two stages:
 
-1. :func:`verify_save` runs on every rank together. Each rank reads the
-   manifest and ``.metadata`` (small) itself, hashes its share of the data
-   files (file ``i`` goes to rank ``i % world_size``, so the ranks split the
-   reading), and then every rank's findings are gathered to every rank. All
-   ranks therefore reach the same verdict from the same evidence: use this
-   save, skip it as damaged, or refuse it as unsafe. A verdict that differed
-   between ranks would send them into different collectives and hang the job.
+1. :func:`~.verify.verify_save` runs on every rank together. Each rank reads the
+   manifest (in a store: the step's ``COMMIT`` marker first, and the manifest
+   whose digest it names) and ``.metadata`` (small; parsed by the restricted
+   unpickler from exactly the bytes it hashed), then hashes its share of the
+   data files (file ``i`` goes to rank ``i % world_size``, so the ranks split
+   the reading). Every rank's findings are gathered to every rank, so all
+   reach the same verdict from the same evidence: use this save, skip it as
+   damaged or missing, refuse it as unsafe, or stop because the store cannot
+   be reached (never taken for damage). A verdict that differed between ranks
+   would send them into different collectives and hang the job.
 2. ``dcp.load`` runs with :class:`VerifyingReader`, which hands DCP the
-   metadata parsed in stage 1 (from the bytes that matched the manifest) and
-   refuses to read any file the manifest does not list, and with
-   :class:`WeightsOnlyLoadPlanner`, which reads non-tensor values with
+   metadata parsed in stage 1 and refuses any file the manifest does not list,
+   and with :class:`WeightsOnlyLoadPlanner`, which reads non-tensor values with
    ``torch.load(weights_only=True)`` where stock DCP turns weights_only off.
 
-What stays open: between stage 1 and DCP's read a data file could be swapped.
-The reader re-checks sizes, and every value is still read weights-only, so a
-swap can give wrong numbers but cannot run code.
+What the two storages do differently is only where the bytes come from (a
+:class:`FolderSave` or a :class:`StoreSave`):
+
+* a folder's files are hashed as they stream from disk; between the stages a
+  file could be swapped, so the reader re-checks sizes, and every value is
+  still read weights-only: a swap can give wrong numbers but cannot run code;
+* a store's objects are downloaded and hashed, and the verified bytes stay in
+  that rank's memory; any other object a rank needs (after resharding, or a
+  part another rank hashed) is downloaded whole and hashed again before DCP
+  sees it, so a swap between the stages is caught. The cost: each rank holds
+  the objects it reads in memory while it loads.
 """
 
 from __future__ import annotations
@@ -27,185 +38,79 @@ import io
 import os
 import pickle
 import stat
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
-from torch.futures import Future
+from torch.distributed.checkpoint.planner import ReadItem
 
-from ckpt_lesson.errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    UnsafeCheckpointError,
-)
-from ckpt_lesson.files.safe_read import read_regular_file
-from ckpt_lesson.files.tagged_hash import hash_bytes
-from ckpt_lesson.runs.dcp_manifest import METADATA_FILE, check_dcp_part, read_dcp_manifest
+from ckpt_lesson.errors import CorruptCheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
+from ckpt_lesson.runs.dcp_manifest import METADATA_FILE
 
-from .comm import Comm
-from .safe_metadata import load_metadata_bytes, weights_only_refusal
+from .safe_metadata import weights_only_refusal
+from .verify import FolderSave, StoreSave, VerifiedSave, fetch_part, verify_save
 
-__all__ = ["VerifiedSave", "VerifyingReader", "WeightsOnlyLoadPlanner", "verify_save"]
-
-
-@dataclass(frozen=True)
-class VerifiedSave:
-    """A save every rank agreed is intact: its manifest, parsed metadata and file sizes."""
-
-    folder: Path
-    manifest: dict[str, Any]
-    metadata: Metadata
-    sizes: dict[str, int]
+__all__ = [
+    "FolderSave",
+    "StoreSave",
+    "VerifiedSave",
+    "VerifyingReader",
+    "WeightsOnlyLoadPlanner",
+    "verify_save",
+]
 
 
-def _local_findings(folder: Path, comm: Comm) -> tuple[dict[str, Any], Any]:
-    """This rank's view: manifest fingerprint, problems found, unsafe refusal, parsed metadata."""
-    # "missing" (the save never finished) and "problems" (damage) are kept apart: the caller's
-    # error type, IncompleteCheckpointError or CorruptCheckpointError, depends on which it was.
-    findings: dict[str, Any] = {"manifest": None, "missing": [], "problems": [], "unsafe": None}
-    try:
-        manifest, raw = read_dcp_manifest(folder)
-    except IncompleteCheckpointError as exc:
-        findings["missing"] = [str(exc)]
-        return findings, None
-    except UnsafeCheckpointError as exc:
-        findings["unsafe"] = str(exc)
-        return findings, None
-    except CheckpointError as exc:  # EIO, deep JSON, a FIFO: damage, reported by this rank
-        findings["problems"] = [_on_rank(comm, str(exc))]
-        return findings, None
-    findings["manifest"] = hash_bytes(raw)["digest"]
-    parts = {p["file"]: p for p in manifest["parts"]}
-    # .metadata: every rank reads it (it is small) and parses exactly the bytes it hashed.
-    meta_part = parts[METADATA_FILE]
-    metadata = None
-    problem = check_dcp_part(folder, meta_part, hash_it=False)  # stat + size; the digest is of the bytes read
-    if problem is None:
-        data, why = _read_metadata_file(folder, meta_part["bytes"])
-        if data is None:
-            problem = _on_rank(comm, f"{METADATA_FILE}: unreadable ({why})")
-        elif (
-            len(data) != meta_part["bytes"]
-            or hash_bytes(data, meta_part["algo"])["digest"] != meta_part["digest"]
-        ):
-            problem = f"{METADATA_FILE}: changed while it was being verified"
-        else:
-            sizes = {name: p["bytes"] for name, p in parts.items() if name != METADATA_FILE}
+class _ListedFiles:
+    """What the read-only file systems of :class:`VerifyingReader` refuse: any file the manifest omits."""
+
+    def __init__(self, save: VerifiedSave) -> None:
+        super().__init__()
+        self.save = save
+
+    def _listed(self, path: str | os.PathLike[str], mode: str) -> str:
+        name = os.fspath(path).rsplit("/", 1)[-1]
+        if "r" not in mode or name not in self.save.sizes or name == METADATA_FILE:
+            raise UnsafeCheckpointError(
+                f"{self.save.folder}: refusing to read unlisted file {name!r} ({mode}); "
+                "only the verified files are read."
+            )
+        return name
+
+
+class _CheckedFiles(_ListedFiles, FileSystem):
+    """A folder's files, each re-checked (regular, same size) as DCP opens it."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        name = self._listed(path, mode)
+        info = os.lstat(path)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != self.save.sizes[name]:
+            raise CorruptCheckpointError(f"{self.save.folder}: {name} changed after it was verified.")
+        with super().create_stream(path, mode) as stream:
+            yield stream
+
+
+class _VerifiedFiles(_ListedFiles, FsspecFileSystem):
+    """A store's objects: the bytes this rank verified, or downloaded and hashed again now."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        name = self._listed(path, mode)
+        data = self.save.verified.get(name)
+        if data is None:  # not this rank's share: download it and check it the same way
+            part = next(p for p in self.save.manifest["parts"] if p["file"] == name)
             try:
-                metadata = load_metadata_bytes(data, data_files=sizes, where=folder.name)
-            except UnsafeCheckpointError as exc:
-                findings["unsafe"] = str(exc)
-            except CorruptCheckpointError as exc:
-                problem = str(exc)
-    _note(findings, problem)
-    data_parts = sorted(name for name in parts if name != METADATA_FILE)
-    for i, name in enumerate(data_parts):
-        if i % comm.world_size == comm.rank:
-            _note(findings, check_dcp_part(folder, parts[name]))
-    return findings, (manifest, metadata)
-
-
-def _read_metadata_file(folder: Path, size: int) -> tuple[bytes | None, str]:
-    # Through the one bounded reader: EIO (a bad sector) is damage to this copy, not a crash on
-    # one rank while the others wait in a collective. The reason drops the path (the caller's
-    # message names the folder).
-    path = folder / METADATA_FILE
-    try:
-        return read_regular_file(path, limit=size, what="DCP .metadata"), ""
-    except (OSError, CheckpointError) as exc:
-        return None, str(exc).replace(f"{path}: ", "")[:200]
-
-
-def _on_rank(comm: Comm, problem: str) -> str:
-    # Which rank saw it: EIO may hit one node only, and every rank reports the gathered finding.
-    return f"rank {comm.rank}: {problem}" if comm.world_size > 1 else problem
-
-
-def _safe_local_findings(folder: Path, comm: Comm) -> tuple[dict[str, Any], Any]:
-    """:func:`_local_findings`, with *any* failure turned into a finding this rank reports.
-
-    Why a catch-all here and nowhere else: what follows is a collective. A rank
-    that raised here (a RecursionError from a crafted file, an OSError the
-    readers did not expect) would leave the other ranks waiting in
-    ``all_gather`` until gloo gives up with a "Read error", and each rank
-    would tell a different story. Reported as a problem, every rank sees it
-    and all fall back to the older save together.
-    """
-    try:
-        return _local_findings(folder, comm)
-    except Exception as exc:
-        problem = f"rank {comm.rank} could not read it ({type(exc).__name__}: {str(exc)[:160]})"
-        return {"manifest": None, "missing": [], "problems": [problem], "unsafe": None}, None
-
-
-def _note(findings: dict[str, Any], problem: str | None) -> None:
-    if problem:
-        findings["missing" if problem.endswith(": missing") else "problems"].append(problem)
-
-
-def verify_save(folder: str | os.PathLike[str], comm: Comm) -> VerifiedSave:
-    """Verify one save on every rank together; collective over ``comm``.
-
-    Args:
-        folder: A published ``step-XXXXXXXX`` folder.
-        comm: The ranks that will load it (all must call this).
-
-    Returns:
-        The verified save, identical in content on every rank.
-
-    Raises:
-        IncompleteCheckpointError: The manifest or a listed file is missing.
-        CorruptCheckpointError: A size or digest differs, the ranks read
-            different manifests, or ``.metadata`` does not parse as DCP metadata.
-        UnsafeCheckpointError: The manifest names a path outside the folder, or
-            ``.metadata`` refers to anything DCP's metadata never contains.
-        (Every rank raises the same error.)
-
-    Example:
-        >>> verified = verify_save(run / "step-00000040", Comm())  # doctest: +SKIP
-    """
-    folder = Path(folder)
-    findings, parsed = _safe_local_findings(folder, comm)
-    one_verdict(comm.all_gather(findings), where=folder.name, differ="is the file system shared?")
-    manifest, metadata = parsed
-    sizes = {p["file"]: p["bytes"] for p in manifest["parts"]}
-    return VerifiedSave(folder, manifest, metadata, sizes)
-
-
-def one_verdict(everyone: list[dict[str, Any]], *, where: str, differ: str) -> None:
-    """Raise the one verdict every rank reaches from all ranks' findings (nothing when all is well).
-
-    Shared by :func:`verify_save` and the object-store reader: each rank checks what it
-    can see, the findings are gathered, and every rank raises the same error, so they fall
-    back to the same older save together.
-
-    Args:
-        everyone: Each rank's findings (``unsafe``, ``problems``, ``missing``, ``manifest``).
-        where: The save, for messages.
-        differ: The likely cause, when the ranks read different manifests.
-
-    Raises:
-        UnsafeCheckpointError: A rank found something that must never be loaded.
-        CorruptCheckpointError: Damage on any rank, or ranks that read different manifests.
-        IncompleteCheckpointError: Files missing on some rank, and no damage.
-    """
-    unsafe = [f"rank {r}: {f['unsafe']}" for r, f in enumerate(everyone) if f["unsafe"]]
-    if unsafe:
-        raise UnsafeCheckpointError(f"{where}: refused before loading anything: {unsafe[0]}")
-    problems = sorted({p for f in everyone for p in f["problems"]})
-    missing = sorted({p for f in everyone for p in f["missing"]})
-    if problems or missing:
-        kind = CorruptCheckpointError if problems else IncompleteCheckpointError
-        raise kind(f"{where}: {'; '.join(problems + missing)}")
-    if len({f["manifest"] for f in everyone}) != 1:
-        raise CorruptCheckpointError(f"{where}: ranks read different manifests ({differ})")
+                data = fetch_part(self.save.storage, self.save.attempt, part)  # type: ignore[arg-type]
+            except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
+                raise type(exc)(f"{self.save.folder}: {exc} (changed after it was verified)") from None
+        yield io.BytesIO(data)
 
 
 class VerifyingReader(FileSystemReader):
@@ -213,38 +118,35 @@ class VerifyingReader(FileSystemReader):
 
     ``read_metadata`` returns the metadata parsed from the verified bytes
     (never re-reading the file) and refuses DCP's fallback to rank-local
-    ``__N.metadata`` files; ``read_data`` refuses files the manifest does not
-    list and files whose size changed since verification.
+    ``__N.metadata`` files; reading refuses files the manifest does not list,
+    a folder's files whose size changed since verification, and a store's
+    objects whose bytes no longer match.
+
+    Args:
+        verified: The verified save.
+        storage_options: A store's fsspec options for DCP's own file system object.
 
     Example:
         >>> reader = VerifyingReader(verified)  # doctest: +SKIP
         >>> dcp.load(sd, storage_reader=reader, planner=WeightsOnlyLoadPlanner())  # doctest: +SKIP
     """
 
-    def __init__(self, verified: VerifiedSave) -> None:
+    def __init__(self, verified: VerifiedSave, storage_options: dict[str, Any] | None = None) -> None:
         super().__init__(verified.folder)
         self.verified = verified
+        if verified.storage is None:
+            self.fs = _CheckedFiles(verified)
+        else:
+            self.fs = _VerifiedFiles(verified)
+            self.path = self.fs.init_path(verified.folder, **dict(storage_options or {}))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise UnsafeCheckpointError(
-                f"{self.verified.folder.name}: refusing DCP's fallback to rank-local metadata files; "
+                f"{self.verified.folder}: refusing DCP's fallback to rank-local metadata files; "
                 "only the verified .metadata is read."
             )
         return copy.deepcopy(self.verified.metadata)  # DCP writes a load id into the one it gets
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        for name in {self.storage_data[item.storage_index].relative_path for item in plan.items}:
-            if name not in self.verified.sizes or name == METADATA_FILE:
-                raise UnsafeCheckpointError(
-                    f"{self.verified.folder.name}: refusing to read unlisted file {name!r}."
-                )
-            info = os.lstat(self.verified.folder / name)
-            if not stat.S_ISREG(info.st_mode) or info.st_size != self.verified.sizes[name]:
-                raise CorruptCheckpointError(
-                    f"{self.verified.folder.name}: {name} changed after it was verified."
-                )
-        return super().read_data(plan, planner)
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):

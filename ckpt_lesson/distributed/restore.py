@@ -1,8 +1,11 @@
 """Restore one verified distributed save into the live objects of every rank.
 
 :meth:`~.manager.DistributedCheckpointManager.restore_latest` walks the saves
-newest first and calls :func:`restore_save` on each until one works. The order
-inside is the lesson of the single-process restore, spread over ranks:
+newest first and calls :func:`restore_save` on each until one works; when one
+turns out damaged or vanishes (retention in another job), it lists the run
+again and goes on with the newest save not yet tried, newer ones included.
+The order inside one try is the lesson of the single-process restore, spread
+over ranks:
 
 1. every rank verifies its share of the files and all agree (:func:`~.reader.verify_save`);
 2. the manifest alone decides whether this world size can resume the save
@@ -23,7 +26,6 @@ counters, gives every rank a fresh reproducible stream, and says so in the log.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -41,19 +43,66 @@ from ckpt_lesson.errors import (
 )
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.rng import restore_rng_state
-from ckpt_lesson.runs.scan import step_of
+from ckpt_lesson.runs.scan import step_dir_name
 from ckpt_lesson.short_repr import short_repr
 
 from .comm import Comm, quiet_single_process, raise_from_checkpoint_exception
-from .reader import VerifyingReader, WeightsOnlyLoadPlanner, verify_save
+from .reader import VerifiedSave, VerifyingReader, WeightsOnlyLoadPlanner, verify_save
 from .state import apply_shared_state, build_load_template, decode_rank_state, rank_key, reseed_generators
 from .state_api import has_rank_parts
 
-__all__ = ["WORLD_SIZE_POLICIES", "DistributedRestore", "restore_newest", "restore_save"]
+__all__ = ["WORLD_SIZE_POLICIES", "DistributedRestore", "Saves", "listed", "restore_newest", "restore_save"]
 
 log = logging.getLogger("ckpt_lesson.distributed")
 
 WORLD_SIZE_POLICIES = ("refuse", "reseed")
+
+
+class Saves:
+    """A run's storage backend as the manager and the restore use it: one subclass per storage.
+
+    :class:`~.saving.FolderSaves` keeps a run in a folder every rank shares,
+    :class:`~.store_saves.StoreSaves` in an object store. Verification and reading are one
+    path for both (:mod:`.reader`); the hooks only a store needs do nothing here.
+    """
+
+    where: str = ""  # the run, for messages
+    storage_options: dict[str, Any] | None = None
+
+    def published(self) -> list[int] | Exception:
+        """Published steps, ascending (rank 0 lists; a store's error is returned, not raised)."""
+        raise NotImplementedError
+
+    def step_dir(self, step: int) -> Any:
+        """Where the save of ``step`` lives: a folder, or a URL."""
+        raise NotImplementedError
+
+    def source(self, step: int) -> Any:
+        """What :func:`~.reader.verify_save` reads for ``step``: a folder, or a ``StoreSave``."""
+        raise NotImplementedError
+
+    def verify(self, step: int, comm: Comm) -> VerifiedSave:
+        """Verify ``step`` on every rank together; collective."""
+        return verify_save(self.source(step), comm)
+
+    def reader(self, verified: VerifiedSave) -> VerifyingReader:
+        """DCP's storage reader for a verified save."""
+        return VerifyingReader(verified, self.storage_options)
+
+    def mark_good(self, step: int) -> None:
+        """``step`` was verified in full just now (a restore read and hashed it)."""
+
+    def wait(self) -> None:
+        """Wait for the retention pass in flight, if any."""
+
+    def restored(self, restored: DistributedRestore) -> None:
+        """Rank 0: note a restore (a store records it in ``recovery.jsonl`` after the next step)."""
+
+    def step_done(self, step: int) -> None:
+        """The first step after a restore (or a save) is done: see :meth:`restored`."""
+
+    def close(self) -> None:
+        """Drop what a restore left pending."""
 
 
 @dataclass(frozen=True)
@@ -89,10 +138,10 @@ class DistributedRestore:
     rng: dict[str, Any] | None = None
 
 
-def world_size_message(folder: Path, saved: int, now: int) -> str:
+def world_size_message(name: str, saved: int, now: int) -> str:
     """The refusal for a changed world size: what differs, why it matters, both ways out."""
     return (
-        f"{folder.name} was saved by {saved} rank(s) and this run has {now}. Model and optimizer can be "
+        f"{name} was saved by {saved} rank(s) and this run has {now}. Model and optimizer can be "
         f"resharded, but each rank's RNG state and data position belong to one of the {saved} saved ranks "
         f"and cannot be mapped onto {now}. Resume with {saved} ranks for an exact continuation, or pass "
         "on_world_size_change='reseed' to restore weights, optimizer, scheduler and counters and "
@@ -101,8 +150,9 @@ def world_size_message(folder: Path, saved: int, now: int) -> str:
 
 
 def restore_save(
-    folder: Path,
+    step: int,
     *,
+    saves: Saves,
     ctl: Comm,
     io_group: dist.ProcessGroup | None,
     model: Any,
@@ -110,21 +160,18 @@ def restore_save(
     scheduler: Any,
     on_world_size_change: str,
     reseed_base: int,
-    verify: Callable[[Path, Comm], Any] = verify_save,
-    make_reader: Callable[[Any], Any] = VerifyingReader,
 ) -> DistributedRestore:
     """Verify, load and apply one save on every rank; collective over ``ctl``.
 
     Args:
-        folder: The ``step-XXXXXXXX`` folder.
+        step: The step to restore.
+        saves: The run's backend: it verifies the save on every rank together and
+            builds DCP's storage reader for the verified save.
         ctl: The control group (training thread).
         io_group: The group DCP's own collectives use.
         model, optimizer, scheduler: Restored in place; ``scheduler`` may be ``None``.
         on_world_size_change: ``"refuse"`` or ``"reseed"`` (see the module doc).
         reseed_base: Base seed for ``"reseed"``.
-        verify: ``verify(folder, ctl)`` checks every file on every rank together and returns
-            what ``make_reader`` takes (an object store's save has its own; see :mod:`.store_reader`).
-        make_reader: Builds DCP's storage reader from the verified save.
 
     Returns:
         The restore's record on this rank.
@@ -135,21 +182,22 @@ def restore_save(
         StateMismatchError: World size (under ``"refuse"``), scheduler or per-rank state do not fit.
 
     Example:
-        >>> restored = restore_save(run / "step-00000040", ctl=Comm(), io_group=None,  # doctest: +SKIP
+        >>> restored = restore_save(40, saves=mgr.saves, ctl=Comm(), io_group=None,  # doctest: +SKIP
         ...     model=m, optimizer=opt, scheduler=None, on_world_size_change="refuse", reseed_base=0)
     """
-    verified = verify(folder, ctl)
+    verified = saves.verify(step, ctl)
+    name = step_dir_name(step)
     manifest = verified.manifest
     saved_world, now = manifest["world_size"], ctl.world_size
     resharded = saved_world != now
     if resharded and on_world_size_change != "reseed":
-        raise StateMismatchError(world_size_message(folder, saved_world, now))
+        raise StateMismatchError(world_size_message(name, saved_world, now))
     if manifest["per_rank_keys"] != [rank_key(r) for r in range(saved_world)]:
-        raise StateMismatchError(f"{folder.name}: unexpected per-rank keys {manifest['per_rank_keys'][:4]}.")
+        raise StateMismatchError(f"{name}: unexpected per-rank keys {manifest['per_rank_keys'][:4]}.")
     saved_scheduler = "scheduler" in manifest.get("covers", [])
     if saved_scheduler != (scheduler is not None):
         raise StateMismatchError(
-            f"{folder.name}: saved {'with' if saved_scheduler else 'without'} a scheduler, but "
+            f"{name}: saved {'with' if saved_scheduler else 'without'} a scheduler, but "
             f"restore_latest got {'none' if scheduler is None else 'one'}; pass the same kind of "
             "scheduler the run saved."
         )
@@ -160,16 +208,16 @@ def restore_save(
         with quiet_single_process(not ctl.enabled):
             dcp.load(
                 template,
-                storage_reader=make_reader(verified),
+                storage_reader=saves.reader(verified),
                 planner=WeightsOnlyLoadPlanner(),
                 process_group=io_group,
                 no_dist=not ctl.enabled,
             )
     except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
-        raise_from_checkpoint_exception(exc, f"loading {folder.name}", reading=True)
+        raise_from_checkpoint_exception(exc, f"loading {name}", reading=True)
     problem = None
     try:
-        rank_state = decode_rank_state(template[blob_key], where=f"{folder.name}/{blob_key}")
+        rank_state = decode_rank_state(template[blob_key], where=f"{name}/{blob_key}")
     except (StateMismatchError, UnsafeCheckpointError) as exc:
         problem = (isinstance(exc, UnsafeCheckpointError), str(exc))
     problems = [p for p in ctl.all_gather(problem) if p]  # all ranks decide together
@@ -185,7 +233,7 @@ def restore_save(
                 "%s: saved by %d rank(s), restored on %d: weights, optimizer, scheduler and counters "
                 "restored; RNG re-seeded from (reseed_base=%d, step, rank); data positions NOT restored "
                 "(resume your sampler from the counters: epoch %d, batch %d).",
-                folder.name,
+                name,
                 saved_world,
                 now,
                 reseed_base,
@@ -204,47 +252,76 @@ def restore_save(
         resharded=resharded,
         saved_world_size=saved_world,
         world_size=now,
-        path=folder,
+        path=saves.step_dir(step),
         save_id=manifest["save_id"],
         reseed=seed,
     )
 
 
-def restore_newest(
-    folders: list[Path], *, where: str | None = None, **options: Any
-) -> DistributedRestore | None:
-    """Try ``folders`` newest first with :func:`restore_save`; skip damaged ones; collective.
+def restore_newest(steps: list[int], *, saves: Saves, ctl: Comm, **options: Any) -> DistributedRestore | None:
+    """Restore the newest good save, following the run as it changes; collective over ``ctl``.
+
+    Tries ``steps`` newest first with :func:`restore_save`. When one is damaged or
+    vanished, rank 0 lists the run again and the ranks go on with the newest step
+    not yet tried, a save committed meanwhile included (a trainer's retention may
+    delete the save an eval job is reading while a newer one appears).
 
     Args:
-        folders: The published saves, oldest first (the same list on every rank).
-        where: The run, for the message when none is usable (default: the folders' parent).
-        options: The keyword arguments of :func:`restore_save`.
+        steps: The published steps, ascending (the same list on every rank).
+        saves: The run's backend (listing, verification, reader).
+        ctl: The control group.
+        options: The other keyword arguments of :func:`restore_save`.
 
     Returns:
-        The first save that restored, its ``skipped`` listing the newer ones
-        passed over; ``None`` when ``folders`` is empty.
+        The first save that restored, its ``skipped`` listing why each one tried
+        before was passed over; ``None`` when ``steps`` is empty.
 
     Raises:
         CheckpointError: Saves exist but none is usable (each reason listed), or
             what :func:`restore_save` raises for anything but damage.
 
     Example:
-        >>> restore_newest([run / "step-00000002"], ctl=Comm(), io_group=None,  # doctest: +SKIP
+        >>> restore_newest([2, 4], saves=mgr.saves, ctl=Comm(), io_group=None,  # doctest: +SKIP
         ...     model=m, optimizer=opt, scheduler=None, on_world_size_change="refuse", reseed_base=0)
     """
     skipped: list[dict[str, Any]] = []
-    for folder in reversed(folders):
+    tried: set[int] = set()
+    while untried := [step for step in steps if step not in tried]:
+        step = untried[-1]
+        tried.add(step)
         try:
-            restored = restore_save(folder, **options)
+            restored = restore_save(step, saves=saves, ctl=ctl, **options)
         except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
             status = "incomplete" if isinstance(exc, IncompleteCheckpointError) else "corrupt"
-            skipped.append({"step": step_of(folder.name), "status": status, "reason": str(exc)})
-            log.warning("restore: skipping %s (%s): %s", folder.name, status, exc)
+            skipped.append({"step": step, "status": status, "reason": str(exc)})
+            log.warning("restore: skipping %s (%s): %s", step_dir_name(step), status, exc)
+            steps = listed(saves, ctl)  # the run may have changed meanwhile: newer saves count too
             continue
         return replace(restored, skipped=skipped)
-    if not folders:
+    if not tried:
         return None
     lines = "; ".join(f"step {s['step']}: {s['status']}: {s['reason']}" for s in skipped)
-    raise CheckpointError(
-        f"{where or folders[0].parent}: {len(skipped)} save(s) found but none is usable: {lines}"
-    )
+    raise CheckpointError(f"{saves.where}: {len(skipped)} save(s) found but none is usable: {lines}")
+
+
+def listed(saves: Saves, ctl: Comm) -> list[int]:
+    """The run's published steps, listed by rank 0 and the same on every rank; collective.
+
+    Args:
+        saves: The run's backend.
+        ctl: The control group.
+
+    Returns:
+        The published steps, ascending.
+
+    Raises:
+        LoadEnvironmentError: Rank 0 could not list the store (every rank raises it).
+
+    Example:
+        >>> listed(mgr.saves, Comm())  # doctest: +SKIP
+        [2, 4]
+    """
+    steps = ctl.broadcast(saves.published() if ctl.rank == 0 else None)
+    if isinstance(steps, Exception):
+        raise steps
+    return steps

@@ -1,17 +1,19 @@
-"""The parts of a distributed save around DCP's own call: preparing it, failing it, purging after it.
+"""The parts of a distributed save around DCP's own call, and the backend of a run in a POSIX folder.
 
-:func:`prepare_save` runs before any byte is written and is where the ranks
+:func:`open_save` runs before any byte is written and is where the ranks
 agree: every rank checks its own input first (a bad ``data_state``, a
 ``state`` that is not a ``TrainState``) and the outcomes are gathered, so a
 refusal on one rank becomes the same refusal on all of them instead of one
 rank raising while the others wait inside a collective. Only then does rank 0
-take the staging folder (with its ``flock``, as in the single-process manager)
-and tell the others its name.
+open the save's attempt through the run's backend and tell the others its name.
 
-:class:`Retention` is the run directory's memory of which saves are known to
-be good, and applies the package's retention policy after each publish. It
-runs on rank 0 inside ``CommitWriter.finish``, so in the background thread
-for an asynchronous save, and it never turns a published save into a failure.
+:class:`FolderSaves` is that backend for a folder every rank shares (the
+object store's is :class:`~.store_saves.StoreSaves`): it takes the staging
+folder (with its ``flock``, as in the single-process manager), remembers which
+saves are known to be good, and applies the package's retention policy after
+each publish. Retention runs on rank 0 inside ``CommitWriter.finish``, so in
+the background thread for an asynchronous save, and it never turns a
+published save into a failure.
 """
 
 from __future__ import annotations
@@ -28,25 +30,32 @@ from typing import Any, NoReturn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.atomic import fsync_dir
+from ckpt_lesson.files.atomic import atomic_write_bytes, fsync_dir
 from ckpt_lesson.files.rng import capture_rng_state
-from ckpt_lesson.runs.commit import QUARANTINE_PREFIX, open_staging
-from ckpt_lesson.runs.dcp_marker import open_marker_folder
+from ckpt_lesson.files.storage import is_store_url
+from ckpt_lesson.runs.commit import QUARANTINE_PREFIX, clean_stale, open_staging, publish
+from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, clean_unmarked, open_marker_folder, write_commit_marker
 from ckpt_lesson.runs.deleter import BackgroundRetention
 from ckpt_lesson.runs.retention import RetentionPolicy
-from ckpt_lesson.runs.reverify import check_save
-from ckpt_lesson.runs.scan import published_steps, step_dir_name, step_of
+from ckpt_lesson.runs.scan import MANIFEST_NAME, published_steps, step_dir_name, step_of
 
 from .comm import Comm, raise_from_checkpoint_exception
 from .reader import verify_save
+from .restore import Saves
 from .state import build_save_state, encode_rank_state, rank_key
-from .writer import CommitWriter
+from .store_saves import StoreSaves
+from .writer import CommitWriter, Emit, HashingFileSystem
 
-__all__ = ["Retention", "SaveJob", "check_inputs", "fail_save", "manifest_fields", "prepare_save"]
+__all__ = [
+    "FolderSaves",
+    "FolderTarget",
+    "SaveJob",
+    "fail_save",
+    "open_save",
+    "open_saves",
+]
 
 log = logging.getLogger("ckpt_lesson.distributed")
-
-Emit = Callable[..., None]
 
 
 @dataclass
@@ -55,112 +64,91 @@ class SaveJob:
 
     step: int
     final: Path | str  # a folder, or a save's URL on an object store
-    writer: Any  # CommitWriter, or StoreCommitWriter for an object store
+    writer: Any  # a CommitWriter
     state_dict: dict[str, Any]
-    stack: ExitStack  # rank 0: holds the staging folder's lock; closing with an error removes the folder
+    stack: ExitStack  # rank 0: holds the attempt (a folder's lock, a store's lease); an error removes it
 
     def abort(self, exc: BaseException) -> None:
         self.stack.__exit__(type(exc), exc, exc.__traceback__)
 
 
-def prepare_save(
-    *,
-    ctl: Comm,
-    run_dir: Path,
-    model: Any,
-    optimizer: Any,
-    scheduler: Any,
-    state: Any,
-    data_state: Any,
-    writer_options: dict[str, Any],
+def open_saves(
+    location: str | os.PathLike[str],
+    policy: RetentionPolicy,
     emit: Emit,
-    after_publish: Callable[[Path, dict[str, Any]], None],
-    rng: dict[str, Any] | None = None,
-) -> SaveJob:
-    """Check the input on every rank, agree, and set up staging folder and writer; collective.
+    *,
+    publish: str | None,
+    storage_options: Any,
+    lease_seconds: float,
+) -> FolderSaves | StoreSaves:
+    """The backend of a run: a shared folder's, or an object store's for a URL (``s3://bucket/run``).
 
     Args:
-        ctl: The control group.
-        run_dir: The run directory.
-        model, optimizer, scheduler, state, data_state: As ``DistributedCheckpointManager.save``.
-        writer_options: ``algo``, ``thread_count``, ``publish`` and the manifest's ``metadata``.
+        location: The run's folder or URL.
+        policy: The retention policy.
         emit: The manager's event hook.
-        after_publish: Rank 0's post-publish callback (retention).
-        rng: This rank's generators captured earlier (e.g. before a prefetch); ``None`` captures them now.
+        publish: ``"rename"`` or ``"marker"``; ``None``: a folder's rename, a URL's marker.
+        storage_options: A URL's fsspec options (``None``: the environment).
+        lease_seconds: A URL's writer lease.
 
     Returns:
-        The job: the state dict for DCP and a :class:`~.writer.CommitWriter` aimed at the staging folder.
+        :class:`FolderSaves` or :class:`~.store_saves.StoreSaves`.
 
     Raises:
-        CheckpointError: On every rank alike: some rank's input is invalid, the
-            ranks disagree on the step, or a good save of this step exists.
+        CheckpointError: An unknown ``publish``, or ``publish="rename"`` for a URL.
 
     Example:
-        >>> job = prepare_save(ctl=Comm(), run_dir=run, model=m, optimizer=opt,  # doctest: +SKIP
-        ...     scheduler=None, state=state, data_state=None, writer_options=opts, emit=emit,
-        ...     after_publish=hook)
+        >>> open_saves("s3://bucket/run", KeepLastK(2), emit, publish=None,  # doctest: +SKIP
+        ...     storage_options=None, lease_seconds=900.0).publish
+        'marker'
     """
-    step, state_dict, covers = check_inputs(
-        ctl=ctl,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        state=state,
-        data_state=data_state,
-        rng=rng,
-        emit=emit,
-    )
-    final, stack, staging, refusal = run_dir / step_dir_name(step), ExitStack(), None, None
-    if ctl.rank == 0:
-        try:
-            clear_target(run_dir, final, emit)
-            by_marker = writer_options["publish"] == "marker"  # then the final folder is written in place
-            folder = open_marker_folder(final) if by_marker else open_staging(run_dir, step)
-            staging = stack.enter_context(folder).name
-        except (CheckpointError, OSError) as exc:
-            stack.close()
-            refusal = str(exc)
-    staging, refusal = ctl.broadcast((staging, refusal))
-    if refusal:
-        raise CheckpointError(refusal)
-    fields = manifest_fields(ctl, state, covers, writer_options["metadata"])
-    writer = CommitWriter(
-        run_dir / staging,
-        final,
-        step=step,
-        manifest_fields=fields,
-        algo=writer_options["algo"],
-        emit=emit,
-        after_publish=after_publish if ctl.rank == 0 else None,
-        thread_count=writer_options["thread_count"],
-        publish=writer_options["publish"],
-    )
-    return SaveJob(step, final, writer, state_dict, stack)
+    on_store = is_store_url(location)
+    publish = publish or ("marker" if on_store else "rename")
+    if publish not in PUBLISH_MODES:
+        raise CheckpointError(f"publish must be one of {PUBLISH_MODES}, got {publish!r}.")
+    if not on_store:
+        return FolderSaves(Path(location), policy, emit, publish=publish)
+    if publish == "rename":
+        raise CheckpointError(
+            f"{location}: publish='rename' needs a POSIX file system; on an object store a rename is a "
+            "copy and a delete, never atomic. A URL run publishes by its conditional COMMIT marker: "
+            "leave publish unset (or pass publish='marker')."
+        )
+    return StoreSaves(str(location).rstrip("/"), storage_options, lease_seconds, policy, emit)
 
 
-def check_inputs(
-    *,
+def open_save(
+    saves: FolderSaves | StoreSaves,
     ctl: Comm,
-    model: Any,
-    optimizer: Any,
-    scheduler: Any,
-    state: Any,
-    data_state: Any,
-    rng: Any,
+    args: tuple[Any, ...],
+    *,
+    metadata: dict[str, Any],
+    algo: str,
+    thread_count: int,
     emit: Emit,
-) -> tuple[int, dict[str, Any], list[str]]:
-    """Every rank checks and encodes its own input, then all agree; collective.
+) -> SaveJob:
+    """Check the input on every rank, agree, open the save's attempt and set up its writer; collective.
+
+    Args:
+        saves: The run's backend; rank 0 opens the attempt through it (a staging folder,
+            or a ``save_id`` under a lease) and tells the other ranks its name.
+        ctl: The control group.
+        args: ``(model, optimizer, scheduler, state, data_state, rng)`` (see :func:`.state_api.save_args`).
+        metadata, algo, thread_count: The manager's settings for the manifest and the writer.
+        emit: The manager's event hook.
 
     Returns:
-        ``(step, state dict for DCP, covered buckets)``, the same step on every rank.
+        The job: the state dict for DCP and a :class:`~.writer.CommitWriter` aimed at the attempt.
 
     Raises:
-        CheckpointError: On every rank alike: some rank's input is invalid, or the ranks disagree.
+        CheckpointError: On every rank alike: some rank's input is invalid, the ranks
+            disagree on the step, or a good save of this step exists.
 
     Example:
-        >>> step, state_dict, covers = check_inputs(ctl=Comm(), model=m, optimizer=opt,  # doctest: +SKIP
-        ...     scheduler=None, state=state, data_state=None, rng=None, emit=emit)
+        >>> job = open_save(mgr.saves, Comm(), (m, opt, None, state, None, None),  # doctest: +SKIP
+        ...     metadata={}, algo="xxh3_128", thread_count=1, emit=emit)
     """
+    model, optimizer, scheduler, state, data_state, rng = args
     error, state_dict, step = None, {}, getattr(state, "step", None)
     try:  # everything local first; a rank that fails must not leave the others inside a collective
         blob = encode_rank_state(state, capture_rng_state() if rng is None else rng, data_state)
@@ -174,19 +162,39 @@ def check_inputs(
     if len({v[:2] for v in views}) != 1:
         raise CheckpointError(f"ranks disagree on (step, has scheduler): {[v[:2] for v in views]}.")
     emit("save_begin", step=step)
-    covers = ["model", "optimizer", *(["scheduler"] if scheduler is not None else []), "rng", "data"]
-    return step, state_dict, covers
-
-
-def manifest_fields(ctl: Comm, state: Any, covers: list[str], metadata: dict[str, Any]) -> dict[str, Any]:
-    """The manifest fields every writer records besides its parts (rank 0's counters, per-rank keys)."""
-    return {
-        "world_size": ctl.world_size,
-        "per_rank_keys": [rank_key(r) for r in range(ctl.world_size)],
-        "state": {"step": state.step, "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch},
-        "covers": covers,
-        "metadata": metadata,
-    }
+    saves.step_done(step)  # a loop that saves without asking should_save still gets its record
+    stack, name, held, refusal = ExitStack(), None, None, None
+    if ctl.rank == 0:
+        try:
+            name, held = saves.begin(step, stack)
+        except (CheckpointError, OSError) as exc:
+            stack.close()
+            refusal = exc if isinstance(exc, CheckpointError) else CheckpointError(str(exc))
+    name, refusal = ctl.broadcast((name, refusal))
+    if refusal is not None:
+        raise refusal
+    writer = CommitWriter(
+        saves.target(step, name, held),  # type: ignore[arg-type]
+        step=step,
+        manifest_fields={  # besides the parts: rank 0's counters, the per-rank keys
+            "world_size": ctl.world_size,
+            "per_rank_keys": [rank_key(r) for r in range(ctl.world_size)],
+            "state": {"step": state.step, "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch},
+            "covers": [
+                "model",
+                "optimizer",
+                *(["scheduler"] if scheduler is not None else []),
+                "rng",
+                "data",
+            ],
+            "metadata": metadata,
+        },
+        algo=algo,
+        emit=emit,
+        after_publish=saves.after_publish if ctl.rank == 0 else None,
+        thread_count=thread_count,
+    )
+    return SaveJob(step, saves.step_dir(step), writer, state_dict, stack)
 
 
 def clear_target(run_dir: Path, final: Path, emit: Emit) -> None:
@@ -222,8 +230,50 @@ def fail_save(job: SaveJob, exc: BaseException, rank: int) -> NoReturn:
     raise exc
 
 
-class Retention:
-    """Known-good saves of one run directory, and the purge that follows each publish.
+class FolderTarget:
+    """The commit of a save in a POSIX folder, by rename (default) or by a marker written last.
+
+    Args:
+        staging: Where the files are written (created and locked by rank 0 beforehand).
+        final: Where the save is published, e.g. ``RUN_DIR/step-00000040``.
+        publish: ``"rename"``: ``staging`` is renamed to ``final``; ``"marker"``: ``staging``
+            *is* ``final`` and a commit marker written last publishes it
+            (see :mod:`ckpt_lesson.runs.dcp_marker`).
+
+    Example:
+        >>> target = FolderTarget(run / ".staging-step-00000040-x", run / "step-00000040")  # doctest: +SKIP
+    """
+
+    sync_files = True  # fsync each file through DCP
+
+    def __init__(self, staging: Path, final: Path, publish: str = "rename") -> None:
+        self.staging, self.final, self.publish = Path(staging), Path(final), publish
+        self.save_id, self.where, self.checkpoint_id = uuid.uuid4().hex, self.staging.name, str(self.final)
+
+    def file_system(self, algo: str, emit: Emit) -> tuple[HashingFileSystem, Path]:
+        return HashingFileSystem(algo, emit), self.staging
+
+    def remove(self, names: list[str]) -> None:
+        for name in names:
+            (self.staging / name).unlink(missing_ok=True)
+
+    def commit(self, step: int, manifest: dict[str, Any], raw: bytes, written: Callable[[], None]) -> str:
+        """Write the manifest, call ``written``, publish; returns where the save now lives."""
+        atomic_write_bytes(raw, self.staging / MANIFEST_NAME)  # fsyncs file and folder
+        written()
+        if self.publish == "marker":  # no rename: the marker, written last, is the commit
+            write_commit_marker(self.final, manifest, raw)
+        else:
+            if self.final.exists():
+                raise CheckpointError(
+                    f"{self.final}: appeared while this save was written (another writer?); not replacing it."
+                )
+            publish(self.staging, self.final)  # one rename, then fsync of the run directory
+        return str(self.final)
+
+
+class FolderSaves(Saves):
+    """The saves of a run in a shared folder: staging, known-good saves, and the purge after each publish.
 
     The purge is the single-process manager's: the same rule
     (:func:`~ckpt_lesson.runs.reverify.retention_pass`: cheap checks of every
@@ -233,32 +283,59 @@ class Retention:
     Args:
         run_dir: The run directory.
         policy: ``to_delete(steps, verified)``, e.g. ``KeepLastK(3)``.
-        emit: Event hook (``retention_delete`` before each delete).
+        emit: Event hook (``retention_delete`` before each delete, ``quarantined``).
+        publish: ``"rename"`` (a staging folder renamed) or ``"marker"`` (see :mod:`.writer`).
         background: ``False`` runs each pass inside ``after_publish``.
 
     Example:
-        >>> keeper = Retention(run, KeepLastK(2), emit=lambda name, **info: None)  # doctest: +SKIP
-        >>> keeper.published()  # doctest: +SKIP
+        >>> saves = FolderSaves(run, KeepLastK(2), emit=lambda name, **info: None)  # doctest: +SKIP
+        >>> saves.published()  # doctest: +SKIP
         [2, 4]
     """
 
     def __init__(
-        self, run_dir: Path, policy: RetentionPolicy, emit: Emit, *, background: bool = True
+        self,
+        run_dir: Path,
+        policy: RetentionPolicy,
+        emit: Emit,
+        *,
+        publish: str = "rename",
+        background: bool = True,
     ) -> None:
-        self.run_dir, self.policy, self.emit = run_dir, policy, emit
+        self.run_dir, self.policy, self.emit, self.publish = run_dir, policy, emit, publish
+        self.where = str(run_dir)
         self.worker = BackgroundRetention(run_dir, policy, emit=emit, background=background)
 
-    @property
-    def verified(self) -> set[int]:
-        """Steps known to be good (written, restored or re-checked by this process)."""
-        self.worker.wait()
-        return self.worker.known.verified
+    def open_run(self) -> None:  # rank 0, once
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise CheckpointError(f"{self.run_dir}: exists and is not a directory; pass a run directory.")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.clean()  # staging or unmarked folders of writers killed earlier (their flock is gone)
 
-    @verified.setter
-    def verified(self, steps: set[int]) -> None:
-        self.worker.wait()
-        self.worker.known.verified.clear()
-        self.worker.known.verified.update(steps)
+    def clean(self) -> list[str]:
+        """Rank 0: remove the staging and unmarked folders of dead writers; returns their names."""
+        return clean_stale(self.run_dir) + clean_unmarked(self.run_dir)
+
+    clean_uploads = clean
+
+    def step_dir(self, step: int) -> Path:
+        """Where the published save of ``step`` lives (whether or not it exists)."""
+        return self.run_dir / step_dir_name(step)
+
+    def begin(self, step: int, stack: ExitStack) -> tuple[str, None]:
+        """Rank 0: refuse over a good save, then open the folder ``step`` is written in, held by ``stack``."""
+        final = self.step_dir(step)
+        clear_target(self.run_dir, final, self.emit)
+        folder = open_marker_folder(final) if self.publish == "marker" else open_staging(self.run_dir, step)
+        return stack.enter_context(folder).name, None
+
+    def target(self, step: int, staging: str, lease: None) -> FolderTarget:
+        """Where every rank's writer writes: the folder rank 0 opened, published as ``step``."""
+        return FolderTarget(self.run_dir / staging, self.step_dir(step), self.publish)
+
+    def source(self, step: int) -> Path:
+        """The folder :func:`~.reader.verify_save` reads for ``step``."""
+        return self.step_dir(step)
 
     def mark_good(self, step: int) -> None:
         """``step`` was verified in full just now (a restore read and hashed it)."""
@@ -273,15 +350,11 @@ class Retention:
         """Published steps, ascending (folder names only; nothing is read)."""
         return published_steps(self.run_dir)
 
-    def after_publish(self, final: Path, manifest: dict[str, Any]) -> None:
+    def after_publish(self, final: str, manifest: dict[str, Any]) -> None:
         """Count the new save as good and start the purge behind it; errors are logged, not raised."""
         try:
             # Every part was hashed as it was written and finish() checked every item was: the
             # write-time check of the single-process manager's "writer" mode.
             self.worker.submit(manifest["step"], checked=True)
         except Exception:  # the save is durable; a failed purge must not turn it into a failure
-            log.exception("retention after %s failed; the save itself is published", final.name)
-
-    def sizes_ok(self, step: int) -> bool:
-        """A known-good save still has its manifest and every part at its size (a stat each, no hashing)."""
-        return check_save(self.run_dir / step_dir_name(step), full=False) is None
+            log.exception("retention after %s failed; the save itself is published", final)

@@ -30,7 +30,7 @@ from ckpt_lesson.files.payload import validate_payload
 from ckpt_lesson.files.state_apply import check_part_names
 from ckpt_lesson.files.state_payload import OBJECT, VALUE, Restored, is_object
 from ckpt_lesson.files.train_state import TrainState
-from ckpt_lesson.runs.state_args import is_state_call, positional_save_args
+from ckpt_lesson.runs.state_args import is_state_call, positional_restore_args, positional_save_args
 
 __all__ = [
     "PARTS_KEY",
@@ -38,6 +38,7 @@ __all__ = [
     "as_restored",
     "has_rank_parts",
     "rank_data",
+    "restore_args",
     "save_args",
     "split_state",
 ]
@@ -170,3 +171,15 @@ def save_args(args: tuple[Any, ...], data_state: Any, rng: Any) -> tuple[Any, ..
         rank_data(parts),
         None if rng in (None, True) else rng,
     )
+
+
+def restore_args(args: tuple[Any, ...]) -> tuple[Mapping[str, Any] | None, Any, Any, Any]:
+    """``(state mapping or None, model, optimizer, scheduler)`` for either form of ``restore_latest``.
+
+    Raises:
+        CheckpointError: Arguments of neither form (see :func:`split_state`).
+    """
+    if len(args) == 1 and isinstance(args[0], Mapping):
+        _, model, _, optimizer, _ = split_state(args[0])
+        return args[0], model, optimizer, None
+    return (None, *positional_restore_args((*args, None)[:3] if len(args) == 2 else args))

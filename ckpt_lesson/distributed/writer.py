@@ -1,4 +1,4 @@
-"""A DCP storage writer that hashes while it writes and commits in ``finish``.
+"""One DCP storage writer for every storage: it hashes while it writes and commits in ``finish``.
 
 Stock ``FileSystemWriter`` gets a save onto disk; it does not make it a
 *commit*. It never fsyncs the directory, deletes an existing ``.metadata``
@@ -7,38 +7,56 @@ with ``thread_count > 1`` a writer thread that dies takes its items with it
 while ``dcp.save`` returns normally. :class:`CommitWriter` keeps DCP's planning
 and file format and changes three things:
 
-1. **Every byte is hashed on its way to disk.** DCP opens every file, data and
-   ``.metadata`` alike, through ``self.fs.create_stream``; our file system
-   hands out a stream that feeds each ``write`` to the hasher, so the digest
-   costs no second read. (The stream keeps ``tell`` for DCP's offsets and
-   ``fileno`` for its fsync; without ``fileno`` DCP falls back to a machine-wide
-   ``os.sync()``.)
+1. **Every byte is hashed on its way to storage.** DCP opens every file, data and
+   ``.metadata`` alike, through ``self.fs.create_stream``; our file systems
+   (a local folder, or any fsspec URL) hand out a stream that feeds each
+   ``write`` to the hasher, so the digest costs no second read. (Locally the
+   stream keeps ``tell`` for DCP's offsets and ``fileno`` for its fsync; without
+   ``fileno`` DCP falls back to a machine-wide ``os.sync()``.)
 2. **Digests travel with DCP's own results.** ``write_data`` returns one
    ``WriteResult`` per item and DCP gathers them to rank 0 for ``finish``; each
    result carries its file's size and digest, so no extra collective is needed.
 3. **Rank 0's** ``finish`` **is the commit.** DCP calls it once, after every
    rank wrote. It checks that every planned item was written, lets DCP write
-   ``.metadata``, writes the manifest, publishes the staging folder with one
-   rename and fsyncs the parent. ``dcp.async_save`` calls the same ``finish``
+   ``.metadata``, writes the manifest and hands it to the save's *target*, the
+   commit strategy of its storage. ``dcp.async_save`` calls the same ``finish``
    in its background thread, so an asynchronous save runs the same protocol.
 
-Until the rename, everything lives in a ``.staging-step-...`` folder that no
-reader mistakes for a save: a kill of any rank at any earlier point leaves the
-previous save as the newest one.
+Two targets, one writer (each lives with its storage's backend):
+
+* :class:`~.saving.FolderTarget`, a POSIX folder: everything lives in a
+  ``.staging-step-...`` folder that no reader mistakes for a save, published
+  by one rename (or written in place and published by a commit marker written
+  last, ``publish="marker"``). A kill of any rank earlier leaves the previous
+  save as the newest one.
+* :class:`~.store_saves.StoreTarget`, an object store (in the order of
+  :mod:`ckpt_lesson.runs.store_commit`)::
+
+    RUN/step-00000040/<save_id>/LEASE            written before any rank starts, renewed (rank 0)
+    RUN/step-00000040/<save_id>/__0_0.distcp     every rank, hashed while uploaded
+    RUN/step-00000040/<save_id>/.metadata        rank 0, after every rank wrote
+    RUN/step-00000040/<save_id>/manifest.json    rank 0: every file's size and digest
+    RUN/step-00000040/COMMIT                     rank 0, last, create-if-absent, if the lease still runs
+
+  Each save writes under its own ``save_id``, so a zombie writer of the same
+  step never overwrites a committed save's objects; of the two, only one
+  creates ``COMMIT``. Nothing is renamed (on S3 a rename is a copy and a
+  delete): a save without its marker is not a save.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -46,22 +64,28 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckpt_lesson.errors import CheckpointError, IncompleteCheckpointError
-from ckpt_lesson.files.atomic import atomic_write_json
 from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.tagged_hash import DEFAULT_ALGO, new_hasher
-from ckpt_lesson.runs.commit import publish
 from ckpt_lesson.runs.dcp_manifest import METADATA_FILE, build_manifest
-from ckpt_lesson.runs.dcp_marker import write_commit_marker
-from ckpt_lesson.runs.scan import MANIFEST_NAME
 
-__all__ = ["CommitWriter", "Digested", "HashingFileSystem", "HashingStream", "check_and_unwrap"]
+__all__ = [
+    "CommitWriter",
+    "Digested",
+    "Emit",
+    "HashingFileSystem",
+    "HashingFsspecFileSystem",
+    "HashingStream",
+    "check_and_unwrap",
+    "no_event",
+]
+
 
 #: ``emit(name, **info)``: the manager's event hook (tests kill ranks from it).
 Emit = Callable[..., None]
 
 
-def _no_event(name: str, **info: Any) -> None:
-    pass
+def no_event(name: str, **info: Any) -> None:
+    """The default event hook: does nothing."""
 
 
 class HashingStream:
@@ -107,11 +131,13 @@ class HashingStream:
         return self._raw.closed
 
 
-class HashingFileSystem(FileSystem):
-    """DCP's local file system, with write streams that record each file's size and digest.
+class _Hashing:
+    """What both hashing file systems add to DCP's: exclusive creates, and a record per finished file.
 
-    Files are created exclusively (``"xb"``): a staging folder is fresh, so an
-    existing name means two writers collided, and that must fail, not overwrite.
+    Files are created exclusively (``"xb"``; ``If-None-Match: *`` on S3): a save's folder or
+    prefix is fresh, so an existing name means two writers collided, and that must fail,
+    not overwrite. A file that failed halfway gets no record, so it can never be listed in
+    a manifest.
 
     Args:
         algo: Hash algorithm for the records.
@@ -119,38 +145,70 @@ class HashingFileSystem(FileSystem):
             first bytes reached the file) and ``file_written``.
     """
 
-    def __init__(self, algo: str = DEFAULT_ALGO, emit: Emit = _no_event) -> None:
+    def __init__(self, algo: str = DEFAULT_ALGO, emit: Emit = no_event) -> None:
         super().__init__()
-        self.algo = algo
-        self.emit = emit
+        self.algo, self.emit = algo, emit
         #: file name -> (bytes, {"algo", "digest"}), for every file this process wrote completely.
         self.records: dict[str, tuple[int, dict[str, str]]] = {}
         self._lock = threading.Lock()  # DCP may write several files from several threads
 
+    def _open_new(self, path: str | os.PathLike[str], mode: str) -> Any:  # a context manager
+        raise NotImplementedError
+
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
         if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
+            with super().create_stream(path, mode) as stream:  # type: ignore[misc]
                 yield stream
             return
-        path = Path(path)
-        name = path.name
+        name = os.fspath(path).rsplit("/", 1)[-1]
         self.emit("file_begin", file=name)
-        with path.open(mode.replace("w", "x")) as raw:
+        with self._open_new(path, mode.replace("w", "x")) as raw:
             stream = HashingStream(raw, self.algo, lambda: self.emit("file_partial", file=name))
             yield stream
-        # Reached only when DCP's block finished without an error: a file that failed halfway
-        # gets no record, so it can never be listed in a manifest.
+        # Reached only when DCP's block finished without an error.
         with self._lock:
             self.records[name] = (stream.size, {"algo": self.algo, "digest": stream.hexdigest()})
         self.emit("file_written", file=name, bytes=stream.size)
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-        super().rename(path, new_path)  # DCP: .metadata.tmp -> .metadata; the record follows the name
-        with self._lock:
-            record = self.records.pop(Path(path).name, None)
+        super().rename(path, new_path)  # type: ignore[misc]  # DCP: .metadata.tmp -> .metadata
+        with self._lock:  # the record follows the name
+            record = self.records.pop(os.fspath(path).rsplit("/", 1)[-1], None)
             if record is not None:
-                self.records[Path(new_path).name] = record
+                self.records[os.fspath(new_path).rsplit("/", 1)[-1]] = record
+
+
+class HashingFileSystem(_Hashing, FileSystem):
+    """DCP's local file system, with write streams that record each file's size and digest."""
+
+    def _open_new(self, path: str | os.PathLike[str], mode: str) -> Any:
+        return Path(path).open(mode)
+
+
+class HashingFsspecFileSystem(_Hashing, FsspecFileSystem):
+    """DCP's fsspec file system, with write streams that record each object's size and digest.
+
+    An upload that fails halfway is discarded (its multipart upload aborted), never completed.
+    """
+
+    @contextmanager
+    def _open_new(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        raw = self.fs.open(os.fspath(path), mode)
+        try:
+            yield raw
+            raw.close()  # the object appears here (one PUT, or the multipart upload completes)
+        except BaseException:
+            try:
+                discard = getattr(raw, "discard", None)
+                if discard is not None:
+                    discard()
+            finally:
+                try:
+                    raw.closed = True  # fsspec completes an open write file on close() and in __del__
+                except AttributeError:
+                    pass
+            raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,58 +226,62 @@ class Digested:
 
 
 class CommitWriter(FileSystemWriter):
-    """Writes one save into ``staging`` and, on rank 0, commits it to ``final``.
+    """Writes one save through its target's file system and, on rank 0, commits it.
 
     Args:
-        staging: The staging folder (created and locked by rank 0 beforehand).
-        final: Where the save is published, e.g. ``RUN_DIR/step-00000040``.
+        target: Where and how the save is committed: a folder's :class:`~.saving.FolderTarget`
+            or a store's :class:`~.store_saves.StoreTarget`. Each has ``save_id``, ``where``,
+            ``checkpoint_id``, ``publish``, ``sync_files``, ``file_system(algo, emit)`` (DCP's
+            hashing file system and path), ``remove(names)`` and ``commit(step, manifest, raw, written)``.
         step: The step being saved.
-        manifest_fields: ``world_size``, ``per_rank_keys``, ``state`` and
-            ``metadata`` for :func:`~.manifest.build_manifest` (used on rank 0).
+        manifest_fields: ``world_size``, ``per_rank_keys``, ``state``, ``covers`` and
+            ``metadata`` for :func:`~ckpt_lesson.runs.dcp_manifest.build_manifest` (used on rank 0).
         algo: Hash algorithm for every file.
         emit: Event hook: ``file_*`` on every rank; ``finish_begin``,
             ``metadata_written``, ``manifest_written`` and ``published`` on rank 0.
-        after_publish: Called on rank 0 with ``(final, manifest)`` once the
+        after_publish: Called on rank 0 with ``(where, manifest)`` once the
             save is durable (retention goes here); its errors are the caller's.
         thread_count: DCP writer threads per rank.
-        publish: ``"rename"``: ``staging`` is renamed to ``final``; ``"marker"``:
-            ``staging`` *is* ``final`` and a commit marker written last publishes it
-            (see :mod:`ckpt_lesson.runs.dcp_marker`).
+
+    Raises:
+        CommitConflictError: (from ``finish``, on every rank through DCP) another
+            writer committed this step of a store first.
+        CheckpointError: (from ``finish``) the store lease expired before the commit.
 
     Example:
-        >>> writer = CommitWriter(staging, run / "step-00000040", step=40,  # doctest: +SKIP
+        >>> target = FolderTarget(staging, run / "step-00000040")  # doctest: +SKIP
+        >>> writer = CommitWriter(target, step=40,  # doctest: +SKIP
         ...     manifest_fields={"world_size": 2, "per_rank_keys": [...], "state": {}, "metadata": {}})
         >>> dcp.save(state_dict, storage_writer=writer)  # doctest: +SKIP
     """
 
     def __init__(
         self,
-        staging: Path,
-        final: Path,
+        target: Any,
         *,
         step: int,
         manifest_fields: dict[str, Any],
         algo: str = DEFAULT_ALGO,
-        emit: Emit = _no_event,
-        after_publish: Callable[[Path, dict[str, Any]], None] | None = None,
+        emit: Emit = no_event,
+        after_publish: Callable[[str, dict[str, Any]], None] | None = None,
         thread_count: int = 1,
-        publish: str = "rename",
     ) -> None:
-        super().__init__(staging, single_file_per_rank=True, sync_files=True, thread_count=thread_count)
-        self.publish = publish
-        self.overwrite = False
-        self.fs = HashingFileSystem(algo, emit)
-        self.staging, self.final, self.step = Path(staging), Path(final), step
-        self.manifest_fields = manifest_fields
-        self.emit = emit
-        self.after_publish = after_publish
-        self.save_id = uuid.uuid4().hex
+        super().__init__(
+            target.checkpoint_id,
+            single_file_per_rank=True,
+            sync_files=target.sync_files,
+            thread_count=thread_count,
+            overwrite=False,
+        )
+        self.fs, self.path = target.file_system(algo, emit)
+        self.target, self.step, self.save_id = target, step, target.save_id
+        self.manifest_fields, self.emit, self.after_publish = manifest_fields, emit, after_publish
         self._planned: set[Any] | None = None
 
     def storage_meta(self) -> StorageMeta:
-        # .metadata records where the save lives; with publish-by-rename that is the final
-        # folder, not the staging folder the bytes were written in.
-        return StorageMeta(checkpoint_id=str(self.final), save_id=self.save_id)
+        # .metadata records where the save lives: the final folder (not the staging folder the
+        # bytes were written in), or the save's prefix in a store.
+        return StorageMeta(checkpoint_id=self.target.checkpoint_id, save_id=self.save_id)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         plans = super().prepare_global_plan(plans)
@@ -228,15 +290,21 @@ class CommitWriter(FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         results = super().write_data(plan, planner).wait()
-        wrapped, used, empty = digested_results(
-            results,
-            dict(self.fs.records),
-            unhashed="was written without a digest; only CommitWriter's file system may write into "
-            "a staging folder.",
-            where=self.staging.name,
-        )
-        for name in empty:
-            (self.staging / name).unlink(missing_ok=True)
+        records, wrapped, used = dict(self.fs.records), [], set()
+        for result in results:  # each result carries its file's size and digest to rank 0's finish
+            name = result.storage_data.relative_path
+            if name not in records:
+                raise CheckpointError(
+                    f"{self.target.where}: {name} was written without a digest; only CommitWriter's "
+                    "file system may write a save. Nothing is committed."
+                )
+            size, record = records[name]
+            used.add(name)
+            digested = Digested(result.storage_data, name, size, record)
+            wrapped.append(dataclasses.replace(result, storage_data=digested))
+        empty = [name for name, (size, _) in records.items() if name not in used and size == 0]
+        if empty:  # a rank with nothing to write still opens one file
+            self.target.remove(empty)
         self.emit("writes_complete", files=sorted(used))
         done: Future[list[WriteResult]] = Future()
         done.set_result(wrapped)
@@ -244,10 +312,10 @@ class CommitWriter(FileSystemWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         self.emit("finish_begin", step=self.step)
-        plain, parts = check_and_unwrap(results, self._planned, where=self.staging.name)
+        plain, parts = check_and_unwrap(results, self._planned, where=self.target.where)
         super().finish(metadata, plain)  # .metadata.tmp through our stream, fsync, rename
         if METADATA_FILE not in self.fs.records:
-            raise CheckpointError(f"{self.staging.name}: DCP wrote no {METADATA_FILE}; nothing published.")
+            raise CheckpointError(f"{self.target.where}: DCP wrote no {METADATA_FILE}; nothing published.")
         size, record = self.fs.records[METADATA_FILE]
         parts[METADATA_FILE] = {"file": METADATA_FILE, "bytes": size, **record}
         self.emit("metadata_written", step=self.step)
@@ -256,65 +324,22 @@ class CommitWriter(FileSystemWriter):
             parts=list(parts.values()),
             save_id=self.save_id,
             dcp_version=metadata.version,
-            publish=self.publish,
+            publish=self.target.publish,
             **self.manifest_fields,
         )
         # Sealed like every commit record: a flipped bit in the manifest itself is damage, not a refusal.
-        atomic_write_json(seal_record(manifest), self.staging / MANIFEST_NAME)  # fsyncs file and folder
-        self.emit("manifest_written", step=self.step, save_id=self.save_id)
-        if self.publish == "marker":  # no rename: the marker, written last, is the commit
-            write_commit_marker(self.final, manifest, (self.final / MANIFEST_NAME).read_bytes())
-        else:
-            if self.final.exists():
-                raise CheckpointError(
-                    f"{self.final}: appeared while this save was written (another writer?); not replacing it."
-                )
-            publish(self.staging, self.final)  # one rename, then fsync of the run directory
-        self.emit("published", step=self.step, path=str(self.final), save_id=self.save_id)
+        raw = (json.dumps(seal_record(manifest), indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+        written = lambda: self.emit("manifest_written", step=self.step, save_id=self.save_id)  # noqa: E731
+        final = self.target.commit(self.step, manifest, raw, written)
+        self.emit("published", step=self.step, path=final, save_id=self.save_id)
         if self.after_publish is not None:
-            self.after_publish(self.final, manifest)
-
-
-def digested_results(
-    results: list[WriteResult], records: dict[str, tuple[int, dict[str, str]]], *, unhashed: str, where: str
-) -> tuple[list[WriteResult], set[str], list[str]]:
-    """One rank's write results, each carrying its file's size and digest to rank 0's ``finish``.
-
-    Shared by :class:`CommitWriter` and the object-store writer (:mod:`.store_writer`).
-
-    Args:
-        results: What DCP's ``write_data`` returned on this rank.
-        records: The hashing file system's ``{file: (size, record)}``.
-        unhashed: The end of the message for a result whose file was not hashed.
-        where: The save, for messages.
-
-    Returns:
-        ``(wrapped results, names written, empty files opened but never written)``: a rank
-        with nothing to write still opens one file, which the caller removes.
-
-    Raises:
-        CheckpointError: A result names a file the hashing file system never saw.
-    """
-    wrapped, used = [], set()
-    for result in results:
-        name = result.storage_data.relative_path
-        if name not in records:
-            raise CheckpointError(f"{where}: {name} {unhashed}")
-        size, record = records[name]
-        used.add(name)
-        wrapped.append(
-            dataclasses.replace(result, storage_data=Digested(result.storage_data, name, size, record))
-        )
-    empty = [name for name, (size, _) in records.items() if name not in used and size == 0]
-    return wrapped, used, empty
+            self.after_publish(final, manifest)
 
 
 def check_and_unwrap(
     results: list[list[WriteResult]], planned: set[Any] | None, *, where: str
 ) -> tuple[list[list[WriteResult]], dict[str, Any]]:
     """Check every planned item was written, strip digests from the results, and collect one part per file.
-
-    Shared by :class:`CommitWriter` and the object-store writer (:mod:`.store_writer`).
 
     Args:
         results: What DCP gathered to rank 0's ``finish``.
