@@ -33,7 +33,7 @@ from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, LoadEnvironmentError
 from ckpt_lesson.files.hashing import DEFAULT_ALGO, digest_bytes, new_hasher
-from ckpt_lesson.files.storage import CHUNK_BYTES, Storage, check_key, is_plain_key
+from ckpt_lesson.files.storage_base import CHUNK_BYTES, Storage, check_key, is_plain_key
 from ckpt_lesson.files.storage_reach import INSTALL_HINT, no_bucket, open_filesystem, reaching
 from ckpt_lesson.files.storage_transfer import (
     DEFAULT_TIMEOUT,
