@@ -45,8 +45,8 @@ from ckpt_lesson.errors import (
     IncompleteCheckpointError,
     UnsafeCheckpointError,
 )
+from ckpt_lesson.files.hashing import hash_bytes
 from ckpt_lesson.files.safe_read import read_regular_file
-from ckpt_lesson.files.tagged_hash import hash_bytes
 from ckpt_lesson.runs.dcp_manifest import METADATA_FILE, check_dcp_part, read_dcp_manifest
 
 from .comm import Comm

@@ -36,9 +36,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.storage import Storage
-from ckpt_lesson.files.tagged_hash import DEFAULT_ALGO
 from ckpt_lesson.runs.dcp_manifest import METADATA_FILE, build_manifest
 from ckpt_lesson.runs.scan import MANIFEST_NAME, step_dir_name
 from ckpt_lesson.runs.store_commit import commit_attempt
