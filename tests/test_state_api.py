@@ -244,7 +244,7 @@ def test_course_names_stay_importable_but_out_of_the_library_listing():
 def test_a_mapped_restore_keeps_no_tensor_mapped_except_what_modules_copy(tmp_path):
     # Module weights may be read from the file mapping (load_state_dict copies them); optimizer
     # moments and plain values are kept by the caller, so they must be private copies.
-    from ckpt_lesson.files.state_files import read_state_payload
+    from ckpt_lesson.files.checkpoint import read_state_payload
 
     model, opt = _build()
     _train(model, opt)
