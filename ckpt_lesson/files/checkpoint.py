@@ -48,7 +48,7 @@ from ckpt_lesson.files.mapped_restore import copy_out, keep_no_mapped_extra_stat
 from ckpt_lesson.files.payload import build_payload, build_state_payload
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, SCHEMA_V1, migrate_payload
 from ckpt_lesson.files.shard_index import read_sharded_payload
-from ckpt_lesson.files.sharded import ShardedSaveResult, write_sharded_payload
+from ckpt_lesson.files.sharded import ShardedSaveResult, write_state_payload
 from ckpt_lesson.files.train_state import BUCKETS, REQUIRES_KEY, TrainState
 from ckpt_lesson.files.verified_bytes import VerifiedBytes
 
@@ -222,17 +222,21 @@ def _private_except_modules(payload: Any, fresh: FreshMemory) -> Any:
     """
     if not isinstance(payload, dict):
         return copy_out(payload, fresh=fresh)
-    if not isinstance(payload.get("objects"), dict):  # a positional payload: the weights are "model"
-        payload = {k: v if k == "model" else copy_out(v, fresh=fresh) for k, v in payload.items()}
-        return keep_no_mapped_extra_state(payload)
+    objects = payload.get("objects")
+    if not isinstance(objects, dict):  # a positional payload: its one module is the "model" bucket
+        return _copy_all_but(payload, {"model"}, fresh)
     modules = payload.get("modules")
     modules = {m for m in modules if isinstance(m, str)} if isinstance(modules, list) else set()
-    objects = {
-        k: keep_no_mapped_extra_state({"model": v})["model"] if k in modules else copy_out(v, fresh=fresh)
-        for k, v in payload["objects"].items()
+    rest = {k: v for k, v in payload.items() if k != "objects"}
+    return {**_copy_all_but(rest, set(), fresh), "objects": _copy_all_but(objects, modules, fresh)}
+
+
+def _copy_all_but(tree: dict[str, Any], modules: set[str], fresh: FreshMemory) -> dict[str, Any]:
+    # A module's extra state is handed to set_extra_state, which may keep it: copied out too.
+    keep = keep_no_mapped_extra_state
+    return {
+        k: keep({"model": v})["model"] if k in modules else copy_out(v, fresh=fresh) for k, v in tree.items()
     }
-    rest = {k: copy_out(v, fresh=fresh) for k, v in payload.items() if k != "objects"}
-    return {**rest, "objects": objects}
 
 
 def load_checkpoint(
@@ -325,23 +329,6 @@ def save_state(
     """
     payload = build_state_payload(step, state, rng=rng)
     return write_state_payload(payload, path, num_shards=num_shards, algo=algo, zip_crc32=zip_crc32)
-
-
-def write_state_payload(
-    payload: dict[str, Any],
-    path: str | os.PathLike[str],
-    *,
-    num_shards: int | None = None,
-    layout: str = "param_group",
-    algo: str = DEFAULT_ALGO,
-    zip_crc32: bool = False,
-) -> FileDigest | ShardedSaveResult:
-    """Write a payload from ``build_state_payload`` (or an async snapshot of one); see :func:`save_state`."""
-    if num_shards is None:
-        return atomic_save(payload, path, algo=algo, zip_crc32=zip_crc32)
-    return write_sharded_payload(
-        payload, path, num_shards=num_shards, layout=layout, algo=algo, zip_crc32=zip_crc32
-    )
 
 
 def read_state_payload(

@@ -93,6 +93,7 @@ __all__ = [
     "shard_keys_by_prefix",
     "verify_sharded_checkpoint",
     "write_sharded_payload",
+    "write_state_payload",
 ]
 
 
@@ -230,6 +231,23 @@ def save_sharded_checkpoint(
         for keys, pids in zip(plan, opt_plan, strict=True)
     ]
     return _write_sharded(out_dir, payload, shards, layout, workers=workers, algo=algo, zip_crc32=zip_crc32)
+
+
+def write_state_payload(
+    payload: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    num_shards: int | None = None,
+    layout: str = "param_group",
+    algo: str = DEFAULT_ALGO,
+    zip_crc32: bool = False,
+) -> FileDigest | ShardedSaveResult:
+    """Write a payload from ``build_state_payload`` (or an async snapshot of one) as a file or shards."""
+    if num_shards is None:
+        return atomic_save(payload, path, algo=algo, zip_crc32=zip_crc32)
+    return write_sharded_payload(
+        payload, path, num_shards=num_shards, layout=layout, algo=algo, zip_crc32=zip_crc32
+    )
 
 
 def write_sharded_payload(
