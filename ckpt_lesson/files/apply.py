@@ -201,7 +201,11 @@ def apply_state_payload(
             validate_rng_state(rng, allow_device_change=allow_device_change)
         except CheckpointError as exc:
             raise StateMismatchError(f"{source}: {exc}") from exc
-    _load_all(state, wanted, objects, optimizer_sds, module_sds, source=source)
+    # The uncheckable objects and the optimizers first (undone on failure), the modules last.
+    others = [(n, state[n], optimizer_sds.get(n, objects[n])) for n in wanted if n not in module_sds]
+    load_objects_or_roll_back(others, source=source)
+    for name, sd in module_sds.items():
+        load_model_state(state[name], sd)
     if rng is not None:
         restore_rng_state(rng, allow_device_change=allow_device_change)
     return Restored(step=step, values=dict(values), rng=rng)
@@ -275,24 +279,6 @@ def apply_payload(
         check_parts=same_scheduler,
     )
     return TrainState.from_dict(restored.values["train_state"], source=source)
-
-
-def _load_all(
-    state: Mapping[str, Any],
-    wanted: list[str],
-    objects: dict[str, Any],
-    optimizer_sds: dict[str, Any],
-    module_sds: dict[str, Any],
-    *,
-    source: str,
-) -> None:
-    """Load the objects: the uncheckable ones and optimizers first (undone on failure), modules last."""
-    others = [n for n in wanted if n not in module_sds]
-    load_objects_or_roll_back(
-        [(name, state[name], optimizer_sds.get(name, objects[name])) for name in others], source=source
-    )
-    for name, sd in module_sds.items():
-        load_model_state(state[name], sd)
 
 
 def rollback_snapshot(part: Any) -> Any:

@@ -35,11 +35,9 @@ from ckpt_lesson.files.payload import (
 
 __all__ = [
     "check_model_state",
-    "check_optimizer_fit",
     "check_optimizers_have_their_modules",
     "check_optimizer_payload",
     "check_part_names",
-    "strip_bindings",
 ]
 
 
@@ -82,6 +80,13 @@ def check_part_names(
 def check_optimizer_payload(opt_sd: Any, optimizer: Any, model: Any, *, source: str) -> dict[str, Any]:
     """Check a saved optimizer state against the live optimizer; returns what ``load_state_dict`` takes.
 
+    Compares, group by group: the group sizes, the optimizer class and
+    parameter names recorded at save time (when present), the group's
+    hyper-parameter keys, and the shape of every per-parameter state tensor
+    against its live parameter. Which keys are per-parameter is what the save
+    recorded from the optimizer's own state (``PARAM_SHAPED_KEY``); flat
+    whole-model state such as LBFGS's ``d`` is not compared with any one parameter.
+
     Args:
         opt_sd: The saved optimizer state dict (with our binding records).
         optimizer: The live optimizer.
@@ -92,8 +97,10 @@ def check_optimizer_payload(opt_sd: Any, optimizer: Any, model: Any, *, source: 
         ``opt_sd`` without the binding records.
 
     Raises:
-        StateMismatchError: Not an optimizer state dict, or it does not fit (groups, class,
-            parameter order, state shapes).
+        StateMismatchError: Not an optimizer state dict, or the first difference found.
+
+    Example:
+        >>> check_optimizer_payload(payload["optimizer"], opt, model, source="last.pt")  # doctest: +SKIP
     """
     if (
         not isinstance(opt_sd, dict)
@@ -112,40 +119,6 @@ def check_optimizer_payload(opt_sd: Any, optimizer: Any, model: Any, *, source: 
             f"{source}: optimizer has parameter groups of sizes {saved_sizes}, the live one "
             f"{live_sizes}; build the optimizer the same way as the saved run."
         )
-    check_optimizer_fit(opt_sd, optimizer, model, source=source)
-    opt_sd = strip_bindings(opt_sd)
-    return opt_sd
-
-
-def _is_param_group(group: Any) -> bool:
-    """A saved param group: a dict whose ``params`` is a list of integer ids."""
-    if not isinstance(group, dict) or not isinstance(group.get("params"), list):
-        return False
-    return all(isinstance(i, int) and not isinstance(i, bool) for i in group["params"])
-
-
-def strip_bindings(opt_sd: dict[str, Any]) -> dict[str, Any]:
-    """The optimizer state_dict without our binding records (what ``load_state_dict`` should see)."""
-    groups = [{k: v for k, v in g.items() if k != BINDING_KEY} for g in opt_sd["param_groups"]]
-    return {**opt_sd, "param_groups": groups}
-
-
-def check_optimizer_fit(opt_sd: dict[str, Any], optimizer: Any, model: Any, *, source: str) -> None:
-    """Refuse a saved optimizer state that does not fit the live optimizer, naming the first difference.
-
-    Compares, group by group: the optimizer class and parameter names recorded
-    at save time (when present), the group's hyper-parameter keys, and the
-    shape of every per-parameter state tensor against its live parameter. Which
-    keys are per-parameter is what the save recorded from the optimizer's own
-    state (``PARAM_SHAPED_KEY``); flat whole-model state such as LBFGS's ``d``
-    is not compared with any one parameter.
-
-    Raises:
-        StateMismatchError: The first difference found.
-
-    Example:
-        >>> check_optimizer_fit(payload["optimizer"], opt, model, source="last.pt")  # doctest: +SKIP
-    """
     live_names = param_names(model)
     for i, (saved, live) in enumerate(zip(opt_sd["param_groups"], optimizer.param_groups, strict=True)):
         binding = saved.get(BINDING_KEY)
@@ -187,6 +160,16 @@ def check_optimizer_fit(opt_sd: dict[str, Any], optimizer: Any, model: Any, *, s
             shaped = param_shaped_keys(opt_sd["state"], pairs, any_entry=True)
         for pid, param in pairs:
             _check_entry_shapes(opt_sd["state"].get(pid), shaped, param, live_names, pid, source)
+    # What load_state_dict should see: the groups without our binding records.
+    groups = [{k: v for k, v in g.items() if k != BINDING_KEY} for g in opt_sd["param_groups"]]
+    return {**opt_sd, "param_groups": groups}
+
+
+def _is_param_group(group: Any) -> bool:
+    """A saved param group: a dict whose ``params`` is a list of integer ids."""
+    if not isinstance(group, dict) or not isinstance(group.get("params"), list):
+        return False
+    return all(isinstance(i, int) and not isinstance(i, bool) for i in group["params"])
 
 
 def _check_entry_shapes(

@@ -19,11 +19,11 @@ import hashlib
 import os
 import stat
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 
@@ -34,6 +34,7 @@ __all__ = [
     "check_hash_record",
     "digest_bytes",
     "hash_bytes",
+    "hash_chunks",
     "hash_file",
     "new_hasher",
     "part_digest",
@@ -155,12 +156,30 @@ def hash_file(path: str | os.PathLike[str], algo: str = DEFAULT_ALGO) -> tuple[i
     path = Path(path)
     if not stat.S_ISREG(os.lstat(path).st_mode):
         raise CorruptCheckpointError(f"{path.name}: not a regular file (a symlink, folder or device).")
-    h, size = new_hasher(algo), 0
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return size, {"algo": algo, "digest": h.hexdigest()}
+        size, digest = hash_chunks(iter(lambda: f.read(_CHUNK), b""), algo)
+    return size, {"algo": algo, "digest": digest}
+
+
+def hash_chunks(
+    chunks: Iterable[bytes], algo: str = DEFAULT_ALGO, *, into: BinaryIO | None = None
+) -> tuple[int, str]:
+    """``(bytes, hex digest)`` of a stream of chunks, each also written to ``into`` when given.
+
+    The one hash-while-copying loop: a file hashed in place, an upload or a
+    download hashed on the way, so the digest describes exactly the bytes moved.
+
+    Example:
+        >>> hash_chunks([b"ab", b"c"], "sha256")[1][:8]
+        'ba7816bf'
+    """
+    h, total = new_hasher(algo), 0
+    for chunk in chunks:
+        h.update(chunk)
+        if into is not None:
+            into.write(chunk)
+        total += len(chunk)
+    return total, h.hexdigest()
 
 
 def part_digest(record: Mapping[str, Any]) -> tuple[str, str]:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.hashing import DEFAULT_ALGO, new_hasher
+from ckpt_lesson.files.hashing import DEFAULT_ALGO, hash_chunks
 from ckpt_lesson.files.storage_base import CHUNK_BYTES, Storage, check_key, is_plain_key
 from ckpt_lesson.files.storage_fsspec import FsspecStorage
 
@@ -59,15 +59,6 @@ def is_store_url(location: Any) -> bool:
         return False
     match = _SCHEME.match(location)
     return bool(match) and match.group(1).lower() not in ("file", "local")
-
-
-def _copy_hashed(src: BinaryIO, dst: BinaryIO, algo: str) -> tuple[int, str]:
-    hasher, total = new_hasher(algo), 0
-    while chunk := src.read(CHUNK_BYTES):
-        hasher.update(chunk)
-        dst.write(chunk)
-        total += len(chunk)
-    return total, hasher.hexdigest()
 
 
 class LocalStorage(Storage):
@@ -99,7 +90,7 @@ class LocalStorage(Storage):
         final = self._path(key)
         tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
         with open(local, "rb") as src, self._open_new(tmp, exclusive=False) as dst:
-            result = _copy_hashed(src, dst, algo)
+            result = hash_chunks(iter(lambda: src.read(CHUNK_BYTES), b""), algo, into=dst)
             dst.flush()
             os.fsync(dst.fileno())
         os.replace(tmp, final)
