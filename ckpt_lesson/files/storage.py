@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -86,31 +86,29 @@ class LocalStorage(Storage):
         flags = os.O_WRONLY | os.O_CREAT | _NOFOLLOW | (os.O_EXCL if exclusive else os.O_TRUNC)
         return os.fdopen(os.open(path, flags, 0o644), "wb")
 
-    def put_file(self, key: str, local: Path, *, algo: str = DEFAULT_ALGO) -> tuple[int, str]:
+    def _write(self, key: str, fill: Callable[[BinaryIO], Any], *, exclusive: bool = False) -> Any:
+        """Fill ``key`` durably: a temporary file renamed over it, or the name itself with ``O_EXCL``."""
         final = self._path(key)
-        tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-        with open(local, "rb") as src, self._open_new(tmp, exclusive=False) as dst:
-            result = hash_chunks(iter(lambda: src.read(CHUNK_BYTES), b""), algo, into=dst)
+        target = final if exclusive else final.with_name(f".{final.name}.{os.getpid()}.tmp")
+        with self._open_new(target, exclusive=exclusive) as dst:
+            result = fill(dst)
             dst.flush()
             os.fsync(dst.fileno())
-        os.replace(tmp, final)
+        if not exclusive:
+            os.replace(target, final)
         return result
 
+    def put_file(self, key: str, local: Path, *, algo: str = DEFAULT_ALGO) -> tuple[int, str]:
+        with open(local, "rb") as src:
+            chunks = iter(lambda: src.read(CHUNK_BYTES), b"")
+            return self._write(key, lambda dst: hash_chunks(chunks, algo, into=dst))
+
     def put_bytes(self, key: str, data: bytes) -> None:
-        final = self._path(key)
-        tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-        with self._open_new(tmp, exclusive=False) as dst:
-            dst.write(data)
-            dst.flush()
-            os.fsync(dst.fileno())
-        os.replace(tmp, final)
+        self._write(key, lambda dst: dst.write(data))
 
     def create_if_absent(self, key: str, data: bytes) -> bool:
         try:
-            with self._open_new(self._path(key), exclusive=True) as dst:
-                dst.write(data)
-                dst.flush()
-                os.fsync(dst.fileno())
+            self._write(key, lambda dst: dst.write(data), exclusive=True)
         except FileExistsError:
             return False
         return True
