@@ -52,15 +52,11 @@ from ckpt_lesson.files.record_seal import seal_record
 # The read side (index validation, path safety, hashing against the index) lives in
 # shard_index; its names are re-exported here, where callers have always imported them.
 from ckpt_lesson.files.shard_index import (
-    _SHA_RE,  # noqa: F401
-    _SHARD_RE,  # noqa: F401
     INDEX_NAME,
     LAYOUTS,
     META_NAME,
     SHARDED_SCHEMA,
     SHARDED_SCHEMAS,
-    _check_entry,  # noqa: F401
-    _safe_path,  # noqa: F401
     read_shard_index,
     read_sharded_payload,
     verify_sharded_checkpoint,
