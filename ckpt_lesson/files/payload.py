@@ -194,6 +194,8 @@ def _build(
             )
         validate_payload(part, where=where)
         values[name] = part
+    data_block = {"recorded": data is not None, **(data or {"fingerprint": None, "order_seed": None})}
+    validate_payload(data_block, where="data")  # the run's dataset description goes into the file too
     if rng is True or rng is None:
         rng_state: dict[str, Any] | None = capture_rng_state()
     elif rng is False:
@@ -213,7 +215,7 @@ def _build(
         "rng": rng_state,
         "wall_saved_at": time.time(),
         "env": current_env(),
-        "data": {"recorded": data is not None, **(data or {"fingerprint": None, "order_seed": None})},
+        "data": data_block,
     }
 
 
