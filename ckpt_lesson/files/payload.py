@@ -20,7 +20,7 @@ and values ``train_state``, ``extras``, laid out on disk as the lesson's
 ``ckpt.v2`` file has always been (and read back as parts by
 :func:`~ckpt_lesson.files.apply.parts_view`).
 
-**Before anything is written** (:func:`validate_payload`): a save that cannot be
+**Before anything is written** (:func:`~ckpt_lesson.files.schema.validate_payload`): a save that cannot be
 loaded back is worse than no save, because it is counted as good, retention
 then deletes the older save that *was* loadable, and the run can no longer
 resume. ``torch.save`` pickles anything, but the weights-only loader accepts
@@ -42,7 +42,6 @@ so a save is never refused by the check its own state passed.
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -52,7 +51,7 @@ import torch
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.modules import model_state, param_names, unwrap
 from ckpt_lesson.files.rng import capture_rng_state, validate_rng_state
-from ckpt_lesson.files.schema import CURRENT_SCHEMA, current_env
+from ckpt_lesson.files.schema import CURRENT_SCHEMA, current_env, validate_payload
 from ckpt_lesson.files.train_state import FILE_STATE_API, TrainState, check_positional_objects
 
 __all__ = [
@@ -77,9 +76,6 @@ OBJECT, VALUE = "object", "value"
 BINDING_KEY = "ckpt_lesson_binding"
 #: Inside the binding: the state keys checked against the live parameter's shape on load.
 PARAM_SHAPED_KEY = "param_shaped"
-
-_SCALARS = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype, torch.device)
-_MAX_DEPTH = 64
 
 
 def is_object(part: Any) -> bool:
@@ -284,71 +280,6 @@ def build_payload(
 def _plain(value: Any) -> bool:
     scalars = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.dtype, torch.device)
     return isinstance(value, (*scalars, dict, list, tuple, set))
-
-
-def validate_payload(payload: Any, *, where: str = "payload") -> None:
-    """Refuse any value a weights-only load would refuse, and meta tensors.
-
-    Args:
-        payload: The object about to be saved.
-        where: Prefix of the key path in messages.
-
-    Raises:
-        CheckpointError: Names the first offending key path and its type.
-
-    Example:
-        >>> validate_payload({"w": torch.zeros(2), "note": "ok"})
-        >>> validate_payload({"w": object()})
-        Traceback (most recent call last):
-        ckpt_lesson.errors.CheckpointError: payload['w'] is a builtins.object, ...
-    """
-    _walk(payload, where, 0, set())
-
-
-def _walk(value: Any, path: str, depth: int, active: set[int]) -> None:
-    if depth > _MAX_DEPTH:
-        raise CheckpointError(f"{path}: nested more than {_MAX_DEPTH} levels deep; flatten it before saving.")
-    if isinstance(value, torch.Tensor):
-        if type(value).__module__.split(".")[0] != "torch":
-            raise _refuse(path, value, "a tensor subclass the weights-only loader does not know")
-        if value.is_meta:
-            raise CheckpointError(
-                f"{path}: is a tensor on the meta device (it has a shape but no data); nothing could be "
-                "restored from it. Materialize the model (to_empty() and initialize, or load weights) "
-                "before saving. Nothing was written."
-            )
-        return
-    if type(value) in _SCALARS:
-        return
-    if type(value) in (dict, collections.OrderedDict, collections.Counter):
-        _enter(value, path, active)
-        for key, item in value.items():
-            _walk(key, f"{path} key {key!r}", depth + 1, active)
-            _walk(item, f"{path}[{key!r}]", depth + 1, active)
-        active.discard(id(value))
-        return
-    if type(value) in (list, tuple, set, torch.Size):
-        _enter(value, path, active)
-        for i, item in enumerate(value):
-            _walk(item, f"{path}[{i}]", depth + 1, active)
-        active.discard(id(value))
-        return
-    raise _refuse(path, value, "a type the weights-only loader refuses")
-
-
-def _enter(value: Any, path: str, active: set[int]) -> None:
-    if id(value) in active:
-        raise CheckpointError(f"{path}: contains itself; a checkpoint must be a tree. Nothing was written.")
-    active.add(id(value))
-
-
-def _refuse(path: str, value: Any, why: str) -> CheckpointError:
-    kind = f"{type(value).__module__}.{type(value).__qualname__}"
-    return CheckpointError(
-        f"{path} is a {kind}, {why}; the save could never be loaded back, so nothing was written. "
-        "Convert it to a tensor or plain Python values (numbers, str, list, dict), e.g. "
-        "torch.as_tensor(x), x.tolist() or str(path)."
-    )
 
 
 def optimizer_state_with_bindings(model: Any, optimizer: Any) -> dict[str, Any]:
