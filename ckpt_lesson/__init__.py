@@ -49,7 +49,7 @@ from .faults.campaign import CampaignResult, run_campaign  # noqa: E402
 from .faults.harness import KillPlan, RunConfig, compute_baseline, run_kill_sequence  # noqa: E402
 from .files.apply import Restored  # noqa: E402
 from .files.atomic import atomic_save, atomic_write_json, fsync_dir  # noqa: E402
-from .files.checkpoint import (  # noqa: E402  # noqa: E402
+from .files.checkpoint import (  # noqa: E402
     BUCKETS,
     TrainState,
     load_checkpoint,
