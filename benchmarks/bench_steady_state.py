@@ -74,8 +74,8 @@ if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:  # fresh pages for every lo
 import torch  # noqa: E402
 
 from ckpt_lesson.files.checkpoint import TrainState  # noqa: E402
-from ckpt_lesson.files.readback import drop_cached_pages  # noqa: E402
 from ckpt_lesson.files.record_seal import seal_record  # noqa: E402
+from ckpt_lesson.files.verify import drop_cached_pages  # noqa: E402
 from ckpt_lesson.runs.async_save import AsyncCheckpointer  # noqa: E402
 from ckpt_lesson.runs.manager import CheckpointManager  # noqa: E402
 from ckpt_lesson.runs.retention import KeepLastK  # noqa: E402

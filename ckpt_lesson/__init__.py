@@ -47,13 +47,16 @@ from .errors import (  # noqa: E402
 )
 from .faults.campaign import CampaignResult, run_campaign  # noqa: E402
 from .faults.harness import KillPlan, RunConfig, compute_baseline, run_kill_sequence  # noqa: E402
+from .files.apply import Restored  # noqa: E402
 from .files.atomic import atomic_save, atomic_write_json, fsync_dir  # noqa: E402
 from .files.checkpoint import (  # noqa: E402
     BUCKETS,
     TrainState,
     load_checkpoint,
+    load_state,
     read_checkpoint,
     save_checkpoint,
+    save_state,
 )
 from .files.integrity import FileDigest, file_digest, file_sha256  # noqa: E402
 from .files.migrate import MigrationResult, migrate_file, write_legacy_v1_checkpoint  # noqa: E402
@@ -76,8 +79,6 @@ from .files.sharded import (  # noqa: E402
     shard_keys_by_prefix,
     verify_sharded_checkpoint,
 )
-from .files.state_files import load_state, save_state  # noqa: E402
-from .files.state_payload import Restored  # noqa: E402
 from .files.storage import open_storage  # noqa: E402
 from .files.verify import verify_part  # noqa: E402
 from .runs.accumulation import AccumulationState, load_accumulating, save_accumulating  # noqa: E402

@@ -17,8 +17,8 @@ from _distributed_local import restore_locally, save_locally
 from ckpt_lesson import CheckpointError
 from ckpt_lesson.distributed import DistributedCheckpointManager
 from ckpt_lesson.faults.rank_chaos import RankKill, run_rank_campaign
+from ckpt_lesson.files.hashing import hash_bytes
 from ckpt_lesson.files.record_seal import seal_record
-from ckpt_lesson.files.tagged_hash import hash_bytes
 from ckpt_lesson.runs.dcp_marker import COMMIT_MARKER, MARKER_LOCK, clean_unmarked, open_marker_folder
 from ckpt_lesson.runs.scan import scan_checkpoints
 

@@ -110,3 +110,21 @@ def test_the_save_records_only_the_keys_that_hold_their_parameters_shape():
     lbfgs.train(2)
     [group] = optimizer_state_with_bindings(lbfgs.model, lbfgs.optimizer)["param_groups"]
     assert group[BINDING_KEY][PARAM_SHAPED_KEY] == []  # d, prev_flat_grad: the whole model, flat
+
+
+@pytest.mark.parametrize("form", ["positional", "state"])
+def test_a_dataset_description_the_loader_would_refuse_is_refused_before_anything_is_written(tmp_path, form):
+    import numpy as np
+
+    from ckpt_lesson.errors import CheckpointError
+    from ckpt_lesson.files.payload import build_state_payload
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = {"fingerprint": np.zeros(2), "order_seed": 1}
+    with pytest.raises(CheckpointError, match=r"data\['fingerprint'\] is a numpy.ndarray"):
+        if form == "positional":
+            save_checkpoint(model, opt, None, TrainState(), tmp_path / "x.pt", data=data)
+        else:
+            build_state_payload(1, {"model": model}, data=data)
+    assert not (tmp_path / "x.pt").exists()

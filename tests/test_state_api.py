@@ -197,6 +197,32 @@ def test_positional_saves_restore_through_the_state_api(tmp_path):
     assert restored.values["extras"] == {"note": "x"} and _same(model, model2)
 
 
+def test_load_state_reads_a_positional_sharded_save_through_the_one_reader(tmp_path):
+    from ckpt_lesson.files.sharded import save_sharded_checkpoint
+
+    model, opt = _build()
+    _train(model, opt)
+    save_sharded_checkpoint(model, opt, None, cl.TrainState(step=4), tmp_path / "sharded", num_shards=3)
+    model2, opt2 = _build(seed=1)
+    restored = cl.load_state(tmp_path / "sharded", {"model": model2, "optimizer": opt2})
+    assert restored.step == 4 and restored.values["train_state"]["step"] == 4
+    assert _same(model, model2)
+    assert all(
+        torch.equal(a, b)
+        for x, y in zip(opt.state.values(), opt2.state.values(), strict=True)
+        for a, b in zip(x.values(), y.values(), strict=True)
+    )
+
+
+def test_a_state_api_file_that_lost_its_footer_is_refused_as_damaged(tmp_path):
+    from ckpt_lesson.files.payload import build_state_payload
+
+    model, _ = _build()
+    torch.save(build_state_payload(2, {"model": model}, rng=False), tmp_path / "bare.pt")  # no footer
+    with pytest.raises(cl.CorruptCheckpointError, match="without its integrity footer"):
+        cl.load_state(tmp_path / "bare.pt", {"model": _build(seed=1)[0]})
+
+
 def test_a_state_api_save_refuses_a_positional_restore_with_the_fix(tmp_path):
     model, opt = _build()
     _manager(tmp_path).save(1, {"model": model, "optimizer": opt})
@@ -244,7 +270,7 @@ def test_course_names_stay_importable_but_out_of_the_library_listing():
 def test_a_mapped_restore_keeps_no_tensor_mapped_except_what_modules_copy(tmp_path):
     # Module weights may be read from the file mapping (load_state_dict copies them); optimizer
     # moments and plain values are kept by the caller, so they must be private copies.
-    from ckpt_lesson.files.state_files import read_state_payload
+    from ckpt_lesson.files.checkpoint import read_state_payload
 
     model, opt = _build()
     _train(model, opt)

@@ -23,12 +23,12 @@ import torch
 
 import ckpt_lesson.errors as errors
 from ckpt_lesson.files import sharded
+from ckpt_lesson.files.apply import Restored
 from ckpt_lesson.files.atomic import TEMP_MARKER, atomic_write_bytes
 from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, build_payload
 from ckpt_lesson.files.integrity import DEFAULT_ALGO, FOOTER_MAGIC
 from ckpt_lesson.files.rng import RNG_SOURCES
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, KNOWN_SCHEMAS, MIGRATIONS
-from ckpt_lesson.files.state_payload import Restored
 from ckpt_lesson.runs.data_position import resumable
 
 __all__ = ["SKILL_FILE_NAME", "render_skill_markdown", "write_skill_markdown"]

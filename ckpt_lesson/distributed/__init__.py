@@ -12,7 +12,7 @@ Start with :class:`DistributedCheckpointManager`.
 
 from __future__ import annotations
 
-from ckpt_lesson.files.tagged_hash import DEFAULT_ALGO, check_hash_record, hash_bytes, hash_file, new_hasher
+from ckpt_lesson.files.hashing import DEFAULT_ALGO, check_hash_record, hash_bytes, hash_file, new_hasher
 from ckpt_lesson.runs.dcp_manifest import read_dcp_manifest
 
 from .comm import Comm, new_checkpoint_group

@@ -36,7 +36,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.tagged_hash import DEFAULT_ALGO
+from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.runs.async_report import forget_failure, note_failure_of
 from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.loop_api import LoopMethods, default_run_dir

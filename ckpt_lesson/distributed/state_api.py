@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from ckpt_lesson.errors import CheckpointError, StateMismatchError
-from ckpt_lesson.files.payload import validate_payload
-from ckpt_lesson.files.state_apply import check_part_names
-from ckpt_lesson.files.state_payload import OBJECT, VALUE, Restored, is_object
+from ckpt_lesson.files.apply import Restored
+from ckpt_lesson.files.fit import check_part_names
+from ckpt_lesson.files.payload import OBJECT, VALUE, is_object, validate_payload
 from ckpt_lesson.files.train_state import TrainState
 from ckpt_lesson.runs.state_args import is_state_call, positional_restore_args, positional_save_args
 
@@ -141,7 +141,7 @@ def apply_rank_parts(data: Any, state: Mapping[str, Any], *, source: str, strict
 
 
 def as_restored(result: Any, values: dict[str, Any], rng: Any) -> Restored:
-    """A :class:`~ckpt_lesson.files.state_payload.Restored` from a ``DistributedRestore``."""
+    """A :class:`~ckpt_lesson.files.apply.Restored` from a ``DistributedRestore``."""
     return Restored(
         step=result.step, values=values, rng=rng, path=result.path, save_id=result.save_id,
         skipped=list(result.skipped),

@@ -1,25 +1,36 @@
-"""Applying a verified payload to live objects: check everything first, then change anything.
+"""The one apply step: check that a verified payload fits the live state, then change everything or nothing.
 
-Split out of :mod:`ckpt_lesson.files.checkpoint` (which re-exports these names).
-The comparisons themselves (model keys, shapes and dtypes; the optimizer's
-class, parameter order and state shapes) live in :mod:`ckpt_lesson.files.payload`.
+Every restore ends here: the state API's parts (:func:`apply_state_payload`)
+and the positional ``model, optimizer, scheduler`` form, which is a thin
+adapter over it (:func:`apply_payload`: a ``ckpt.v2`` payload read as parts by
+:func:`parts_view`). What is compared (keys, shapes, dtypes, optimizer class,
+parameter order, state shapes, part names) is :mod:`ckpt_lesson.files.fit`.
+Modules and optimizers are checked completely before anything changes; the
+objects torch checks only while loading are loaded first, from snapshots that
+are copies taken before anything changed, and put back if one refuses.
 """
 
 from __future__ import annotations
 
 import copy
-import os
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
-from ckpt_lesson.files.integrity import FileDigest
+from ckpt_lesson.errors import CheckpointError, StateMismatchError
+from ckpt_lesson.files.fit import (
+    check_model_state,
+    check_optimizer_payload,
+    check_optimizers_have_their_modules,
+    check_part_names,
+)
 from ckpt_lesson.files.modules import canonical_saved_keys, load_model_state, model_state
-from ckpt_lesson.files.payload import check_model_state, check_optimizer_fit, strip_bindings
+from ckpt_lesson.files.payload import OBJECT, PARTS_SCHEMA, VALUE, Names, check_names, module_parts
 from ckpt_lesson.files.rng import restore_rng_state, validate_rng_state
-from ckpt_lesson.files.schema import SCHEMA_V1
+from ckpt_lesson.files.schema import SCHEMA_V2
 from ckpt_lesson.files.train_state import (
     BUCKETS,
     FILE_STATE_API,
@@ -27,34 +38,177 @@ from ckpt_lesson.files.train_state import (
     TrainState,
     check_positional_objects,
 )
+from ckpt_lesson.short_repr import short_repr
 
 __all__ = [
+    "Restored",
     "apply_payload",
-    "check_optimizer_payload",
+    "apply_state_payload",
     "load_objects_or_roll_back",
-    "require_footer",
+    "parts_view",
     "rollback_snapshot",
 ]
 
 
-def require_footer(obj: Any, digest: FileDigest, path: str | os.PathLike[str]) -> None:
-    """Refuse a file that declares a schema newer than ``ckpt.v1`` but has no integrity footer.
+@dataclass
+class Restored:
+    """What a restore hands back to the training loop.
 
-    Every file this package writes in ``ckpt.v2`` carries a footer; one without it
-    lost its end or was rewritten by other code. A file with no schema at all
-    (plain weights from elsewhere) or a legacy v1 file is left to the caller.
+    Attributes:
+        step: The saved step; training continues at ``step + 1``.
+        values: The plain-value parts, by name (objects were restored in place).
+        rng: The saved generator state, already restored; ``None`` if the save had none.
+        path: The save that was used (a file, or a ``step-XXXXXXXX`` folder), or
+            its URL when it was restored from an object store.
+        save_id: The save's id from its manifest (managed saves), else ``None``.
+        skipped: Newer saves passed over as damaged: ``{"step", "status", "reason"}`` each.
+    """
+
+    __repr__ = short_repr  # one short line: see ckpt_lesson/short_repr.py
+
+    step: int
+    values: dict[str, Any] = field(default_factory=dict)
+    rng: dict[str, Any] | None = None
+    path: Path | str | None = None
+    save_id: str | None = None
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+
+
+def parts_view(payload: dict[str, Any], *, source: str) -> dict[str, Any]:
+    """A ``ckpt.v2`` payload (positional save) seen as a parts payload; a parts payload unchanged.
+
+    The v2 buckets become parts ``model``, ``optimizer``, ``scheduler`` (when
+    saved) and the values ``train_state`` (the saved :class:`TrainState` as a
+    dict) and ``extras`` (when saved).
 
     Raises:
-        CorruptCheckpointError: The schema says a footer must be there and it is not.
+        StateMismatchError: Neither layout.
     """
-    schema = obj.get("schema") if isinstance(obj, dict) else None
-    # content_digest where FileDigest knows several algorithms; content_sha256 before that.
-    content = getattr(digest, "content_digest", digest.content_sha256)
-    if content is None and schema is not None and schema != SCHEMA_V1:
-        raise CorruptCheckpointError(
-            f"{path}: a {schema} checkpoint without its integrity footer; the file's end was "
-            "damaged or it was re-written by other code. Restore an older checkpoint."
-        )
+    if isinstance(payload, dict) and payload.get("schema") == PARTS_SCHEMA:
+        return payload
+    if not isinstance(payload, dict) or payload.get("schema") != SCHEMA_V2:
+        raise StateMismatchError(f"{source}: not a {PARTS_SCHEMA} or {SCHEMA_V2} payload.")
+    train_state = TrainState.from_dict(payload.get("state"), source=source)
+    objects = {"model": payload.get("model"), "optimizer": payload.get("optimizer")}
+    if payload.get("scheduler") is not None:
+        objects["scheduler"] = payload["scheduler"]
+    values: dict[str, Any] = {"train_state": train_state.to_dict()}
+    if payload.get("extras") is not None:
+        values["extras"] = payload["extras"]
+    return {
+        **{
+            k: v
+            for k, v in payload.items()
+            if k not in ("model", "optimizer", "scheduler", "state", "extras")
+        },
+        "schema": SCHEMA_V2,
+        "step": train_state.step,
+        "kinds": {**dict.fromkeys(objects, OBJECT), **dict.fromkeys(values, VALUE)},
+        "objects": objects,
+        "values": values,
+    }
+
+
+def apply_state_payload(
+    payload: dict[str, Any],
+    state: Mapping[str, Any],
+    *,
+    source: str,
+    strict: bool = True,
+    allow_dtype_cast: bool = False,
+    allow_device_change: bool = False,
+    check_parts: Callable[[dict[str, str]], None] | None = None,
+) -> Restored:
+    """Check that ``payload`` fits the live ``state``, then restore every part and the RNG.
+
+    Modules and optimizers are checked completely before anything changes;
+    other objects (schedulers, scalers, loaders) can only be checked by loading
+    them, so they are loaded first and put back if a later one fails.
+
+    Args:
+        payload: A parts payload, or a ``ckpt.v2`` one (see :func:`parts_view`).
+        state: The live ``{name: part}`` mapping, as passed to the save.
+        source: Names the checkpoint in messages.
+        strict: Refuse parts present on one side only (default). ``False`` ignores them.
+        allow_dtype_cast: Accept module tensors saved in another dtype.
+        allow_device_change: See :func:`ckpt_lesson.files.rng.restore_rng_state`.
+        check_parts: Replaces :func:`~ckpt_lesson.files.fit.check_part_names` (called with the
+            saved kinds, after the parts' own checks): the positional form names a scheduler
+            passed on one side only in its own words.
+
+    Returns:
+        A :class:`Restored` (``path`` and ``save_id`` left for the caller to fill).
+
+    Raises:
+        StateMismatchError: Any difference, named by part; nothing was changed then.
+
+    Example:
+        >>> net = torch.nn.Linear(2, 2)
+        >>> p = build_state_payload(3, {"model": net, "best": 0.5}, rng=False)
+        >>> apply_state_payload(p, {"model": net}, source="demo").values  # values need no placeholder
+        {'best': 0.5}
+    """
+    check_names(state, source)
+    view = parts_view(payload, source=source)
+    step, kinds, objects, values = (view.get(k) for k in ("step", "kinds", "objects", "values"))
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise StateMismatchError(f"{source}: the payload's step {step!r} is not an int >= 0.")
+    if not all(isinstance(x, dict) for x in (kinds, objects, values)) or set(kinds) != set(objects) | set(
+        values
+    ):
+        raise StateMismatchError(f"{source}: the payload's parts are malformed (kinds, objects, values).")
+    wanted = [n for n in objects if n in state]
+    live_modules = module_parts({n: state[n] for n in wanted})
+    # A v2 payload's bindings name parameters as the bare model did; a parts payload qualifies them.
+    names = live_modules.get("model") if view["schema"] == SCHEMA_V2 else Names(live_modules)
+    module_sds: dict[str, Any] = {}
+    optimizer_sds: dict[str, Any] = {}
+    saved_modules = view.get("modules") if isinstance(view.get("modules"), list) else []
+    for name in wanted:
+        part, saved = state[name], objects[name]
+        where = f"{source} part {name!r}"
+        if name in saved_modules and not isinstance(part, torch.nn.Module):
+            raise StateMismatchError(
+                f"{where}: was saved from a torch.nn.Module but the state given to restore holds a "
+                f"{type(part).__name__}; pass the module, built as in the saving run."
+            )
+        if isinstance(part, torch.nn.Module):
+            sd = canonical_saved_keys(saved, model_state(part).keys()) if isinstance(saved, dict) else saved
+            check_model_state(sd, part, source=where, allow_dtype_cast=allow_dtype_cast)
+            module_sds[name] = sd
+        elif isinstance(part, torch.optim.Optimizer):
+            optimizer_sds[name] = check_optimizer_payload(saved, part, names, source=where)
+        elif not isinstance(saved, dict):
+            raise StateMismatchError(f"{where}: saved state is a {type(saved).__name__}, not a state dict.")
+    if check_parts is None:
+        check_part_names(kinds, state, source=source, strict=strict)
+    else:
+        check_parts(kinds)
+    check_optimizers_have_their_modules(
+        state,
+        objects,
+        optimizer_sds,
+        module_sds,
+        saved_modules,
+        source=source,
+        v2=view["schema"] == SCHEMA_V2,
+    )
+    # The RNG block is checked here too, before the first load below: a refused checkpoint must
+    # leave the live objects exactly as they were. A positional save always has one.
+    rng = view.get("rng")
+    if rng is not None or view["schema"] == SCHEMA_V2:
+        try:
+            validate_rng_state(rng, allow_device_change=allow_device_change)
+        except CheckpointError as exc:
+            raise StateMismatchError(f"{source}: {exc}") from exc
+    # The uncheckable objects and the optimizers first (undone on failure), the modules last.
+    others = [(n, state[n], optimizer_sds.get(n, objects[n])) for n in wanted if n not in module_sds]
+    load_objects_or_roll_back(others, source=source)
+    for name, sd in module_sds.items():
+        load_model_state(state[name], sd)
+    if rng is not None:
+        restore_rng_state(rng, allow_device_change=allow_device_change)
+    return Restored(step=step, values=dict(values), rng=rng)
 
 
 def apply_payload(
@@ -68,21 +222,19 @@ def apply_payload(
     allow_dtype_cast: bool = False,
     handles: Collection[str] = (),
 ) -> TrainState:
-    """Check that ``payload`` fits the live objects, then restore all five buckets.
-
-    Everything that can be checked cheaply is checked before anything is
-    changed, and the one part torch checks only while loading (the optimizer's
-    state entries) is rolled back on failure, so a refused checkpoint leaves
-    model, optimizer, scheduler and random generators as they were.
+    """The positional form of :func:`apply_state_payload`: restore all five buckets, or change nothing.
 
     Args:
-        payload: A current-schema payload, e.g. from :func:`read_checkpoint`.
+        payload: A current-schema payload, e.g. from :func:`~ckpt_lesson.files.checkpoint.read_checkpoint`.
         model, optimizer, scheduler: The live objects (``scheduler`` may be
             ``None`` when the saved run had none).
         source: Names the checkpoint in error messages.
         allow_device_change: See :func:`ckpt_lesson.files.rng.restore_rng_state`.
+        check_parts: Replaces :func:`~ckpt_lesson.files.fit.check_part_names` (called with the
+            saved kinds, after the parts' own checks): the positional form names a scheduler
+            passed on one side only in its own words.
         allow_dtype_cast: Accept model tensors saved in another dtype (cast on load);
-            refused by default, see :func:`~ckpt_lesson.files.payload.check_model_state`.
+            refused by default, see :func:`~ckpt_lesson.files.fit.check_model_state`.
         handles: Names in ``extras["requires"]`` that the caller restores
             itself (e.g. ``"accumulation"`` for gradients saved mid-step).
             Any other required name is refused: a plain load would drop it.
@@ -91,11 +243,11 @@ def apply_payload(
         The saved :class:`TrainState`.
 
     Raises:
-        StateMismatchError: A bucket is missing, model keys or shapes differ,
-            the optimizer's parameter groups or state entries do not fit,
-            scheduler presence differs, the RNG block is malformed or was
-            saved on a different number of CUDA devices, or ``extras`` requires
-            state that this caller does not restore.
+        CheckpointError: A ``None`` model or optimizer, an object without
+            ``state_dict()`` or a dict of models, named as the managers do.
+        StateMismatchError: A bucket is missing, scheduler presence differs,
+            ``extras`` requires state that this caller does not restore, or
+            anything :func:`apply_state_payload` refuses, named by part.
 
     Example:
         >>> state = apply_payload(read_checkpoint("ckpt/last.pt"), model, opt, sched)  # doctest: +SKIP
@@ -107,40 +259,26 @@ def apply_payload(
     if missing:
         raise StateMismatchError(f"{source}: payload lacks {missing}; a resume needs every bucket.")
     _check_requirements(payload.get("extras"), handles, source=source)
-    state = TrainState.from_dict(payload["state"], source=source)
-    model_sd = payload["model"]
-    if isinstance(model_sd, dict):  # a save made before keys were canonical may carry a wrapper prefix
-        model_sd = canonical_saved_keys(model_sd, model_state(model).keys())
-    check_model_state(model_sd, model, source=source, allow_dtype_cast=allow_dtype_cast)
-    opt_sd = check_optimizer_payload(payload["optimizer"], optimizer, model, source=source)
-    if (payload["scheduler"] is None) != (scheduler is None):
+
+    def same_scheduler(kinds: dict[str, str]) -> None:
+        if ("scheduler" in kinds) == (scheduler is not None):
+            return
         have = "no scheduler" if scheduler is None else "a scheduler"
-        saved = "none" if payload["scheduler"] is None else "one"
+        saved = "one" if "scheduler" in kinds else "none"
         raise StateMismatchError(
             f"{source}: the checkpoint saved {saved} but {have} was passed; pass the same kind."
         )
-    if scheduler is not None and not isinstance(payload["scheduler"], dict):
-        raise StateMismatchError(
-            f"{source}: 'scheduler' must be a scheduler state_dict, "
-            f"got {type(payload['scheduler']).__name__}."
-        )
-    # The RNG block is checked here too, before the first assignment below: a
-    # refused checkpoint must leave the live objects exactly as they were.
-    try:
-        validate_rng_state(payload["rng"], allow_device_change=allow_device_change)
-    except CheckpointError as exc:
-        raise StateMismatchError(f"{source}: {exc}") from exc
-    # Optimizer and scheduler go first because their values are the least checkable: torch
-    # casts every state entry and raises on odd ones, sometimes after it has already replaced
-    # its state. Both are loaded all-or-nothing from snapshots taken before either changes, so
-    # a refusal leaves everything as it was; the model (checked completely above) goes last.
-    loads = [("optimizer", optimizer, opt_sd)]
-    if scheduler is not None:
-        loads.append(("scheduler", scheduler, payload["scheduler"]))
-    load_objects_or_roll_back(loads, source=source)
-    load_model_state(model, model_sd)
-    restore_rng_state(payload["rng"], allow_device_change=allow_device_change)
-    return state
+
+    parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+    restored = apply_state_payload(
+        payload,
+        {k: v for k, v in parts.items() if v is not None},
+        source=source,
+        allow_device_change=allow_device_change,
+        allow_dtype_cast=allow_dtype_cast,
+        check_parts=same_scheduler,
+    )
+    return TrainState.from_dict(restored.values["train_state"], source=source)
 
 
 def rollback_snapshot(part: Any) -> Any:
@@ -206,51 +344,6 @@ def load_objects_or_roll_back(loads: list[tuple[str, Any, Any]], *, source: str)
                 f"({type(exc).__name__}: {str(exc)[:200]}); build it as in the saving run (the same class, "
                 "groups and settings). Nothing was changed."
             ) from exc
-
-
-def check_optimizer_payload(opt_sd: Any, optimizer: Any, model: Any, *, source: str) -> dict[str, Any]:
-    """Check a saved optimizer state against the live optimizer; returns what ``load_state_dict`` takes.
-
-    Args:
-        opt_sd: The saved optimizer state dict (with our binding records).
-        optimizer: The live optimizer.
-        model: Anything with ``named_parameters()``: names the live parameters.
-        source: Names the checkpoint in messages.
-
-    Returns:
-        ``opt_sd`` without the binding records.
-
-    Raises:
-        StateMismatchError: Not an optimizer state dict, or it does not fit (groups, class,
-            parameter order, state shapes).
-    """
-    if (
-        not isinstance(opt_sd, dict)
-        or not isinstance(opt_sd.get("state"), dict)
-        or not isinstance(opt_sd.get("param_groups"), (list, tuple))
-        or not all(_is_param_group(g) for g in opt_sd["param_groups"])
-    ):
-        raise StateMismatchError(
-            f"{source}: 'optimizer' is not an optimizer state_dict; a resume needs the saved "
-            "moments. Use warm_start_from() to start a new experiment from the weights instead."
-        )
-    saved_sizes = [len(g["params"]) for g in opt_sd["param_groups"]]
-    live_sizes = [len(g["params"]) for g in optimizer.param_groups]
-    if saved_sizes != live_sizes:
-        raise StateMismatchError(
-            f"{source}: optimizer has parameter groups of sizes {saved_sizes}, the live one "
-            f"{live_sizes}; build the optimizer the same way as the saved run."
-        )
-    check_optimizer_fit(opt_sd, optimizer, model, source=source)
-    opt_sd = strip_bindings(opt_sd)
-    return opt_sd
-
-
-def _is_param_group(group: Any) -> bool:
-    """A saved param group: a dict whose ``params`` is a list of integer ids."""
-    if not isinstance(group, dict) or not isinstance(group.get("params"), list):
-        return False
-    return all(isinstance(i, int) and not isinstance(i, bool) for i in group["params"])
 
 
 def _check_requirements(extras: Any, handles: Collection[str], *, source: str) -> None:

@@ -12,6 +12,13 @@ the run after resume:
 ``rng``        every random generator (see :mod:`ckpt_lesson.files.rng`)
 =============  ==========================================================
 
+The lesson's pair, :func:`save_checkpoint` / :func:`load_checkpoint`, takes
+these positionally; the state API's pair, :func:`save_state` /
+:func:`load_state`, takes any mapping of named parts. Both go through one path:
+one builder (:mod:`ckpt_lesson.files.payload`), one reader here, one apply
+step (:mod:`ckpt_lesson.files.apply`). With ``num_shards`` a save writes the
+sharded layout of :mod:`ckpt_lesson.files.sharded` instead of one file.
+
 Loading always uses ``torch.load(weights_only=True)``: a checkpoint is data,
 and the full unpickler would run any code a crafted file asks it to. Reading
 and verifying the file is :mod:`ckpt_lesson.files.loading` (its
@@ -23,35 +30,26 @@ from __future__ import annotations
 
 import logging
 import os
-import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ckpt_lesson.errors import CheckpointError, StateMismatchError
-from ckpt_lesson.files.apply import apply_payload, require_footer
+from ckpt_lesson.files.apply import Restored, apply_payload, apply_state_payload
 from ckpt_lesson.files.atomic import atomic_save
+from ckpt_lesson.files.fit import check_model_state
 from ckpt_lesson.files.fresh_memory import FreshMemory
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.files.integrity import FileDigest
-from ckpt_lesson.files.loading import load_verified_file
+from ckpt_lesson.files.loading import load_verified_file, require_footer
 from ckpt_lesson.files.mapped_restore import copy_out, keep_no_mapped_extra_state, load_with_private_copies
-from ckpt_lesson.files.modules import model_state
-from ckpt_lesson.files.payload import (
-    check_model_state,
-    optimizer_state_with_bindings,
-    validate_payload,
-)
-from ckpt_lesson.files.rng import capture_rng_state, validate_rng_state
-from ckpt_lesson.files.schema import CURRENT_SCHEMA, SCHEMA_V1, current_env, migrate_payload
-from ckpt_lesson.files.train_state import (
-    BUCKETS,
-    FILE_STATE_API,
-    REQUIRES_KEY,
-    TrainState,
-    check_positional_objects,
-)
+from ckpt_lesson.files.payload import build_payload, build_state_payload
+from ckpt_lesson.files.schema import CURRENT_SCHEMA, SCHEMA_V1, migrate_payload
+from ckpt_lesson.files.shard_index import read_sharded_payload
+from ckpt_lesson.files.sharded import ShardedSaveResult, write_state_payload
+from ckpt_lesson.files.train_state import BUCKETS, REQUIRES_KEY, TrainState
 from ckpt_lesson.files.verified_bytes import VerifiedBytes
 
 __all__ = [
@@ -61,67 +59,18 @@ __all__ = [
     "apply_payload",
     "build_payload",
     "check_model_state",
-    "load_verified_file",
     "load_checkpoint",
+    "load_state",
+    "load_verified_file",
     "read_checkpoint",
+    "read_state_payload",
     "require_footer",
     "save_checkpoint",
+    "save_state",
+    "write_state_payload",
 ]
 
 log = logging.getLogger(__name__)
-
-
-def build_payload(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    state: TrainState,
-    *,
-    extras: dict[str, Any] | None = None,
-    data: dict[str, Any] | None = None,
-    rng: dict[str, Any] | None = None,
-    where: str = "",
-) -> dict[str, Any]:
-    """Gather the five buckets plus metadata into one current-schema payload.
-
-    ``scheduler`` may be ``None`` for a run without one; loading then requires
-    ``None`` too, so the two can never be silently mixed.
-
-    ``rng`` is a state from :func:`~ckpt_lesson.files.rng.capture_rng_state` taken
-    earlier; ``None`` captures the generators now. An asynchronous save passes
-    the state captured with its snapshot: by the time a background thread
-    writes, training has drawn more random numbers, and saving *those* would
-    resume with the wrong dropout masks and jitter.
-
-    ``where`` prefixes an error about the objects (the target's name and ": ").
-    """
-    check_positional_objects(
-        model, optimizer, scheduler, loading=False, state_api=FILE_STATE_API, where=where
-    )
-    if not isinstance(state, TrainState):
-        raise CheckpointError(f"state must be a TrainState, got {type(state).__name__}.")
-    # The state must survive its own parser: a step of -1, 5.0, True, np.int64(5) or a tensor would
-    # be written fine and refused by every load, so it is refused here, before anything is written.
-    try:
-        TrainState.from_dict(state.to_dict(), source="state to save")
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"{exc} Nothing was written.") from None
-    if rng is not None:
-        validate_rng_state(rng)  # a bad state must fail this save, not the resume months later
-    payload = {
-        "schema": CURRENT_SCHEMA,
-        "model": model_state(model),  # canonical keys, wrapped or not (files/modules.py)
-        "optimizer": optimizer_state_with_bindings(model, optimizer),
-        "scheduler": None if scheduler is None else scheduler.state_dict(),
-        "state": state.to_dict(),
-        "rng": capture_rng_state() if rng is None else rng,
-        "wall_saved_at": time.time(),
-        "extras": extras,
-        "env": current_env(),
-        "data": {"recorded": data is not None, **(data or {"fingerprint": None, "order_seed": None})},
-    }
-    validate_payload(payload)  # every value one a weights-only load accepts, no meta tensors
-    return payload
 
 
 def save_checkpoint(
@@ -222,24 +171,12 @@ def read_checkpoint(
             when the weights-only loader refuses it; ``SchemaError`` for a
             missing or unknown schema; ``StateMismatchError`` for a missing bucket.
     """
-    if not isinstance(path, VerifiedBytes):
-        path = Path(path)
-        if path.is_dir():
-            raise CheckpointError(
-                f"{path}: is a directory; use load_sharded_checkpoint() for sharded checkpoints."
-            )
-    payload, digest = load_with_private_copies(
-        path,
-        _private_except_model,
-        mmap=mmap_model,
-        map_location=map_location,
-        expected_sha256=expected_sha256,
-        expected_digest=expected_digest,
-        algo=algo,
-    )
-    original = payload.get("schema") if isinstance(payload, dict) else None
+    if not isinstance(path, VerifiedBytes) and Path(path).is_dir():
+        raise CheckpointError(
+            f"{path}: is a directory; use load_sharded_checkpoint() for sharded checkpoints."
+        )
+    payload, digest = _read_file(path, map_location, expected_sha256, expected_digest, algo, mmap_model)
     payload = migrate_payload(payload, source=str(path))
-    require_footer({"schema": original}, digest, str(path))
     if not digest.has_footer:
         log.warning(
             "%s: legacy v1 checkpoint with no integrity record; "
@@ -257,18 +194,49 @@ def read_checkpoint(
     return payload
 
 
-def _private_except_model(payload: Any, fresh: FreshMemory) -> Any:
-    """Copy every bucket but ``model`` out of the mapping (``load_state_dict`` copies the weights).
+def _read_file(
+    path: Any, map_location: Any, sha256: Any, digest: Any, algo: Any, mmap: bool
+) -> tuple[Any, FileDigest]:
+    """Verify and load one file (the one reader of both call forms); a footer is required from ckpt.v2 on."""
+    payload, got = load_with_private_copies(
+        path,
+        _private_except_modules,
+        mmap=mmap,
+        map_location=map_location,
+        expected_sha256=sha256,
+        expected_digest=digest,
+        algo=algo,
+    )
+    require_footer(payload, got, str(path))
+    return payload, got
+
+
+def _private_except_modules(payload: Any, fresh: FreshMemory) -> Any:
+    """Copy every mapped tensor out of the mapping except modules' (``load_state_dict`` copies those).
 
     Optimizer moments would otherwise stay mapped: ``Optimizer.load_state_dict`` keeps a tensor that
-    already has the parameter's dtype and device instead of copying it. Extra state is handed to
-    ``set_extra_state`` as it is, and a module may keep it: copied out too, or a kept tensor would
-    keep the file mapped (SIGBUS if it is truncated later).
+    already has the parameter's dtype and device instead of copying it; so would plain values and the
+    RNG. A module's extra state is handed to ``set_extra_state`` as it is, and a module may keep it:
+    copied out too, or a kept tensor would keep the file mapped (SIGBUS if it is truncated later).
+    The modules are the positional form's ``model`` bucket, or the parts a state-API save lists.
     """
     if not isinstance(payload, dict):
-        return payload
-    payload = {k: v if k == "model" else copy_out(v, fresh=fresh) for k, v in payload.items()}
-    return keep_no_mapped_extra_state(payload)
+        return copy_out(payload, fresh=fresh)
+    objects = payload.get("objects")
+    if not isinstance(objects, dict):  # a positional payload: its one module is the "model" bucket
+        return _copy_all_but(payload, {"model"}, fresh)
+    modules = payload.get("modules")
+    modules = {m for m in modules if isinstance(m, str)} if isinstance(modules, list) else set()
+    rest = {k: v for k, v in payload.items() if k != "objects"}
+    return {**_copy_all_but(rest, set(), fresh), "objects": _copy_all_but(objects, modules, fresh)}
+
+
+def _copy_all_but(tree: dict[str, Any], modules: set[str], fresh: FreshMemory) -> dict[str, Any]:
+    # A module's extra state is handed to set_extra_state, which may keep it: copied out too.
+    keep = keep_no_mapped_extra_state
+    return {
+        k: keep({"model": v})["model"] if k in modules else copy_out(v, fresh=fresh) for k, v in tree.items()
+    }
 
 
 def load_checkpoint(
@@ -326,3 +294,95 @@ def load_checkpoint(
     return apply_payload(
         payload, model, optimizer, scheduler, source=str(path), allow_dtype_cast=allow_dtype_cast
     )
+
+
+def save_state(
+    path: str | os.PathLike[str],
+    step: int,
+    state: Mapping[str, Any],
+    *,
+    rng: bool | dict[str, Any] | None = True,
+    num_shards: int | None = None,
+    algo: str = DEFAULT_ALGO,
+    zip_crc32: bool = False,
+) -> FileDigest | ShardedSaveResult:
+    """Save ``state`` (a mapping of named parts) at ``step``, atomically and with its integrity record.
+
+    Args:
+        path: The file (or, with ``num_shards``, a new directory).
+        step: The global step.
+        state: ``{name: object with state_dict()/load_state_dict(), or plain value}``.
+        rng: ``True`` captures the generators now, ``False`` saves none, or a
+            dict from ``capture_rng_state()`` taken earlier.
+        num_shards: ``None`` for one file; else the sharded layout with that many shard files.
+        algo: Integrity hash.
+        zip_crc32: Keep the zip CRC32s ``torch.save`` writes (off: ``torch.load`` never checks them).
+
+    Returns:
+        The file's digest, or the sharded save's :class:`~ckpt_lesson.files.sharded.ShardedSaveResult`.
+
+    Raises:
+        CheckpointError: Bad parts or step (see ``build_state_payload``), named before anything is written.
+
+    Example:
+        >>> save_state("ckpt/last.pt", 120, {"model": model, "best": 0.31})  # doctest: +SKIP
+    """
+    payload = build_state_payload(step, state, rng=rng)
+    return write_state_payload(payload, path, num_shards=num_shards, algo=algo, zip_crc32=zip_crc32)
+
+
+def read_state_payload(
+    path: str | os.PathLike[str] | VerifiedBytes,
+    *,
+    map_location: Any = "cpu",
+    expected_digest: str | None = None,
+    algo: str | None = None,
+    mmap: bool = False,
+) -> dict[str, Any]:
+    """Verify and load (weights-only) a save of either call form: one file, or a sharded directory.
+
+    Every file is checked against its integrity record (and the index) before
+    anything is unpickled; the payload is returned as saved, nothing applied.
+
+    Raises:
+        CheckpointError: Missing, damaged (``CorruptCheckpointError``), or unsafe files.
+    """
+    if not isinstance(path, VerifiedBytes) and Path(path).is_dir():
+        return read_sharded_payload(path, map_location=map_location)
+    return _read_file(path, map_location, None, expected_digest, algo, mmap)[0]
+
+
+def load_state(
+    path: str | os.PathLike[str],
+    state: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    map_location: Any = "cpu",
+    allow_dtype_cast: bool = False,
+) -> Restored:
+    """Verify a save from :func:`save_state` (or a positional ``save_checkpoint`` file) and restore it.
+
+    Args:
+        path: The file or sharded directory.
+        state: The live ``{name: part}`` mapping; objects are restored in place.
+        strict: Refuse parts present on one side only (default); ``False`` ignores them.
+        map_location: As for ``torch.load``.
+        allow_dtype_cast: Accept module tensors saved in another dtype.
+
+    Returns:
+        A :class:`~ckpt_lesson.files.apply.Restored`: ``step``, ``values``, ``rng``, ``path``.
+
+    Raises:
+        CheckpointError: Damaged or unsafe files; ``StateMismatchError`` naming
+            the part that does not fit (nothing is changed then).
+
+    Example:
+        >>> restored = load_state("ckpt/last.pt", {"model": model, "best": None})  # doctest: +SKIP
+        >>> start, best = restored.step + 1, restored.values["best"]  # doctest: +SKIP
+    """
+    payload = read_state_payload(path, map_location=map_location)
+    restored = apply_state_payload(
+        payload, state, source=str(path), strict=strict, allow_dtype_cast=allow_dtype_cast
+    )
+    restored.path = Path(path)
+    return restored

@@ -33,6 +33,7 @@ from ckpt_lesson.files.hashing import (
     DEFAULT_ALGO,
     check_algo,
     digest_bytes,
+    hash_chunks,
     new_hasher,
     part_digest,
     record_fields,
@@ -342,7 +343,4 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             # A FIFO or device would block or never end; only files have a sha256.
             raise CheckpointError(f"{path}: is not a regular file; pass a file to hash.")
-        h = hashlib.sha256()
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hash_chunks(iter(lambda: f.read(_CHUNK), b""), "sha256")[1]

@@ -44,9 +44,10 @@ from ckpt_lesson.errors import (
 from ckpt_lesson.files.fresh_memory import FreshMemory
 from ckpt_lesson.files.integrity import FileDigest, verify_footer
 from ckpt_lesson.files.private_copy import PrivateCopy
+from ckpt_lesson.files.schema import SCHEMA_V1
 from ckpt_lesson.files.verified_bytes import VerifiedBytes
 
-__all__ = ["check_archive", "load_verified_file"]
+__all__ = ["check_archive", "load_verified_file", "require_footer"]
 
 
 def load_verified_file(
@@ -296,3 +297,23 @@ def _damaged(path: str | Path, exc: BaseException) -> CorruptCheckpointError:
         f"{path}: not a readable checkpoint archive ({type(exc).__name__}: {str(exc)[:200]}); "
         "it is truncated, damaged or not a torch.save file. Restore an older checkpoint."
     )
+
+
+def require_footer(obj: Any, digest: FileDigest, path: str | os.PathLike[str]) -> None:
+    """Refuse a file that declares a schema newer than ``ckpt.v1`` but has no integrity footer.
+
+    Every file this package writes in ``ckpt.v2`` carries a footer; one without it
+    lost its end or was rewritten by other code. A file with no schema at all
+    (plain weights from elsewhere) or a legacy v1 file is left to the caller.
+
+    Raises:
+        CorruptCheckpointError: The schema says a footer must be there and it is not.
+    """
+    schema = obj.get("schema") if isinstance(obj, dict) else None
+    # content_digest where FileDigest knows several algorithms; content_sha256 before that.
+    content = getattr(digest, "content_digest", digest.content_sha256)
+    if content is None and schema is not None and schema != SCHEMA_V1:
+        raise CorruptCheckpointError(
+            f"{path}: a {schema} checkpoint without its integrity footer; the file's end was "
+            "damaged or it was re-written by other code. Restore an older checkpoint."
+        )

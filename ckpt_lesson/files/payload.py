@@ -1,53 +1,75 @@
-"""What may go into a checkpoint, and whether a checkpoint fits the live objects.
+"""What goes into a checkpoint: the one payload builder, and what it refuses before anything is written.
 
-Two checks guard the two ends of a checkpoint's life.
+A real training script holds more than a model, an optimizer and a scheduler:
+a ``GradScaler``, a second model and optimizer (a GAN, EMA weights), a
+``StatefulDataLoader``, an LSTM's hidden state, a best metric. So a save takes
+the loop's state as ``{name: part}``, and each part is one of two kinds:
 
-**Before anything is written** (:func:`validate_payload`): a save that cannot be
+* an **object** with ``state_dict()`` and ``load_state_dict()`` (modules,
+  optimizers, schedulers, scalers, stateful loaders, the user's own classes):
+  its state is saved, and a restore loads it back *in place*;
+* a **plain value** (tensors, numbers, strings, lists, dicts): saved as it is,
+  and handed back by the restore in :attr:`~ckpt_lesson.files.apply.Restored.values`, because Python
+  cannot assign to the caller's variable.
+
+The payload (schema :data:`PARTS_SCHEMA`) records the step, each part's kind,
+the objects' state dicts, the values and the RNG. The positional call form
+(``model, optimizer, scheduler, TrainState``) is a thin adapter over the same
+builder (:func:`build_payload`): parts ``model``, ``optimizer``, ``scheduler``
+and values ``train_state``, ``extras``, laid out on disk as the lesson's
+``ckpt.v2`` file has always been (and read back as parts by
+:func:`~ckpt_lesson.files.apply.parts_view`).
+
+**Before anything is written** (:func:`~ckpt_lesson.files.schema.validate_payload`): a save that cannot be
 loaded back is worse than no save, because it is counted as good, retention
 then deletes the older save that *was* loadable, and the run can no longer
 resume. ``torch.save`` pickles anything, but the weights-only loader accepts
-only tensors and plain values. So the payload is walked once and every value
+only tensors and plain values. So every part is walked once and every value
 must be one the weights-only loader accepts; a NumPy array, a ``Path``, a
 custom object from ``get_extra_state()`` or a tensor on the ``meta`` device
 (no data at all) is refused, naming its key and type, before a byte is written.
 
-**Before anything is applied** (:func:`check_model_state`,
-:func:`check_optimizer_fit`): ``optimizer.load_state_dict`` matches saved state
-to parameters by *position*. An optimizer built over the same parameters in
-another order loads without a word and every moment lands on the wrong
-parameter; an AdamW checkpoint loads into SGD and fails only at the first
-``step()``. So each save records, inside every parameter group, the optimizer
-class and the model's name for each parameter, and a load compares them (and
-the group keys, and each per-parameter state tensor's shape against its parameter) first.
-
-Which state is per-parameter is read from the optimizer's own ``state_dict`` at
-save time, never assumed: AdamW's moments have their parameter's shape, but
-LBFGS keeps whole-model flat tensors (``d``, ``prev_flat_grad``, lists of them
-in ``old_dirs``) under its first parameter's entry. The binding records, per
-group, the state keys whose tensors had their parameter's shape; a load holds
-exactly those to the live parameter's shape, so a save is never refused by the
-check its own state passed.
+Each saved optimizer records, inside every parameter group, its class and the
+canonical name of each parameter, so that a restore can check them
+(:mod:`ckpt_lesson.files.fit`). Which state is per-parameter is read from the
+optimizer's own ``state_dict`` at save time, never assumed: AdamW's moments
+have their parameter's shape, but LBFGS keeps whole-model flat tensors (``d``,
+``prev_flat_grad``, lists of them in ``old_dirs``) under its first parameter's
+entry. The binding records, per group, the state keys whose tensors had their
+parameter's shape; a load holds exactly those to the live parameter's shape,
+so a save is never refused by the check its own state passed.
 """
 
 from __future__ import annotations
 
-import collections
+import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from ckpt_lesson.errors import CheckpointError, StateMismatchError
-from ckpt_lesson.files.modules import WRAPPER_PREFIXES, model_state, param_names
+from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.modules import model_state, param_names, unwrap
+from ckpt_lesson.files.rng import capture_rng_state, validate_rng_state
+from ckpt_lesson.files.schema import CURRENT_SCHEMA, current_env, validate_payload
+from ckpt_lesson.files.train_state import FILE_STATE_API, TrainState, check_positional_objects
 
 __all__ = [
     "BINDING_KEY",
+    "OBJECT",
     "PARAM_SHAPED_KEY",
-    "check_model_state",
-    "check_optimizer_fit",
+    "PARTS_SCHEMA",
+    "VALUE",
+    "build_payload",
+    "build_state_payload",
     "optimizer_state_with_bindings",
-    "strip_bindings",
     "validate_payload",
 ]
+
+#: Schema of a payload saved through the state API.
+PARTS_SCHEMA = "ckpt.parts.v1"
+
+OBJECT, VALUE = "object", "value"
 
 #: Key added to each saved parameter group: ``{"optimizer": class name, "param_names": [...],
 #: "param_shaped": [state keys that hold tensors of their parameter's shape]}``.
@@ -55,73 +77,209 @@ BINDING_KEY = "ckpt_lesson_binding"
 #: Inside the binding: the state keys checked against the live parameter's shape on load.
 PARAM_SHAPED_KEY = "param_shaped"
 
-_SCALARS = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype, torch.device)
-_MAX_DEPTH = 64
+
+def is_object(part: Any) -> bool:
+    return callable(getattr(part, "state_dict", None)) and callable(getattr(part, "load_state_dict", None))
 
 
-def validate_payload(payload: Any, *, where: str = "payload") -> None:
-    """Refuse any value a weights-only load would refuse, and meta tensors.
+def check_names(state: Any, what: str) -> None:
+    if not isinstance(state, Mapping):
+        raise CheckpointError(
+            f"{what}: state must be a mapping of named parts, e.g. {{'model': model, 'optimizer': opt}}, "
+            f"got {type(state).__name__}."
+        )
+    bad = [k for k in state if not isinstance(k, str) or not k]
+    if bad:
+        raise CheckpointError(f"{what}: part names must be non-empty strings, got {bad[:3]!r}.")
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(
+            f"step must be an int >= 0, got {step!r}; pass the global step as the first argument."
+        )
+    return step
+
+
+class Names:
+    """Canonical ``part.parameter`` names of every module part, for the optimizer bindings."""
+
+    def __init__(self, modules: dict[str, Any]) -> None:
+        self._modules = modules
+
+    def named_parameters(self) -> Any:
+        for part, module in self._modules.items():
+            for name, param in unwrap(module).named_parameters():
+                yield f"{part}.{name}", param
+
+
+def module_parts(objects: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in objects.items() if isinstance(v, torch.nn.Module)}
+
+
+def build_state_payload(
+    step: int, state: Mapping[str, Any], *, rng: bool | dict[str, Any] | None = True, data: Any = None
+) -> dict[str, Any]:
+    """Gather every part of ``state`` into one payload; nothing is written here.
 
     Args:
-        payload: The object about to be saved.
-        where: Prefix of the key path in messages.
+        step: The global step this save describes.
+        state: ``{name: object or plain value}`` (see the module doc).
+        rng: ``True`` (or ``None``) captures the generators now; ``False``
+            saves none; a dict from :func:`~ckpt_lesson.files.rng.capture_rng_state`
+            taken earlier (e.g. before a prefetch drew the next batch) is saved as given.
+        data: Dataset description for the ``data`` block (as the positional saves).
+
+    Returns:
+        The payload. Object parts hold their state dicts (live tensors, not copies).
 
     Raises:
-        CheckpointError: Names the first offending key path and its type.
+        CheckpointError: A bad step or part name, a part with ``state_dict()`` but
+            no ``load_state_dict()``, or a value a weights-only load would refuse
+            (named before anything is written).
 
     Example:
-        >>> validate_payload({"w": torch.zeros(2), "note": "ok"})
-        >>> validate_payload({"w": object()})
-        Traceback (most recent call last):
-        ckpt_lesson.errors.CheckpointError: payload['w'] is a builtins.object, ...
+        >>> net = torch.nn.Linear(2, 2)
+        >>> p = build_state_payload(3, {"model": net, "best": 0.5}, rng=False)
+        >>> p["kinds"], p["values"]
+        ({'model': 'object', 'best': 'value'}, {'best': 0.5})
     """
-    _walk(payload, where, 0, set())
+    _check_step(step)
+    check_names(state, f"save of step {step}")
+    modules = module_parts({k: v for k, v in state.items() if is_object(v)})
+    return _build(step, state, Names(modules), rng=rng, data=data)
 
 
-def _walk(value: Any, path: str, depth: int, active: set[int]) -> None:
-    if depth > _MAX_DEPTH:
-        raise CheckpointError(f"{path}: nested more than {_MAX_DEPTH} levels deep; flatten it before saving.")
-    if isinstance(value, torch.Tensor):
-        if type(value).__module__.split(".")[0] != "torch":
-            raise _refuse(path, value, "a tensor subclass the weights-only loader does not know")
-        if value.is_meta:
+def _build(
+    step: int, state: Mapping[str, Any], names: Any, *, rng: Any, data: Any, restorable: bool = True
+) -> dict[str, Any]:
+    """The one builder: every part's state, each checked by name, plus the RNG and metadata blocks.
+
+    ``names`` names the optimizers' parameters: :class:`Names` (``part.param``) for the
+    state API, the bare model for the positional form (its ``ckpt.v2`` bindings say ``param``).
+    ``restorable=False`` (the positional form, whose objects :func:`check_positional_objects`
+    has named already) accepts an asynchronous snapshot's stand-ins, which have only ``state_dict()``.
+    """
+    kinds: dict[str, str] = {}
+    objects: dict[str, Any] = {}
+    values: dict[str, Any] = {}
+    for name, part in state.items():
+        where = f"state[{name!r}]"
+        if callable(getattr(part, "state_dict", None)):
+            if restorable and not callable(getattr(part, "load_state_dict", None)):
+                raise CheckpointError(
+                    f"{where} ({type(part).__name__}) has state_dict() but no load_state_dict(), so a "
+                    "restore could not put it back; add load_state_dict(), or save part.state_dict() as "
+                    "a plain value."
+                )
+            kinds[name] = OBJECT
+            if isinstance(part, torch.nn.Module):
+                objects[name] = model_state(part)  # canonical keys: compiled/DDP saves match plain models
+            elif isinstance(part, torch.optim.Optimizer):
+                objects[name] = optimizer_state_with_bindings(names, part)
+            else:
+                objects[name] = part.state_dict()
+            validate_payload(objects[name], where=f"{where}.state_dict()")
+            continue
+        kinds[name] = VALUE
+        if not _plain(part):
             raise CheckpointError(
-                f"{path}: is a tensor on the meta device (it has a shape but no data); nothing could be "
-                "restored from it. Materialize the model (to_empty() and initialize, or load weights) "
-                "before saving. Nothing was written."
+                f"{where} is a {type(part).__module__}.{type(part).__qualname__}: neither an object with "
+                "state_dict()/load_state_dict() nor a plain value (tensor, number, str, list, dict). Give "
+                "it those two methods, or convert it (torch.as_tensor(x), x.tolist()). Nothing was written."
             )
-        return
-    if type(value) in _SCALARS:
-        return
-    if type(value) in (dict, collections.OrderedDict, collections.Counter):
-        _enter(value, path, active)
-        for key, item in value.items():
-            _walk(key, f"{path} key {key!r}", depth + 1, active)
-            _walk(item, f"{path}[{key!r}]", depth + 1, active)
-        active.discard(id(value))
-        return
-    if type(value) in (list, tuple, set, torch.Size):
-        _enter(value, path, active)
-        for i, item in enumerate(value):
-            _walk(item, f"{path}[{i}]", depth + 1, active)
-        active.discard(id(value))
-        return
-    raise _refuse(path, value, "a type the weights-only loader refuses")
+        validate_payload(part, where=where)
+        values[name] = part
+    data_block = {"recorded": data is not None, **(data or {"fingerprint": None, "order_seed": None})}
+    validate_payload(data_block, where="data")  # the run's dataset description goes into the file too
+    if rng is True or rng is None:
+        rng_state: dict[str, Any] | None = capture_rng_state()
+    elif rng is False:
+        rng_state = None
+    else:
+        validate_rng_state(rng)  # a bad snapshot must fail this save, not the resume
+        rng_state = rng
+    return {
+        "schema": PARTS_SCHEMA,
+        "step": step,
+        "kinds": kinds,
+        # Module parts: a mapped restore may leave their tensors in the file mapping, because
+        # loading a module copies them (see checkpoint.read_state_payload).
+        "modules": sorted(k for k, v in state.items() if isinstance(v, torch.nn.Module)),
+        "objects": objects,
+        "values": values,
+        "rng": rng_state,
+        "wall_saved_at": time.time(),
+        "env": current_env(),
+        "data": data_block,
+    }
 
 
-def _enter(value: Any, path: str, active: set[int]) -> None:
-    if id(value) in active:
-        raise CheckpointError(f"{path}: contains itself; a checkpoint must be a tree. Nothing was written.")
-    active.add(id(value))
+def build_payload(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    state: TrainState,
+    *,
+    extras: dict[str, Any] | None = None,
+    data: dict[str, Any] | None = None,
+    rng: dict[str, Any] | None = None,
+    where: str = "",
+) -> dict[str, Any]:
+    """The positional form's payload: :func:`build_state_payload`'s parts in the lesson's ``ckpt.v2`` layout.
 
+    Parts ``model``, ``optimizer``, ``scheduler`` (``None`` for a run without
+    one; loading then requires ``None`` too, so the two can never be silently
+    mixed) and values ``train_state``, ``extras`` go through the one builder,
+    then sit under the buckets the lesson's files have always had.
 
-def _refuse(path: str, value: Any, why: str) -> CheckpointError:
-    kind = f"{type(value).__module__}.{type(value).__qualname__}"
-    return CheckpointError(
-        f"{path} is a {kind}, {why}; the save could never be loaded back, so nothing was written. "
-        "Convert it to a tensor or plain Python values (numbers, str, list, dict), e.g. "
-        "torch.as_tensor(x), x.tolist() or str(path)."
+    ``rng`` is a state from :func:`~ckpt_lesson.files.rng.capture_rng_state` taken
+    earlier; ``None`` captures the generators now. An asynchronous save passes
+    the state captured with its snapshot: by the time a background thread
+    writes, training has drawn more random numbers, and saving *those* would
+    resume with the wrong dropout masks and jitter.
+
+    ``where`` prefixes an error about the objects (the target's name and ": ").
+
+    Example:
+        >>> p = build_payload(torch.nn.Linear(2, 2), torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]),
+        ...                   None, TrainState(step=3))
+        >>> p["schema"], p["state"]["step"], p["scheduler"]
+        ('ckpt.v2', 3, None)
+    """
+    check_positional_objects(
+        model, optimizer, scheduler, loading=False, state_api=FILE_STATE_API, where=where
     )
+    if not isinstance(state, TrainState):
+        raise CheckpointError(f"state must be a TrainState, got {type(state).__name__}.")
+    # The state must survive its own parser: a step of -1, 5.0, True, np.int64(5) or a tensor would
+    # be written fine and refused by every load, so it is refused here, before anything is written.
+    try:
+        TrainState.from_dict(state.to_dict(), source="state to save")
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{exc} Nothing was written.") from None
+    parts: dict[str, Any] = {"model": model, "optimizer": optimizer}
+    parts.update({"scheduler": scheduler} if scheduler is not None else {})
+    parts.update({"train_state": state.to_dict(), "extras": extras})
+    p = _build(state.step, parts, model, rng=rng, data=data, restorable=False)
+    objects, values = p["objects"], p["values"]
+    return {
+        "schema": CURRENT_SCHEMA,
+        "model": objects["model"],
+        "optimizer": objects["optimizer"],
+        "scheduler": objects.get("scheduler"),
+        "state": values["train_state"],
+        "rng": p["rng"],
+        "wall_saved_at": p["wall_saved_at"],
+        "extras": values["extras"],
+        "env": p["env"],
+        "data": p["data"],
+    }
+
+
+def _plain(value: Any) -> bool:
+    scalars = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.dtype, torch.device)
+    return isinstance(value, (*scalars, dict, list, tuple, set))
 
 
 def optimizer_state_with_bindings(model: Any, optimizer: Any) -> dict[str, Any]:
@@ -147,78 +305,13 @@ def optimizer_state_with_bindings(model: Any, optimizer: Any) -> dict[str, Any]:
         binding = {
             "optimizer": type(optimizer).__name__,
             "param_names": [names.get(id(p)) for p in live["params"]],
-            PARAM_SHAPED_KEY: sorted(_param_shaped_keys(state, pairs), key=str),
+            PARAM_SHAPED_KEY: sorted(param_shaped_keys(state, pairs), key=str),
         }
         out_groups.append({**saved, BINDING_KEY: binding})
     return {**sd, "param_groups": out_groups}
 
 
-def strip_bindings(opt_sd: dict[str, Any]) -> dict[str, Any]:
-    """The optimizer state_dict without our binding records (what ``load_state_dict`` should see)."""
-    groups = [{k: v for k, v in g.items() if k != BINDING_KEY} for g in opt_sd["param_groups"]]
-    return {**opt_sd, "param_groups": groups}
-
-
-def check_optimizer_fit(opt_sd: dict[str, Any], optimizer: Any, model: Any, *, source: str) -> None:
-    """Refuse a saved optimizer state that does not fit the live optimizer, naming the first difference.
-
-    Compares, group by group: the optimizer class and parameter names recorded
-    at save time (when present), the group's hyper-parameter keys, and the
-    shape of every per-parameter state tensor against its live parameter. Which
-    keys are per-parameter is what the save recorded from the optimizer's own
-    state (``PARAM_SHAPED_KEY``); flat whole-model state such as LBFGS's ``d``
-    is not compared with any one parameter.
-
-    Raises:
-        StateMismatchError: The first difference found.
-
-    Example:
-        >>> check_optimizer_fit(payload["optimizer"], opt, model, source="last.pt")  # doctest: +SKIP
-    """
-    live_names = param_names(model)
-    for i, (saved, live) in enumerate(zip(opt_sd["param_groups"], optimizer.param_groups, strict=True)):
-        binding = saved.get(BINDING_KEY)
-        if isinstance(binding, dict):
-            cls = binding.get("optimizer")
-            if cls != type(optimizer).__name__:
-                raise StateMismatchError(
-                    f"{source}: the checkpoint holds {cls} state but the live optimizer is "
-                    f"{type(optimizer).__name__}; build the same optimizer class as the saved run."
-                )
-            names = binding.get("param_names")
-            now = [live_names.get(id(p)) for p in live["params"]]
-            if isinstance(names, list) and len(names) == len(now):
-                names = [_unprefixed(n) for n in names]  # saves made before names were canonical
-                for pos, (was, is_) in enumerate(zip(names, now, strict=True)):
-                    if was is not None and is_ is not None and was != is_:
-                        raise StateMismatchError(
-                            f"{source}: optimizer group {i} position {pos} held {was!r} when saved but "
-                            f"holds {is_!r} now; the parameters were passed in another order. Build the "
-                            "optimizer over model.parameters() in the same order as the saved run."
-                        )
-        saved_keys = sorted(set(saved) - {"params", BINDING_KEY, "param_names"})
-        # A plain optimizer.load_state_dict() of one of our files copies the binding into the live
-        # groups too; it is ours, not a setting, on either side.
-        live_keys = sorted(set(live) - {"params", BINDING_KEY, "param_names"})
-        if saved_keys != live_keys:
-            extra = sorted(set(saved_keys) - set(live_keys))[:3]
-            lacking = sorted(set(live_keys) - set(saved_keys))[:3]
-            raise StateMismatchError(
-                f"{source}: optimizer group {i} has settings {extra} the live one lacks and lacks "
-                f"{lacking}; it was saved by another optimizer class. Build the same optimizer as the "
-                "saved run."
-            )
-        pairs = list(zip(saved["params"], live["params"], strict=True))
-        recorded = binding.get(PARAM_SHAPED_KEY) if isinstance(binding, dict) else None
-        if isinstance(recorded, list):
-            shaped = {key for key in recorded if isinstance(key, (str, int))}
-        else:  # a save from before the record: a key some entry holds in its parameter's shape
-            shaped = _param_shaped_keys(opt_sd["state"], pairs, any_entry=True)
-        for pid, param in pairs:
-            _check_entry_shapes(opt_sd["state"].get(pid), shaped, param, live_names, pid, source)
-
-
-def _param_shaped_keys(state: dict[Any, Any], pairs: Any, *, any_entry: bool = False) -> set[Any]:
+def param_shaped_keys(state: dict[Any, Any], pairs: Any, *, any_entry: bool = False) -> set[Any]:
     """The state keys whose tensors have their parameter's shape (in every entry, or ``any_entry``)."""
     matched: set[Any] = set()
     other: set[Any] = set()
@@ -231,72 +324,3 @@ def _param_shaped_keys(state: dict[Any, Any], pairs: Any, *, any_entry: bool = F
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 (matched if tuple(value.shape) == tuple(param.shape) else other).add(key)
     return matched if any_entry else matched - other
-
-
-def _check_entry_shapes(
-    entry: Any, shaped: set[Any], param: Any, names: dict[int, str], pid: Any, source: str
-) -> None:
-    if not isinstance(entry, dict):
-        return
-    for key in sorted(shaped & set(entry), key=str):
-        value = entry[key]
-        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        if shape != tuple(param.shape):
-            name = names.get(id(param), f"parameter {pid}")
-            raise StateMismatchError(
-                f"{source}: optimizer state {key!r} of {name} has shape {shape} but the parameter has "
-                f"{tuple(param.shape)} (the save recorded {key!r} as a per-parameter tensor); build the "
-                "same model and optimizer as the saved run."
-            )
-
-
-def _unprefixed(name: Any) -> Any:
-    for prefix in WRAPPER_PREFIXES:
-        if isinstance(name, str) and name.startswith(prefix):
-            return name[len(prefix) :]
-    return name
-
-
-def check_model_state(
-    saved: Any, model: torch.nn.Module, *, source: str = "<payload>", allow_dtype_cast: bool = False
-) -> None:
-    """Raise :class:`StateMismatchError` unless ``saved`` has exactly the model's keys, shapes and dtypes.
-
-    Args:
-        saved: The checkpoint's model state_dict.
-        model: The live model.
-        source: Names the checkpoint in messages.
-        allow_dtype_cast: Accept a saved dtype that differs from the model's
-            (``load_state_dict`` then casts). Casting float64 weights into a
-            float16 model loses precision, so it must be asked for.
-
-    Example:
-        >>> check_model_state(payload["model"], model, source="last.pt")  # doctest: +SKIP
-    """
-    if not isinstance(saved, dict):
-        raise StateMismatchError(f"{source}: 'model' must be a state_dict, got {type(saved).__name__}.")
-    live = model_state(model)  # canonical keys: compiled and DDP-wrapped models compare as plain ones
-    missing = sorted(set(live) - set(saved))
-    unexpected = sorted(set(saved) - set(live))
-    if missing or unexpected:
-        raise StateMismatchError(
-            f"{source}: model keys differ: missing {missing[:5]}, unexpected {unexpected[:5]}; "
-            "build the same architecture as the saved run (a torch.compile, DDP or DataParallel "
-            "wrapper is not a difference: keys are compared without their prefixes)."
-        )
-    for key, tensor in live.items():
-        got = saved[key]
-        if not isinstance(tensor, torch.Tensor):  # extra state: load_state_dict hands it to the module
-            continue
-        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(tensor.shape):
-            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-            raise StateMismatchError(
-                f"{source}: model key {key!r} has shape {shape} in the checkpoint but "
-                f"{tuple(tensor.shape)} in the model; build the same architecture as the saved run."
-            )
-        if got.dtype != tensor.dtype and not allow_dtype_cast:
-            raise StateMismatchError(
-                f"{source}: model key {key!r} is {got.dtype} in the checkpoint but {tensor.dtype} in the "
-                "model; loading would cast it silently. Build the model in the saved dtype, or pass "
-                "allow_dtype_cast=True if the cast is what you want."
-            )

@@ -14,10 +14,15 @@ reader silently dropping fields it does not understand is how state gets lost).
   resume on a different stack is noticed before any compute;
 * ``data``: a fingerprint of the dataset and the seed of the batch order, so a
   resume against different data is refused instead of silently continued.
+
+Whatever the layout, every value in a payload must be one the weights-only
+loader accepts (:func:`validate_payload`): ``torch.save`` pickles anything, and
+a save that cannot be loaded back is worse than no save.
 """
 
 from __future__ import annotations
 
+import collections
 import platform
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt_lesson.errors import SchemaError
+from ckpt_lesson.errors import CheckpointError, SchemaError
 
 __all__ = [
     "CHECKPOINT_SCHEMA",
@@ -39,6 +44,7 @@ __all__ = [
     "current_env",
     "migrate_payload",
     "migrate_v1_to_v2",
+    "validate_payload",
 ]
 
 #: The commit record of a managed save folder (see ``runs/scan.py``): written last,
@@ -57,6 +63,9 @@ CHECKPOINT_SCHEMA = CURRENT_SCHEMA
 KNOWN_SCHEMAS = (SCHEMA_V1, SCHEMA_V2)
 
 Migration = Callable[[dict[str, Any]], dict[str, Any]]
+
+_SCALARS = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype, torch.device)
+_MAX_DEPTH = 64
 
 
 def current_env(*, world_size: int = 1) -> dict[str, Any]:
@@ -141,4 +150,69 @@ def migrate_payload(payload: Any, *, source: str = "<payload>") -> dict[str, Any
     raise SchemaError(
         f"{source}: migrations from {schema!r} did not reach {CURRENT_SCHEMA!r} within "
         f"{len(KNOWN_SCHEMAS)} steps; a registered migration does not advance the schema field."
+    )
+
+
+def validate_payload(payload: Any, *, where: str = "payload") -> None:
+    """Refuse any value a weights-only load would refuse, and meta tensors.
+
+    Args:
+        payload: The object about to be saved.
+        where: Prefix of the key path in messages.
+
+    Raises:
+        CheckpointError: Names the first offending key path and its type.
+
+    Example:
+        >>> validate_payload({"w": torch.zeros(2), "note": "ok"})
+        >>> validate_payload({"w": object()})
+        Traceback (most recent call last):
+        ckpt_lesson.errors.CheckpointError: payload['w'] is a builtins.object, ...
+    """
+    _walk(payload, where, 0, set())
+
+
+def _walk(value: Any, path: str, depth: int, active: set[int]) -> None:
+    if depth > _MAX_DEPTH:
+        raise CheckpointError(f"{path}: nested more than {_MAX_DEPTH} levels deep; flatten it before saving.")
+    if isinstance(value, torch.Tensor):
+        if type(value).__module__.split(".")[0] != "torch":
+            raise _refuse(path, value, "a tensor subclass the weights-only loader does not know")
+        if value.is_meta:
+            raise CheckpointError(
+                f"{path}: is a tensor on the meta device (it has a shape but no data); nothing could be "
+                "restored from it. Materialize the model (to_empty() and initialize, or load weights) "
+                "before saving. Nothing was written."
+            )
+        return
+    if type(value) in _SCALARS:
+        return
+    if type(value) in (dict, collections.OrderedDict, collections.Counter):
+        _enter(value, path, active)
+        for key, item in value.items():
+            _walk(key, f"{path} key {key!r}", depth + 1, active)
+            _walk(item, f"{path}[{key!r}]", depth + 1, active)
+        active.discard(id(value))
+        return
+    if type(value) in (list, tuple, set, torch.Size):
+        _enter(value, path, active)
+        for i, item in enumerate(value):
+            _walk(item, f"{path}[{i}]", depth + 1, active)
+        active.discard(id(value))
+        return
+    raise _refuse(path, value, "a type the weights-only loader refuses")
+
+
+def _enter(value: Any, path: str, active: set[int]) -> None:
+    if id(value) in active:
+        raise CheckpointError(f"{path}: contains itself; a checkpoint must be a tree. Nothing was written.")
+    active.add(id(value))
+
+
+def _refuse(path: str, value: Any, why: str) -> CheckpointError:
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    return CheckpointError(
+        f"{path} is a {kind}, {why}; the save could never be loaded back, so nothing was written. "
+        "Convert it to a tensor or plain Python values (numbers, str, list, dict), e.g. "
+        "torch.as_tensor(x), x.tolist() or str(path)."
     )

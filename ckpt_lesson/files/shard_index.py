@@ -17,6 +17,8 @@ the reader here answers three questions from the index and the directory alone:
 
 :func:`verify_sharded_checkpoint` then hashes every file against the index,
 loading nothing: the same check ``scan`` and the manager rely on.
+:func:`read_sharded_payload` loads every file only after its check and merges
+them back into one payload, for both call forms.
 """
 
 from __future__ import annotations
@@ -31,12 +33,16 @@ from ckpt_lesson.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     SchemaError,
+    StateMismatchError,
     UnsafeCheckpointError,
 )
 from ckpt_lesson.files.integrity import FileDigest, part_digest, verify_footer
+from ckpt_lesson.files.loading import load_verified_file
+from ckpt_lesson.files.payload import PARTS_SCHEMA
 from ckpt_lesson.files.record_seal import verify_record_seal
 from ckpt_lesson.files.safe_read import read_json_file
-from ckpt_lesson.files.schema import KNOWN_SCHEMAS
+from ckpt_lesson.files.schema import KNOWN_SCHEMAS, migrate_payload
+from ckpt_lesson.files.train_state import BUCKETS
 
 __all__ = [
     "INDEX_NAME",
@@ -44,7 +50,10 @@ __all__ = [
     "META_NAME",
     "SHARDED_SCHEMA",
     "SHARDED_SCHEMAS",
+    "TENSOR_REF",
+    "push_tensors",
     "read_shard_index",
+    "read_sharded_payload",
     "verify_sharded_checkpoint",
 ]
 
@@ -56,6 +65,8 @@ INDEX_NAME = "index.json"
 #: Every top-level key an index had before indexes carried their own checksum.
 LEGACY_INDEX_KEYS = frozenset({"schema", "payload_schema", "num_shards", "layout", "shards", "meta"})
 META_NAME = "meta.pt"
+#: In a sharded state-API save's ``meta.pt``: ``{TENSOR_REF: key}`` stands where a shard's tensor was.
+TENSOR_REF = "__shard_tensor__"
 #: ``round_robin``: key i goes to shard i % N. ``param_group``: weights and
 #: biases/buffers in separate groups of shards, balanced by bytes.
 LAYOUTS = ("round_robin", "param_group")
@@ -250,3 +261,94 @@ def verify_sharded_checkpoint(ckpt_dir: str | os.PathLike[str]) -> list[FileDige
             )
         digests.append(digest)
     return digests
+
+
+def push_tensors(tree: Any, tensors: dict[str, Any], used: set[str], where: Path) -> Any:
+    """``tree`` with each placeholder of ``shard_plan.pull_tensors`` made its tensor again."""
+    if isinstance(tree, dict):
+        if set(tree) == {TENSOR_REF}:
+            key = tree[TENSOR_REF]
+            if key not in tensors or key in used:
+                raise _bad(where, f"{META_NAME} refers to tensor {key!r}, which no shard holds once")
+            used.add(key)
+            return tensors[key]
+        return type(tree)((k, push_tensors(v, tensors, used, where)) for k, v in tree.items())
+    if isinstance(tree, (list, tuple)):
+        items = [push_tensors(v, tensors, used, where) for v in tree]
+        return items if isinstance(tree, list) else tuple(items)
+    return tree
+
+
+def _shard_parts(
+    root: Path, index: dict[str, Any], entry: dict[str, Any], path: Path, obj: Any
+) -> tuple[dict[str, Any], dict[Any, Any]]:
+    """``(model tensors, optimizer states)`` of one loaded shard, checked against its index entry."""
+    if index["schema"] == "ckpt.sharded.v1":  # a plain {key: tensor} dict; the moments sit in meta.pt
+        body, opt = obj, {}
+    elif isinstance(obj, dict) and set(obj) == {"model", "optimizer_state"}:
+        body, opt = obj["model"], obj["optimizer_state"]
+    else:
+        raise _bad(root, f"{path.name} is not a {index['schema']} shard (model and optimizer_state)")
+    if not isinstance(body, dict) or set(body) != set(entry["keys"]) or len(body) != len(entry["keys"]):
+        have = sorted(body) if isinstance(body, dict) else type(body).__name__
+        raise _bad(root, f"{path.name} holds keys {str(have)[:200]}, not the listed {entry['keys'][:5]}")
+    listed = entry.get("optimizer_state", [])
+    if not isinstance(opt, dict) or set(opt) != set(listed) or len(opt) != len(listed):
+        raise _bad(root, f"{path.name} holds optimizer states of other parameters than {listed[:5]}")
+    return body, opt
+
+
+def read_sharded_payload(ckpt_dir: str | os.PathLike[str], *, map_location: Any = "cpu") -> dict[str, Any]:
+    """Verify every file of a sharded save, then merge them into its payload, applying nothing.
+
+    Nothing is unpickled until its file has passed its size and hash check,
+    and every shard must hold exactly the keys the index says. Reads both
+    index layouts (``ckpt.sharded.v2``: optimizer state inside the shards;
+    ``v1``: in ``meta.pt``) and both payloads: the positional form's (migrated
+    to the current schema, every bucket present) and the state API's.
+
+    Raises:
+        CheckpointError: As :func:`read_shard_index`; ``CorruptCheckpointError``
+            for a size/hash mismatch or a shard whose keys differ from the index;
+            ``StateMismatchError`` for a positional payload that lacks a bucket.
+    """
+    root = Path(ckpt_dir).resolve()
+    index = read_shard_index(root)
+    loaded = []
+    for path, entry in _files(root, index):  # verify (and load) every file before merging any
+        algo, want = part_digest(entry)
+        obj, _ = load_verified_file(
+            path, map_location=map_location, expected_digest=want, algo=algo, expected_size=entry["bytes"]
+        )
+        loaded.append((path, entry, obj))
+    *shards, (meta_path, _, meta) = loaded
+    if not isinstance(meta, dict) or "model" in meta or meta.get("schema") != index["payload_schema"]:
+        raise _bad(root, f"{meta_path.name} is not the meta part of a {index['payload_schema']} payload")
+    merged: dict[str, Any] = {}
+    opt_state: dict[Any, Any] = {}
+    for path, entry, obj in shards:
+        body, opt = _shard_parts(root, index, entry, path, obj)
+        merged.update(body)
+        opt_state.update(opt)
+    if meta["schema"] == PARTS_SCHEMA:
+        used: set[str] = set()
+        payload = push_tensors(meta, merged, used, root)
+        if used != set(merged) or opt_state:
+            raise _bad(
+                root, f"the shards hold {len(merged) - len(used)} tensor(s) that {META_NAME} never uses"
+            )
+        return payload
+    opt_sd = meta.get("optimizer")
+    if opt_state:
+        if not isinstance(opt_sd, dict) or not isinstance(opt_sd.get("state"), dict):
+            raise _bad(root, f"{meta_path.name} has no optimizer state_dict to merge the shards' states into")
+        if set(opt_sd["state"]) & set(opt_state):
+            raise _bad(root, f"{meta_path.name} and a shard both hold the state of one parameter")
+        whole = {**opt_sd["state"], **opt_state}
+        # Back in parameter-id order (every id is an int here: only then are states sharded).
+        meta = {**meta, "optimizer": {**opt_sd, "state": {k: whole[k] for k in sorted(whole)}}}
+    payload = migrate_payload({**meta, "model": merged}, source=str(root))
+    missing = [b for b in BUCKETS if b not in payload]
+    if missing:
+        raise StateMismatchError(f"{root}: checkpoint lacks {missing}; a resume needs every bucket.")
+    return payload

@@ -13,9 +13,9 @@ import torch
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.payload import BINDING_KEY
-from ckpt_lesson.files.shard_index import LAYOUTS
+from ckpt_lesson.files.shard_index import LAYOUTS, TENSOR_REF
 
-__all__ = ["plan_optimizer_shards", "plan_shards", "shard_keys_by_prefix"]
+__all__ = ["plan_optimizer_shards", "plan_shards", "pull_tensors", "shard_keys_by_prefix"]
 
 
 def _check_plan_args(num_shards: Any, layout: Any) -> None:
@@ -153,3 +153,20 @@ def plan_optimizer_shards(optimizer_sd: dict[str, Any], plan: list[list[str]]) -
         shard = shard_of.get(name_of.get(pid))
         out[pid % len(plan) if shard is None else shard].append(pid)
     return out
+
+
+def pull_tensors(tree: Any, out: dict[str, torch.Tensor]) -> Any:
+    """``tree`` with every tensor moved into ``out`` under a fresh key and a placeholder left behind."""
+    if isinstance(tree, torch.Tensor):
+        key = f"t{len(out):06d}"
+        out[key] = tree
+        return {TENSOR_REF: key}
+    if isinstance(tree, dict):
+        copy = type(tree)() if type(tree) is not dict else {}
+        for k, v in tree.items():
+            copy[k] = pull_tensors(v, out)
+        return copy
+    if isinstance(tree, (list, tuple)):
+        items = [pull_tensors(v, out) for v in tree]
+        return items if isinstance(tree, list) else tuple(items)
+    return tree

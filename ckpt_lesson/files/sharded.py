@@ -41,29 +41,24 @@ from typing import Any
 
 import torch
 
-from ckpt_lesson.errors import CheckpointError, StateMismatchError
+from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.apply import apply_payload
 from ckpt_lesson.files.atomic import atomic_save, atomic_write_json, make_dirs
-from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, apply_payload, build_payload, load_verified_file
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
-from ckpt_lesson.files.integrity import FileDigest, part_digest
+from ckpt_lesson.files.integrity import FileDigest
+from ckpt_lesson.files.payload import build_payload
 from ckpt_lesson.files.record_seal import seal_record
-from ckpt_lesson.files.schema import migrate_payload
 
 # The read side (index validation, path safety, hashing against the index) lives in
 # shard_index; its names are re-exported here, where callers have always imported them.
 from ckpt_lesson.files.shard_index import (
-    _SHA_RE,  # noqa: F401
-    _SHARD_RE,  # noqa: F401
     INDEX_NAME,
     LAYOUTS,
     META_NAME,
     SHARDED_SCHEMA,
     SHARDED_SCHEMAS,
-    _bad,
-    _check_entry,  # noqa: F401
-    _files,
-    _safe_path,  # noqa: F401
     read_shard_index,
+    read_sharded_payload,
     verify_sharded_checkpoint,
 )
 from ckpt_lesson.files.shard_plan import (
@@ -71,8 +66,10 @@ from ckpt_lesson.files.shard_plan import (
     _nbytes,
     plan_optimizer_shards,
     plan_shards,
+    pull_tensors,
     shard_keys_by_prefix,
 )
+from ckpt_lesson.files.train_state import TrainState
 from ckpt_lesson.short_repr import short_repr
 
 __all__ = [
@@ -87,9 +84,12 @@ __all__ = [
     "plan_optimizer_shards",
     "plan_shards",
     "read_shard_index",
+    "read_sharded_payload",
     "save_sharded_checkpoint",
     "shard_keys_by_prefix",
     "verify_sharded_checkpoint",
+    "write_sharded_payload",
+    "write_state_payload",
 ]
 
 
@@ -212,14 +212,7 @@ def save_sharded_checkpoint(
     _check_plan_args(num_shards, layout)  # before anything is built or written
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise CheckpointError(f"workers must be an int >= 1 (or None for one per core), got {workers!r}.")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise CheckpointError(f"{out_dir}: is a file; a sharded checkpoint needs a directory of its own.")
-    if (out_dir / INDEX_NAME).exists():
-        raise CheckpointError(
-            f"{out_dir}: already holds a finished checkpoint ({INDEX_NAME}); checkpoints are never "
-            "overwritten in place. Choose a new directory, e.g. one per step."
-        )
+    out_dir = _unfinished_dir(out_dir)
     payload = build_payload(
         model, optimizer, scheduler, state, extras=extras, data=data, rng=rng, where=f"{out_dir}: "
     )
@@ -229,59 +222,108 @@ def save_sharded_checkpoint(
     opt_plan = plan_optimizer_shards(opt_sd, plan)
     moved = {pid for pids in opt_plan for pid in pids}
     payload["optimizer"] = {**opt_sd, "state": {k: v for k, v in opt_sd["state"].items() if k not in moved}}
+    shards = [
+        ({k: model_sd[k] for k in keys}, {pid: opt_sd["state"][pid] for pid in pids})
+        for keys, pids in zip(plan, opt_plan, strict=True)
+    ]
+    return _write_sharded(out_dir, payload, shards, layout, workers=workers, algo=algo, zip_crc32=zip_crc32)
+
+
+def write_state_payload(
+    payload: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    num_shards: int | None = None,
+    layout: str = "param_group",
+    algo: str = DEFAULT_ALGO,
+    zip_crc32: bool = False,
+) -> FileDigest | ShardedSaveResult:
+    """Write a payload from ``build_state_payload`` (or an async snapshot of one) as a file or shards."""
+    if num_shards is None:
+        return atomic_save(payload, path, algo=algo, zip_crc32=zip_crc32)
+    return write_sharded_payload(
+        payload, path, num_shards=num_shards, layout=layout, algo=algo, zip_crc32=zip_crc32
+    )
+
+
+def write_sharded_payload(
+    payload: dict[str, Any],
+    out_dir: str | os.PathLike[str],
+    *,
+    num_shards: int,
+    layout: str = "param_group",
+    algo: str = DEFAULT_ALGO,
+    zip_crc32: bool = False,
+) -> ShardedSaveResult:
+    """Write a state-API payload in the same layout: every tensor of every part goes to a shard.
+
+    The shards are balanced by bytes, and ``meta.pt`` holds the rest of the
+    payload with a small ``{"__shard_tensor__": key}`` placeholder where each
+    tensor was. ``index.json`` is written last and is the commit, exactly as
+    for :func:`save_sharded_checkpoint`, so ``scan`` and the verifiers read both.
+
+    Raises:
+        CheckpointError: Bad ``num_shards``/``layout``, or ``out_dir`` already holds a finished save.
+    """
+    _check_plan_args(num_shards, layout)
+    out_dir = _unfinished_dir(out_dir)
+    tensors: dict[str, torch.Tensor] = {}
+    meta = pull_tensors(payload, tensors)
+    plan = plan_shards(tensors, num_shards, layout)
+    shards = [({k: tensors[k] for k in keys}, {}) for keys in plan]
+    return _write_sharded(out_dir, meta, shards, layout, workers=None, algo=algo, zip_crc32=zip_crc32)
+
+
+def _unfinished_dir(out_dir: str | os.PathLike[str]) -> Path:
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"{out_dir}: is a file; a sharded checkpoint needs a directory of its own.")
+    if (out_dir / INDEX_NAME).exists():
+        raise CheckpointError(
+            f"{out_dir}: already holds a finished checkpoint ({INDEX_NAME}); checkpoints are never "
+            "overwritten in place. Choose a new directory, e.g. one per step."
+        )
+    return out_dir
+
+
+def _write_sharded(
+    out_dir: Path,
+    meta: dict[str, Any],
+    shards: list[tuple[dict[str, Any], dict[Any, Any]]],
+    layout: str,
+    *,
+    workers: int | None,
+    algo: str,
+    zip_crc32: bool,
+) -> ShardedSaveResult:
+    """Write ``meta.pt`` and a file per ``(model tensors, optimizer states)``, then the index (the commit)."""
     make_dirs(out_dir)  # durably: the directory must survive a power loss, not only its files
-    names = {_shard_name(i) for i in range(num_shards)}
+    names = [_shard_name(i) for i in range(len(shards))]
     for stale in out_dir.glob("model.shard-*.pt"):
         if stale.name not in names:  # no index here, so nothing in this directory was ever committed
             stale.unlink()
-    jobs = [
-        (
-            {
-                "model": {k: _own_storage(model_sd[k]) for k in keys},
-                "optimizer_state": {pid: opt_sd["state"][pid] for pid in pids},
-            },
-            out_dir / _shard_name(i),
-        )
-        for i, (keys, pids) in enumerate(zip(plan, opt_plan, strict=True))
-    ]
     # meta.pt goes first: it is often the largest single file left, so it should not start last.
-    jobs.insert(0, (payload, out_dir / META_NAME))
-    jobs_workers = workers or _default_workers(len(jobs))
-    meta_digest, *digests = _write_all(jobs, workers=jobs_workers, algo=algo, zip_crc32=zip_crc32)
+    jobs: list[tuple[Any, Path]] = [(meta, out_dir / META_NAME)]
+    for name, (tensors, opt_state) in zip(names, shards, strict=True):
+        body = {"model": {k: _own_storage(v) for k, v in tensors.items()}, "optimizer_state": opt_state}
+        jobs.append((body, out_dir / name))
+    workers = workers or _default_workers(len(jobs))
+    meta_digest, *digests = _write_all(jobs, workers=workers, algo=algo, zip_crc32=zip_crc32)
     files = [
-        {"name": _shard_name(i), "keys": keys, "optimizer_state": pids, **d.record()}
-        for i, (keys, pids, d) in enumerate(zip(plan, opt_plan, digests, strict=True))
+        {"name": name, "keys": list(tensors), "optimizer_state": list(opt_state), **d.record()}
+        for name, (tensors, opt_state), d in zip(names, shards, digests, strict=True)
     ]
-    meta = {"name": META_NAME, **meta_digest.record()}
     index = {
         "schema": SHARDED_SCHEMA,
-        "payload_schema": payload["schema"],
-        "num_shards": num_shards,
+        "payload_schema": meta["schema"],
+        "num_shards": len(shards),
         "layout": layout,
         "shards": [{"file": f["name"], **{k: v for k, v in f.items() if k != "name"}} for f in files],
-        "meta": {"file": META_NAME, **{k: v for k, v in meta.items() if k != "name"}},
+        "meta": {"file": META_NAME, **meta_digest.record()},
     }
     index_digest = atomic_write_json(seal_record(index), out_dir / INDEX_NAME, algo=algo)  # the commit point
-    return ShardedSaveResult(out_dir=out_dir, files=files, meta=meta, index=index_digest)
-
-
-def _shard_parts(
-    root: Path, index: dict[str, Any], entry: dict[str, Any], path: Path, obj: Any
-) -> tuple[dict[str, Any], dict[Any, Any]]:
-    """``(model tensors, optimizer states)`` of one loaded shard, checked against its index entry."""
-    if index["schema"] == "ckpt.sharded.v1":  # a plain {key: tensor} dict; the moments sit in meta.pt
-        body, opt = obj, {}
-    elif isinstance(obj, dict) and set(obj) == {"model", "optimizer_state"}:
-        body, opt = obj["model"], obj["optimizer_state"]
-    else:
-        raise _bad(root, f"{path.name} is not a {index['schema']} shard (model and optimizer_state)")
-    if not isinstance(body, dict) or set(body) != set(entry["keys"]) or len(body) != len(entry["keys"]):
-        have = sorted(body) if isinstance(body, dict) else type(body).__name__
-        raise _bad(root, f"{path.name} holds keys {str(have)[:200]}, not the listed {entry['keys'][:5]}")
-    listed = entry.get("optimizer_state", [])
-    if not isinstance(opt, dict) or set(opt) != set(listed) or len(opt) != len(listed):
-        raise _bad(root, f"{path.name} holds optimizer states of other parameters than {listed[:5]}")
-    return body, opt
+    meta_record = {"name": META_NAME, **meta_digest.record()}
+    return ShardedSaveResult(out_dir=out_dir, files=files, meta=meta_record, index=index_digest)
 
 
 def load_sharded_checkpoint(
@@ -294,51 +336,20 @@ def load_sharded_checkpoint(
 ) -> TrainState:
     """Verify every file of a sharded checkpoint, then merge and restore all buckets.
 
-    Nothing is applied until every file has passed its size and hash check
-    and every shard holds exactly the keys the index says. Reads both layouts:
-    ``ckpt.sharded.v2`` (optimizer state inside the shards) and ``v1``
-    (optimizer state in ``meta.pt``).
+    Nothing is applied until every file has passed its check (see
+    :func:`read_sharded_payload`); then :func:`~ckpt_lesson.files.apply.apply_payload`
+    checks that it fits and changes everything or nothing.
 
     Returns:
-        The saved :class:`~ckpt_lesson.files.checkpoint.TrainState`.
+        The saved :class:`~ckpt_lesson.files.train_state.TrainState`.
 
     Raises:
-        CheckpointError: As :func:`read_shard_index`; ``CorruptCheckpointError``
-            for a size/hash mismatch or a shard whose keys differ from the index;
-            ``StateMismatchError`` when the keys do not fit ``model``.
+        CheckpointError: As :func:`read_sharded_payload`; ``StateMismatchError``
+            when the state does not fit the live objects.
 
     Example:
         >>> state = load_sharded_checkpoint("ckpt/step-12", model, opt, sched)  # doctest: +SKIP
     """
     root = Path(ckpt_dir).resolve()
-    index = read_shard_index(root)
-    loaded = []
-    for path, entry in _files(root, index):  # verify (and load) every file before merging any
-        algo, want = part_digest(entry)
-        obj, _ = load_verified_file(
-            path, map_location=map_location, expected_digest=want, algo=algo, expected_size=entry["bytes"]
-        )
-        loaded.append((path, entry, obj))
-    *shards, (meta_path, _, meta) = loaded
-    if not isinstance(meta, dict) or "model" in meta or meta.get("schema") != index["payload_schema"]:
-        raise _bad(root, f"{meta_path.name} is not the meta part of a {index['payload_schema']} payload")
-    merged: dict[str, Any] = {}
-    opt_state: dict[Any, Any] = {}
-    for path, entry, obj in shards:
-        body, opt = _shard_parts(root, index, entry, path, obj)
-        merged.update(body)
-        opt_state.update(opt)
-    opt_sd = meta.get("optimizer")
-    if opt_state:
-        if not isinstance(opt_sd, dict) or not isinstance(opt_sd.get("state"), dict):
-            raise _bad(root, f"{meta_path.name} has no optimizer state_dict to merge the shards' states into")
-        if set(opt_sd["state"]) & set(opt_state):
-            raise _bad(root, f"{meta_path.name} and a shard both hold the state of one parameter")
-        whole = {**opt_sd["state"], **opt_state}
-        # Back in parameter-id order (every id is an int here: only then are states sharded).
-        meta = {**meta, "optimizer": {**opt_sd, "state": {k: whole[k] for k in sorted(whole)}}}
-    payload = migrate_payload({**meta, "model": merged}, source=str(root))
-    missing = [b for b in BUCKETS if b not in payload]
-    if missing:
-        raise StateMismatchError(f"{root}: checkpoint lacks {missing}; a resume needs every bucket.")
+    payload = read_sharded_payload(root, map_location=map_location)
     return apply_payload(payload, model, optimizer, scheduler, source=str(root))

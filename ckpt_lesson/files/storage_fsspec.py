@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, LoadEnvironmentError
-from ckpt_lesson.files.hashing import DEFAULT_ALGO, digest_bytes, new_hasher
-from ckpt_lesson.files.storage import CHUNK_BYTES, Storage, check_key, is_plain_key
+from ckpt_lesson.files.hashing import DEFAULT_ALGO, digest_bytes, hash_chunks
+from ckpt_lesson.files.storage_base import CHUNK_BYTES, Storage, check_key, is_plain_key
 from ckpt_lesson.files.storage_reach import INSTALL_HINT, no_bucket, open_filesystem, reaching
 from ckpt_lesson.files.storage_transfer import (
     DEFAULT_TIMEOUT,
@@ -126,13 +126,9 @@ class FsspecStorage(Storage):
                     concurrency=UPLOAD_CONCURRENCY, condition=condition, timeout=self.timeout,
                 )  # fmt: skip
             if size >= SINGLE_PUT_BYTES and condition is None:
-                hasher, total = new_hasher(algo), 0
                 with self.fs.open(path, "wb", block_size=self.upload_block_bytes) as dst:
-                    while chunk := src.read(self.upload_block_bytes):
-                        hasher.update(chunk)
-                        dst.write(chunk)
-                        total += len(chunk)
-                return total, hasher.hexdigest()
+                    chunks = iter(lambda: src.read(self.upload_block_bytes), b"")
+                    return hash_chunks(chunks, algo, into=dst)
             # One PUT, as plain s3fs does: the bytes hashed are exactly the bytes sent.
             data = src.read()
             extra = {"mode": "create"} if condition == {"IfNoneMatch": "*"} else dict(condition or {})

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
-from ckpt_lesson.files.hashing import DEFAULT_ALGO, new_hasher
+from ckpt_lesson.files.hashing import DEFAULT_ALGO, hash_chunks
 from ckpt_lesson.files.migrate import DEFAULT_BACKUP_SUFFIX, migrate_file
 from ckpt_lesson.files.schema import MANIFEST_NAME
 from ckpt_lesson.files.storage import is_store_url, open_storage
@@ -68,27 +68,19 @@ def _split(url: str) -> tuple[str, str]:
 
 
 def _download(storage: Any, key: str, size: int, dest: Path) -> str:
-    hasher = new_hasher(DEFAULT_ALGO)
-    got = 0
     with open(dest, "xb") as out:
-        for block in storage.iter_chunks(key, size=size):
-            got += len(block)
-            hasher.update(block)
-            out.write(block)
+        got, digest = hash_chunks(storage.iter_chunks(key, size=size), DEFAULT_ALGO, into=out)
     if got != size:
         raise CheckpointError(
             f"{storage.where(key)}: changed while it was being downloaded ({got} bytes, expected {size}); "
             "nothing was changed. Stop the writer and run migrate again."
         )
-    return hasher.hexdigest()
+    return digest
 
 
 def _hash_object(storage: Any, key: str, size: int) -> str:
-    hasher, got = new_hasher(DEFAULT_ALGO), 0
-    for block in storage.iter_chunks(key, size=size):
-        got += len(block)
-        hasher.update(block)
-    return hasher.hexdigest() if got == size else ""
+    got, digest = hash_chunks(storage.iter_chunks(key, size=size), DEFAULT_ALGO)
+    return digest if got == size else ""
 
 
 def migrate_store_object(

@@ -79,7 +79,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.state_payload import build_state_payload
+from ckpt_lesson.files.payload import build_state_payload
 from ckpt_lesson.runs.async_report import forget_failure, lower_writer_priority, note_failure
 from ckpt_lesson.runs.deferred_copy import DeferredCopies, StepGate, stepped_storages
 from ckpt_lesson.runs.manager import CheckpointManager

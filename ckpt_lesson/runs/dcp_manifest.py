@@ -36,11 +36,11 @@ from ckpt_lesson.errors import (
     SchemaError,
     UnsafeCheckpointError,
 )
+from ckpt_lesson.files.hashing import check_hash_record, hash_file
 from ckpt_lesson.files.record_seal import SEAL_KEY, is_sealed, verify_record_seal
 from ckpt_lesson.files.safe_read import parse_json_text, read_regular_file
 from ckpt_lesson.files.schema import MANIFEST_NAME
 from ckpt_lesson.files.step_names import check_recorded_step
-from ckpt_lesson.files.tagged_hash import check_hash_record, hash_file
 from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, check_commit_marker
 
 __all__ = [

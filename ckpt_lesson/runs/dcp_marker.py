@@ -32,10 +32,10 @@ from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from ckpt_lesson.files.atomic import atomic_write_json, fsync_dir
+from ckpt_lesson.files.hashing import hash_bytes
 from ckpt_lesson.files.record_seal import seal_record, verify_record_seal
 from ckpt_lesson.files.safe_read import parse_json_text, read_regular_file
 from ckpt_lesson.files.side_files import open_beside, open_existing_lock
-from ckpt_lesson.files.tagged_hash import hash_bytes
 
 __all__ = [
     "COMMIT_MARKER",

@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.apply import Restored
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
-from ckpt_lesson.files.state_payload import Restored, build_state_payload
+from ckpt_lesson.files.payload import build_state_payload
 from ckpt_lesson.files.storage import is_store_url
 from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale, open_staging, publish
@@ -253,7 +254,7 @@ class CheckpointManager(LoopMethods):
 
         Two forms:
 
-        * ``save(step, state, *, rng=True)``: the state API (:mod:`~ckpt_lesson.files.state_payload`);
+        * ``save(step, state, *, rng=True)``: the state API (:mod:`~ckpt_lesson.files.payload`);
           ``rng=False`` saves no generators, a dict from ``capture_rng_state()`` taken earlier
           (before a prefetch) is saved as given.
         * ``save(model, optimizer, scheduler, train_state, *, extras=None, rng=None)``: positional.
@@ -348,7 +349,7 @@ class CheckpointManager(LoopMethods):
         Two forms:
 
         * ``restore_latest(state, *, strict=True)``: the state API; objects restored in place,
-          the RNG too, a :class:`~ckpt_lesson.files.state_payload.Restored` returned.
+          the RNG too, a :class:`~ckpt_lesson.files.apply.Restored` returned.
           ``strict=False`` ignores parts present on one side only.
         * ``restore_latest(model, optimizer, scheduler)``: returns the :class:`TrainState`.
 

@@ -37,9 +37,9 @@ from ckpt_lesson.errors import (
 )
 from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, apply_payload, read_checkpoint
 from ckpt_lesson.files.integrity import part_digest
+from ckpt_lesson.files.payload import PARTS_SCHEMA
 from ckpt_lesson.files.schema import current_env
 from ckpt_lesson.files.sharded import load_sharded_checkpoint
-from ckpt_lesson.files.state_payload import PARTS_SCHEMA
 from ckpt_lesson.runs.contract import ResumeReport, check_contract, resume_report
 from ckpt_lesson.runs.save_source import (
     Candidates,

@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CorruptCheckpointError, StateMismatchError
-from ckpt_lesson.files.checkpoint import read_checkpoint
+from ckpt_lesson.files.apply import Restored, apply_state_payload, parts_view
+from ckpt_lesson.files.checkpoint import read_checkpoint, read_state_payload
 from ckpt_lesson.files.integrity import part_digest
-from ckpt_lesson.files.state_apply import apply_state_payload
-from ckpt_lesson.files.state_files import read_state_payload
-from ckpt_lesson.files.state_payload import PARTS_SCHEMA, Restored, parts_view
+from ckpt_lesson.files.payload import PARTS_SCHEMA
 from ckpt_lesson.runs.restore import ContractCheck, load_save
 from ckpt_lesson.runs.save_source import (
     SaveSource,

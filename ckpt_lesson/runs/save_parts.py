@@ -21,13 +21,12 @@ from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 from ckpt_lesson.files.atomic import atomic_write_json, fsync_dir
-from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, save_checkpoint
-from ckpt_lesson.files.readback import check_written_part, verify_mode
+from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, save_checkpoint, write_state_payload
+from ckpt_lesson.files.payload import PARTS_SCHEMA
 from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, MANIFEST_SCHEMA, current_env
 from ckpt_lesson.files.sharded import INDEX_NAME, save_sharded_checkpoint
-from ckpt_lesson.files.state_files import write_state_payload
-from ckpt_lesson.files.state_payload import PARTS_SCHEMA
+from ckpt_lesson.files.verify import check_written_part, verify_mode
 from ckpt_lesson.runs.manager_config import ManagerConfig
 from ckpt_lesson.runs.scan import MANIFEST_NAME, inspect_save, read_manifest
 
@@ -150,7 +149,7 @@ def build_manifest(
 
 
 def verify_staged(staging: Path, parts: list[dict[str, Any]], mode: str = "device") -> None:
-    """Check every part (``mode``: ``"writer"`` or ``"device"``, see ``files/readback.py``) and the manifest.
+    """Check every part (``mode``: ``"writer"`` or ``"device"``, see ``files/verify.py``) and the manifest.
 
     Raises:
         CorruptCheckpointError: A part's bytes differ from what was written,

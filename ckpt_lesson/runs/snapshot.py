@@ -196,7 +196,7 @@ def snapshot_payload(
     ``later`` takes the large parameter and moment tensors for the writer thread.
 
     Example:
-        >>> from ckpt_lesson.files.state_payload import build_state_payload
+        >>> from ckpt_lesson.files.payload import build_state_payload
         >>> live = torch.zeros(2)
         >>> copy = snapshot_payload(build_state_payload(1, {"x": live}, rng=False))
         >>> _ = live.add_(1); copy["values"]["x"].tolist()

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from ckpt_lesson.files.state_payload import Restored
+from ckpt_lesson.files.apply import Restored
 from ckpt_lesson.files.storage import open_storage
 from ckpt_lesson.files.storage_transfer import DEFAULT_TIMEOUT, check_timeout
 from ckpt_lesson.runs.commit import delete_save
