@@ -15,9 +15,8 @@ from _s3_server import options_for, read_only_options
 from ckpt_lesson.errors import LoadEnvironmentError
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.storage_fsspec import FsspecStorage
-from ckpt_lesson.runs.manager import CheckpointManager
+from ckpt_lesson.runs.manager import CheckpointManager, StoreCheckpointManager
 from ckpt_lesson.runs.store_commit import clean_uncommitted
-from ckpt_lesson.runs.store_manager import StoreCheckpointManager
 
 
 def _save_steps(run, mgr, steps):

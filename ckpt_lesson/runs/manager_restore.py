@@ -1,0 +1,145 @@
+"""Finding and restoring a run's saves: the reading half of the ``CheckpointManager``.
+
+The manager is split by job: :mod:`~ckpt_lesson.runs.manager` writes saves,
+this mixin lists, verifies and restores them. A folder and a bucket are read
+through the same loop (:func:`~ckpt_lesson.runs.restore.restore_newest`); only
+the list of candidates differs: the run directory's published saves, or the
+store's committed ones (:class:`~ckpt_lesson.runs.store_run.StoreRun`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckpt_lesson.files.state_payload import Restored
+from ckpt_lesson.runs.restore import check_resume_contract, restore_newest
+from ckpt_lesson.runs.restore_state import loader_for
+from ckpt_lesson.runs.save_source import Candidates, SaveSource, folder_candidates
+from ckpt_lesson.runs.scan import MANIFEST_NAME, ScanResult, inspect_save, published_steps
+
+if TYPE_CHECKING:  # for the annotations only
+    from ckpt_lesson.runs.cadence import SaveCadence
+    from ckpt_lesson.runs.deleter import BackgroundRetention
+    from ckpt_lesson.runs.store_run import StoreRun
+
+__all__ = ["RestoreMethods"]
+
+
+class RestoreMethods:
+    """Discovery and restore for :class:`~ckpt_lesson.runs.manager.CheckpointManager` (a mixin)."""
+
+    # Set by CheckpointManager.__init__ (as are check_open, step_dir and _emit).
+    run_dir: Path
+    store: StoreRun | None
+    expect: dict[str, Any]
+    env_policy: str
+    _retention: BackgroundRetention
+    _cadence: SaveCadence
+
+    # ------------------------------------------------------------------ discovery
+
+    def _published(self) -> list[int]:
+        return published_steps(self.run_dir)
+
+    def all_steps(self) -> list[int]:
+        """Saved steps, ascending (folders with a manifest, or committed steps). Nothing is hashed."""
+        if self.store is not None:
+            return self.store.all_steps()
+        self._retention.wait()
+        return [s for s in self._published() if (self.step_dir(s) / MANIFEST_NAME).is_file()]
+
+    def verify_step(self, step: int) -> ScanResult:
+        """Hash every part of one local save against its manifest; updates the known-good set."""
+        self._retention.wait()
+        result, _ = inspect_save(self.step_dir(step))
+        if result.ok:
+            self._retention.known.mark_hashed(step)
+        else:
+            self._retention.known.forget([step])
+        return result
+
+    def latest_step(self) -> int | None:
+        """The newest step whose save verifies (a store's: marker and manifest, parts not downloaded)."""
+        if self.store is not None:
+            return self.store.latest_step()
+        for step in reversed(self._published()):
+            if self.verify_step(step).ok:
+                return step
+        return None
+
+    # ------------------------------------------------------------------ restore
+
+    def restore_latest(
+        self, *args: Any, strict: bool = True, map_location: Any = "cpu", mmap: bool = True
+    ) -> Any:
+        """Restore the newest save that verifies; skip (and log) damaged ones, following the run.
+
+        Two forms:
+
+        * ``restore_latest(state, *, strict=True)``: the state API; objects restored in place,
+          the RNG too, a :class:`~ckpt_lesson.files.state_payload.Restored` returned.
+          ``strict=False`` ignores parts present on one side only.
+        * ``restore_latest(model, optimizer, scheduler)``: returns the :class:`TrainState`.
+
+        Either way a file is read once, into a sealed private copy that is verified and loaded
+        (``mmap=True`` maps the copy, ``mmap=False`` reads it); its changes after the hash do not count.
+        From a store, each committed save is streamed into memory and verified there (``mmap`` has
+        no effect on it); a sharded one goes through the cache folder and is removed after.
+
+        Returns:
+            The result above, or ``None`` when the run holds no save at all (a fresh start).
+
+        Raises:
+            CheckpointError: Saves exist but none is usable (each reason listed); errors that
+                are not damage (a state that does not fit, an unsafe file) are raised at once.
+            LoadEnvironmentError: The store cannot be reached (bucket named).
+
+        Example:
+            >>> restored = mgr.restore_latest({"model": model, "best": None})  # doctest: +SKIP
+            >>> start = restored.step + 1 if restored else 1  # doctest: +SKIP
+        """
+        self.check_open()
+        self._retention.wait()
+        self._contract: tuple[Any, list[str]] | None = None
+        self.last_restore: dict[str, Any] | None = {}
+        load = loader_for(
+            args, strict=strict, map_location=map_location, mmap=mmap, check_contract=self._check_contract
+        )
+        try:
+            found = restore_newest(self._restore_candidates(), load, record=self.last_restore)
+        finally:
+            if self.store is not None:
+                self.store.drop_downloads()
+        self._retention.known.forget([s["step"] for s in self.last_restore["skipped"]])
+        if found is None:
+            return None
+        step, result = found
+        if self.store is not None:  # the URL, also for a save that went through the cache folder
+            self.last_restore["path"] = self.store.url_of(step)
+        self._retention.known.mark_hashed(step)
+        self._cadence.mark_saved(step)
+        contract = self._contract
+        self.last_restore["contract"] = contract[0].to_dict() if contract else None
+        self.last_restore["contract_warnings"] = contract[1] if contract else []
+        if isinstance(result, Restored):
+            result.skipped = list(self.last_restore["skipped"])
+            if self.store is not None:
+                result.path = self.last_restore["path"]
+        return result
+
+    def _restore_candidates(self) -> Candidates:
+        """The saves :meth:`restore_latest` may choose from: published folders, or committed saves."""
+        if self.store is not None:
+            return self.store.candidates()
+        return folder_candidates(self.run_dir, self._published())._replace(relist=self._published)
+
+    def _check_contract(self, target: SaveSource, manifest: dict[str, Any]) -> None:
+        """Refuse a save this run must not resume (see ``restore.check_resume_contract``)."""
+        self._contract = check_resume_contract(
+            target,
+            manifest,
+            expect=self.expect,
+            env_policy=self.env_policy,
+            emit=self._emit,
+        )
