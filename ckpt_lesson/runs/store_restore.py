@@ -267,7 +267,7 @@ def open_verified(storage: Storage, step: int, cache: Path) -> SaveSource:
 
     Example:
         >>> source = open_verified(store, 240, Path("/tmp/cache"))  # doctest: +SKIP
-        >>> manifest, state = load_save(source, 240, model, opt, sched, ...)  # doctest: +SKIP
+        >>> manifest, state = load_save(source, 240, (model, opt, sched), ...)  # doctest: +SKIP
     """
     marker, raw = read_commit(storage, step)
     manifest = _checked_manifest(storage, step, marker, raw)
