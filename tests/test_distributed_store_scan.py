@@ -22,8 +22,8 @@ from _s3_server import Bucket, options_for
 from _store_dcp_workers import w_save_then_resume
 
 from ckpt_lesson.files.storage_fsspec import FsspecStorage
+from ckpt_lesson.runs.report import read_recovery_log
 from ckpt_lesson.runs.scan import ScanResult
-from ckpt_lesson.runs.store_report import read_store_recovery_log
 from ckpt_lesson.runs.store_scan import scan_store
 
 
@@ -113,7 +113,7 @@ def test_scan_of_a_bucket_names_a_flipped_byte_and_a_missing_rank_object_and_an_
 def test_report_of_a_bucket_shows_the_restore_the_two_ranks_made_recorded_once_by_rank_0(
     resumed: Bucket,
 ) -> None:
-    [record] = read_store_recovery_log(resumed.url(), resumed.options)
+    [record] = read_recovery_log(resumed.url(), resumed.options)
     assert record["chosen"]["step"] == 4
     assert (record["fallback"], record["skipped"]) == (False, [])
     assert record["recovery_seconds"] is not None and record["recovery_seconds"] > 0

@@ -290,7 +290,7 @@ def test_read_only_credentials_restore_scan_and_report_and_write_nothing(tiny_ru
     import moto.settings
 
     from ckpt_lesson.errors import CheckpointError
-    from ckpt_lesson.runs.store_report import read_store_recovery_log
+    from ckpt_lesson.runs.report import read_recovery_log
     from ckpt_lesson.runs.store_scan import scan_store
 
     run = tiny_run(seed=4)
@@ -314,7 +314,7 @@ def test_read_only_credentials_restore_scan_and_report_and_write_nothing(tiny_ru
         (4, "ok"),
         (6, "incomplete"),
     ]
-    assert read_store_recovery_log(s3_bucket.url(), reader) == []
+    assert read_recovery_log(s3_bucket.url(), reader) == []
     with CheckpointManager(s3_bucket.url(), every_steps=2, storage_options=reader, read_only=True) as mgr:
         assert mgr.restore_latest(fresh.model, fresh.optimizer, fresh.scheduler).step == 4
         fresh.train(until_step=8)

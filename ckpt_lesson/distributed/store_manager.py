@@ -19,7 +19,7 @@ consistency, and conditional creates that really refuse a second writer (S3
 since August 2024; see :mod:`ckpt_lesson.files.storage_fsspec`).
 
 Each restore that found a save is also recorded, by rank 0, in the bucket's
-``recovery.jsonl`` (:class:`~ckpt_lesson.runs.store_report.StoreRecoveryRecorder`,
+``recovery.jsonl`` (:class:`~ckpt_lesson.runs.report.RecoveryRecorder`,
 as the single-process training loop does), once the first step after it is
 done; ``python -m ckpt_lesson report URL`` summarises them.
 """
@@ -44,6 +44,7 @@ from ckpt_lesson.errors import (
     LoadEnvironmentError,
 )
 from ckpt_lesson.files.storage import open_storage
+from ckpt_lesson.runs.report import StoreRecoveryRecorder
 from ckpt_lesson.runs.scan import step_dir_name, step_of
 from ckpt_lesson.runs.store_commit import (
     COMMIT_NAME,
@@ -53,7 +54,6 @@ from ckpt_lesson.runs.store_commit import (
     read_commit,
 )
 from ckpt_lesson.runs.store_lease import LeaseRenewer
-from ckpt_lesson.runs.store_report import StoreRecoveryRecorder
 
 from .manager import DistributedCheckpointManager
 from .restore import DistributedRestore, restore_newest

@@ -16,7 +16,14 @@
 * the **age of the last good save** at restore time, and the **code version**
   (``git rev-parse HEAD`` of the package's checkout, or ``null``).
 
-``python -m ckpt_lesson report RUN_DIR [--json]`` summarises the log.
+For a run in a bucket the local folder is scratch that dies with the machine,
+so the log lives in the bucket too: it is fetched when a recorder starts and put
+back whole each time a record is added (``RecoveryRecorder(folder, store=URL)``),
+and :func:`read_recovery_log` of the URL reads it from there. The per-step
+heartbeat stays local: on a new machine it is gone, and the record says "steps
+redone: unknown" rather than guessing.
+
+``python -m ckpt_lesson report RUN_DIR_OR_URL [--json]`` summarises the log.
 """
 
 from __future__ import annotations
@@ -27,21 +34,25 @@ import math
 import os
 import statistics
 import subprocess
+import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
-from ckpt_lesson.files.safe_read import parse_json_text, read_json_file, read_regular_file
+from ckpt_lesson.files.safe_read import MAX_RECORD_BYTES, parse_json_text, read_json_file, read_regular_file
 from ckpt_lesson.files.side_files import append_beside, replace_beside
+from ckpt_lesson.files.storage import Storage, is_store_url, open_storage
 
 __all__ = [
     "PROGRESS_NAME",
     "RECOVERY_LOG",
     "RecoveryRecorder",
     "RecoverySummary",
+    "StoreRecoveryRecorder",
     "append_recovery_record",
     "build_recovery_record",
     "code_version",
@@ -182,12 +193,41 @@ def append_recovery_record(run_dir: str | os.PathLike[str], record: dict[str, An
     append_beside(Path(run_dir) / RECOVERY_LOG, line.encode("utf-8"))
 
 
-def read_recovery_log(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+def _fetch_log(storage: Storage, folder: Path) -> bool:
+    """Copy the store's ``recovery.jsonl`` into ``folder``; False when the store holds none."""
+    try:
+        data = storage.read_bytes(RECOVERY_LOG, limit=MAX_RECORD_BYTES)
+    except FileNotFoundError:
+        return False
+    (folder / RECOVERY_LOG).write_bytes(data)
+    return True
+
+
+def read_recovery_log(
+    run_dir: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """Every complete record of ``recovery.jsonl``; a torn last line (a crash mid-append) is ignored.
 
+    Args:
+        run_dir: A run directory, or a run's URL (``s3://bucket/runs/exp1``): then the log kept in the store.
+        storage_options: fsspec options for a URL (``None``: credentials from the environment).
+
     Raises:
-        CheckpointError: ``run_dir`` is not a directory.
+        CheckpointError: ``run_dir`` is not a directory, or nothing at all lies under the URL.
+        LoadEnvironmentError: The bucket is missing or cannot be reached.
+        CorruptCheckpointError: The log holds no record at all, only damaged lines.
     """
+    if is_store_url(run_dir):
+        storage = open_storage(str(run_dir), storage_options)
+        with tempfile.TemporaryDirectory(prefix="ckpt-lesson-report-") as folder:
+            if not _fetch_log(storage, Path(folder)) and not storage.list_keys():
+                # "no restores recorded", exit 0, would read as "all fine" for a typo'd bucket or prefix;
+                # list_keys names a missing bucket itself, an empty prefix is refused here, as scan does.
+                raise CheckpointError(
+                    f"{run_dir}: no run found (no saves, no {RECOVERY_LOG}); pass the prefix a manager "
+                    "saved to, e.g. s3://BUCKET/runs/exp1 ('python -m ckpt_lesson scan URL' lists its saves)."
+                )
+            return read_recovery_log(folder)
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise CheckpointError(f"{run_dir}: not a run directory; pass the folder that holds step-* saves.")
@@ -291,6 +331,13 @@ def summarize_recoveries(records: list[dict[str, Any]]) -> RecoverySummary:
 class RecoveryRecorder:
     """Glue for a training loop: heartbeat every step, one record after the first resumed step.
 
+    Args:
+        run_dir: The folder of the heartbeat and the log (for a run in a store: a local scratch folder).
+        started_at: When the process started (default :func:`process_start_time`).
+        store: A run's URL whose ``recovery.jsonl`` the log is fetched from now and put back to
+            after each record (the single-process loop and rank 0 of a multi-rank manager on a store).
+        storage_options: fsspec options for ``store`` (``None``: credentials from the environment).
+
     Example:
         >>> rec = RecoveryRecorder(run_dir)                 # doctest: +SKIP
         >>> state = mgr.restore_latest(model, opt, sched)   # doctest: +SKIP
@@ -298,8 +345,18 @@ class RecoveryRecorder:
         >>> # in after_step: rec.step_done(state.step)
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str], *, started_at: float | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        started_at: float | None = None,
+        store: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
         self.run_dir = Path(run_dir)
+        self.storage = None if store is None else open_storage(store, storage_options)
+        if self.storage is not None:
+            _fetch_log(self.storage, self.run_dir)
         self.started_at = process_start_time() if started_at is None else started_at
         # Read before this process overwrites it: the crashed process's last step.
         self.last_executed_step = read_progress(self.run_dir)
@@ -332,4 +389,11 @@ class RecoveryRecorder:
             # planted at its name, a full disk): say so once and keep going.
             log.warning("could not append to %s (%s); this restore is not in the report", RECOVERY_LOG, exc)
         self._pending = None
+        if self.storage is not None:
+            self.storage.put_bytes(RECOVERY_LOG, (self.run_dir / RECOVERY_LOG).read_bytes())
         return self.record
+
+
+def StoreRecoveryRecorder(url: str, folder: Path, **kwargs: Any) -> RecoveryRecorder:  # noqa: N802
+    """The name the store's recorder had: ``RecoveryRecorder(folder, store=url, **kwargs)``."""
+    return RecoveryRecorder(folder, store=url, **kwargs)
