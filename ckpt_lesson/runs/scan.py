@@ -62,6 +62,7 @@ __all__ = [
     "MANIFEST_SCHEMA",
     "STAGING_PREFIX",
     "ScanResult",
+    "check_manifest",
     "inspect_save",
     "published_steps",
     "read_manifest",
@@ -171,6 +172,17 @@ def read_manifest(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
     except OSError as exc:
         why = exc.strerror or exc
         raise CorruptCheckpointError(f"{where}: unreadable ({why}); restore an older save.") from exc
+    return check_manifest(manifest, where=where)
+
+
+def check_manifest(manifest: Any, *, where: str) -> dict[str, Any]:
+    """Validate a parsed ``manifest.json`` (seal, schema, step, layout, parts), as :func:`read_manifest` does.
+
+    Also for a manifest that arrived as bytes (from an object store). Raises as :func:`read_manifest`.
+
+    Example:
+        >>> check_manifest({"schema": "?"}, where="step-00000240/manifest.json")  # doctest: +SKIP
+    """
     if not isinstance(manifest, dict):
         raise CorruptCheckpointError(f"{where}: expected a JSON object; restore an older save.")
     schema = manifest.get("schema")

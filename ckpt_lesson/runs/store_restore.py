@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,7 @@ from ckpt_lesson.files.verified_bytes import VerifiedBytes
 from ckpt_lesson.runs.dcp_manifest import MANIFEST_SCHEMA as DCP_MANIFEST_SCHEMA
 from ckpt_lesson.runs.dcp_manifest import check_manifest_seal, validate_manifest
 from ckpt_lesson.runs.save_source import SaveSource, VerifiedSave
-from ckpt_lesson.runs.scan import MANIFEST_NAME, read_manifest, step_dir_name
+from ckpt_lesson.runs.scan import MANIFEST_NAME, check_manifest, step_dir_name
 from ckpt_lesson.runs.store_commit import read_commit
 
 __all__ = ["fetch_verified", "open_verified", "read_committed_manifest", "read_verified", "verify_store_save"]
@@ -88,15 +87,6 @@ def _fetch_part(storage: Storage, key: str, dest: Path, part: dict[str, Any]) ->
         _stream_part(storage, key, part, out.write)
 
 
-def _parse_single(raw: bytes) -> dict[str, Any]:
-    """A single-process manifest's bytes, parsed and seal-checked exactly like a local one."""
-    with tempfile.TemporaryDirectory(prefix="ckpt-lesson-manifest-") as folder:
-        fd = os.open(Path(folder) / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            out.write(raw)
-        return read_manifest(Path(folder))  # schema, seal, part names that stay inside the folder
-
-
 def _checked_manifest(
     storage: Storage, step: int, marker: dict[str, Any], raw: bytes, *, multi_rank: bool | None = False
 ) -> dict[str, Any]:
@@ -114,8 +104,8 @@ def _checked_manifest(
         manifest = parse_json_text(raw, where=where)
         check_manifest_seal(manifest, where=where)  # the seal first: an unverifiable record is damage
         validate_manifest(manifest, where=where)  # part names are plain names, .metadata listed
-    else:
-        manifest = _parse_single(raw)
+    else:  # schema, seal, part names that stay inside the folder: exactly as for a local manifest
+        manifest = check_manifest(parse_json_text(raw, where=where), where=where)
     if manifest["step"] != step or manifest["save_id"] != marker["save_id"]:
         raise CorruptCheckpointError(
             f"{storage.where(step_dir_name(step))}: the manifest names step {manifest['step']} / save "
