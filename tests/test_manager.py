@@ -25,10 +25,11 @@ from ckpt_lesson.course.training import (
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.integrity import DEFAULT_ALGO, digest_bytes
+from ckpt_lesson.runs.layout import read_manifest
 from ckpt_lesson.runs.manager import CheckpointManager
 from ckpt_lesson.runs.manager_config import ManagerConfig
 from ckpt_lesson.runs.retention import KeepBest
-from ckpt_lesson.runs.scan import read_manifest, scan_checkpoints
+from ckpt_lesson.runs.scan import scan_checkpoints
 
 SEED = 3
 

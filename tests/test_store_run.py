@@ -291,7 +291,7 @@ def test_read_only_credentials_restore_scan_and_report_and_write_nothing(tiny_ru
 
     from ckpt_lesson.errors import CheckpointError
     from ckpt_lesson.runs.report import read_recovery_log
-    from ckpt_lesson.runs.store_scan import scan_store
+    from ckpt_lesson.runs.scan import scan_checkpoints
 
     run = tiny_run(seed=4)
     with CheckpointManager(s3_bucket.url(), every_steps=2, storage_options=s3_bucket.options) as mgr:
@@ -309,7 +309,7 @@ def test_read_only_credentials_restore_scan_and_report_and_write_nothing(tiny_ru
         assert mgr.all_steps() == [2, 4] and mgr.latest_step() == 4
     for a, b in zip(run.model.state_dict().values(), fresh.model.state_dict().values(), strict=True):
         assert torch.equal(a, b)
-    assert [(r.step, r.status) for r in scan_store(s3_bucket.url(), reader)] == [
+    assert [(r.step, r.status) for r in scan_checkpoints(s3_bucket.url(), reader)] == [
         (2, "ok"),
         (4, "ok"),
         (6, "incomplete"),

@@ -37,10 +37,10 @@ from ckpt_lesson.runs.async_report import forget_failure, note_failure_of
 from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale
 from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES
+from ckpt_lesson.runs.layout import step_dir_name
 from ckpt_lesson.runs.loop_api import LoopMethods, default_run_dir
 from ckpt_lesson.runs.marker_cleanup import clean_unmarked
 from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
-from ckpt_lesson.runs.scan import step_dir_name
 from ckpt_lesson.runs.state_args import positional_restore_args
 
 from .comm import Comm, failure_summary, new_checkpoint_group, quiet_single_process, release_groups

@@ -41,7 +41,7 @@ from ckpt_lesson.errors import (
 )
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.rng import restore_rng_state
-from ckpt_lesson.runs.scan import step_of
+from ckpt_lesson.runs.layout import step_of
 from ckpt_lesson.short_repr import short_repr
 
 from .comm import Comm, quiet_single_process, raise_from_checkpoint_exception

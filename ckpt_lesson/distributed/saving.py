@@ -33,9 +33,9 @@ from ckpt_lesson.files.rng import capture_rng_state
 from ckpt_lesson.runs.commit import QUARANTINE_PREFIX, open_staging
 from ckpt_lesson.runs.dcp_marker import open_marker_folder
 from ckpt_lesson.runs.deleter import BackgroundRetention
+from ckpt_lesson.runs.layout import published_steps, step_dir_name, step_of
 from ckpt_lesson.runs.retention import RetentionPolicy
 from ckpt_lesson.runs.reverify import check_save
-from ckpt_lesson.runs.scan import published_steps, step_dir_name, step_of
 
 from .comm import Comm, raise_from_checkpoint_exception
 from .reader import verify_save

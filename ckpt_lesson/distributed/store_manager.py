@@ -44,8 +44,8 @@ from ckpt_lesson.errors import (
     LoadEnvironmentError,
 )
 from ckpt_lesson.files.storage import open_storage
+from ckpt_lesson.runs.layout import step_dir_name, step_of
 from ckpt_lesson.runs.report import StoreRecoveryRecorder
-from ckpt_lesson.runs.scan import step_dir_name, step_of
 from ckpt_lesson.runs.store_commit import (
     COMMIT_NAME,
     apply_store_retention,

@@ -45,7 +45,7 @@ from ckpt_lesson.errors import (
 from ckpt_lesson.files.storage import Storage
 from ckpt_lesson.files.tagged_hash import hash_bytes
 from ckpt_lesson.runs.dcp_manifest import METADATA_FILE
-from ckpt_lesson.runs.scan import step_dir_name
+from ckpt_lesson.runs.layout import step_dir_name
 from ckpt_lesson.runs.store_restore import read_committed_manifest
 
 from .comm import Comm

@@ -40,7 +40,7 @@ from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.storage import Storage
 from ckpt_lesson.files.tagged_hash import DEFAULT_ALGO
 from ckpt_lesson.runs.dcp_manifest import METADATA_FILE, build_manifest
-from ckpt_lesson.runs.scan import MANIFEST_NAME, step_dir_name
+from ckpt_lesson.runs.layout import MANIFEST_NAME, step_dir_name
 from ckpt_lesson.runs.store_commit import commit_attempt
 from ckpt_lesson.runs.store_lease import LeaseRenewer
 

@@ -52,7 +52,7 @@ from ckpt_lesson.files.tagged_hash import DEFAULT_ALGO, new_hasher
 from ckpt_lesson.runs.commit import publish
 from ckpt_lesson.runs.dcp_manifest import METADATA_FILE, build_manifest
 from ckpt_lesson.runs.dcp_marker import write_commit_marker
-from ckpt_lesson.runs.scan import MANIFEST_NAME
+from ckpt_lesson.runs.layout import MANIFEST_NAME
 
 __all__ = ["CommitWriter", "Digested", "HashingFileSystem", "HashingStream", "check_and_unwrap"]
 

@@ -13,7 +13,8 @@ from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.resume_test.watch import MANAGER, FolderWatcher, SaveBurst
-from ckpt_lesson.runs.scan import published_steps, read_manifest, scan_checkpoints
+from ckpt_lesson.runs.layout import published_steps, read_manifest
+from ckpt_lesson.runs.scan import scan_checkpoints
 
 __all__ = ["damage_after_kill", "newest_save"]
 

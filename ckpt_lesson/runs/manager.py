@@ -51,12 +51,12 @@ from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale, open_staging, publish
 from ckpt_lesson.runs.contract import ENV_POLICIES
 from ckpt_lesson.runs.deleter import BackgroundRetention
+from ckpt_lesson.runs.layout import step_dir_name
 from ckpt_lesson.runs.loop_api import LoopMethods, default_run_dir
 from ckpt_lesson.runs.manager_config import EventHook, ManagerConfig
 from ckpt_lesson.runs.manager_restore import RestoreMethods
 from ckpt_lesson.runs.retention import RetentionPolicy
 from ckpt_lesson.runs.save_parts import refuse_if_already_saved, stage_payload_save, stage_save
-from ckpt_lesson.runs.scan import step_dir_name
 from ckpt_lesson.runs.state_args import is_state_call, positional_save_args
 from ckpt_lesson.runs.store_run import DEFAULT_LEASE_SECONDS, StoreRun
 

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from ckpt_lesson.files.state_payload import Restored
+from ckpt_lesson.runs.layout import MANIFEST_NAME, ScanResult, inspect_save, published_steps, step_dir_name
 from ckpt_lesson.runs.restore import check_resume_contract, loader_for, log
 from ckpt_lesson.runs.save_source import Candidates, SaveSource, folder_candidates
-from ckpt_lesson.runs.scan import MANIFEST_NAME, ScanResult, inspect_save, published_steps, step_dir_name
 
 if TYPE_CHECKING:  # for the annotations only
     from ckpt_lesson.runs.cadence import SaveCadence

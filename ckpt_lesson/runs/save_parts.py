@@ -28,8 +28,8 @@ from ckpt_lesson.files.schema import CURRENT_SCHEMA, MANIFEST_SCHEMA, current_en
 from ckpt_lesson.files.sharded import INDEX_NAME, save_sharded_checkpoint
 from ckpt_lesson.files.state_files import write_state_payload
 from ckpt_lesson.files.state_payload import PARTS_SCHEMA
+from ckpt_lesson.runs.layout import MANIFEST_NAME, inspect_save, read_manifest
 from ckpt_lesson.runs.manager_config import ManagerConfig
-from ckpt_lesson.runs.scan import MANIFEST_NAME, inspect_save, read_manifest
 
 __all__ = [
     "build_manifest",

@@ -29,7 +29,7 @@ from ckpt_lesson.files.safe_read import read_json_file
 from ckpt_lesson.files.sharded import INDEX_NAME
 from ckpt_lesson.files.verified_bytes import VerifiedBytes
 from ckpt_lesson.files.verify import verify_record
-from ckpt_lesson.runs.scan import read_manifest, step_dir_name
+from ckpt_lesson.runs.layout import read_manifest, step_dir_name
 
 __all__ = [
     "Candidates",

@@ -41,8 +41,8 @@ from ckpt_lesson.files.storage_transfer import RANGE_BYTES
 from ckpt_lesson.files.verified_bytes import VerifiedBytes
 from ckpt_lesson.runs.dcp_manifest import MANIFEST_SCHEMA as DCP_MANIFEST_SCHEMA
 from ckpt_lesson.runs.dcp_manifest import check_manifest_seal, validate_manifest
+from ckpt_lesson.runs.layout import MANIFEST_NAME, check_manifest, step_dir_name
 from ckpt_lesson.runs.save_source import SaveSource, VerifiedSave
-from ckpt_lesson.runs.scan import MANIFEST_NAME, check_manifest, step_dir_name
 from ckpt_lesson.runs.store_commit import read_commit
 
 __all__ = ["fetch_verified", "open_verified", "read_committed_manifest", "read_verified", "verify_store_save"]
