@@ -87,6 +87,28 @@ def names(run_dir: Path) -> list[str]:
 # ---------------------------------------------------------------- saving and retention
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("storage_options", {"key": "k"}),
+        ("cache_dir", "cache"),
+        ("read_only", True),
+        ("timeout", 5.0),
+        ("lease_seconds", 60.0),
+    ],
+)
+def test_a_store_option_given_for_a_folder_is_refused_by_name_and_nothing_is_created(tmp_path, option, value):
+    with pytest.raises(CheckpointError, match=f"{option} only apply to an object store"):
+        CheckpointManager(tmp_path / "run", keep_last=1, every_steps=1, **{option: value})
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_folder_manager_has_no_store_and_its_url_is_its_folder(tmp_path):
+    with CheckpointManager(tmp_path / "run", keep_last=1, every_steps=1) as mgr:
+        assert mgr.store is None and mgr.storage is None
+        assert mgr.url == str(tmp_path / "run")
+
+
 def test_save_and_purge_keeps_last_k_checkpoints(tmp_path):
     mgr = CheckpointManager(tmp_path, keep_last=2, every_steps=3)
     run_with_manager(mgr, until_step=12)
