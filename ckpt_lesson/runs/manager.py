@@ -340,9 +340,8 @@ class CheckpointManager(RestoreMethods, LoopMethods):
         if self.store is None:
             return final
         # A store: the local save is scratch; upload and commit it, then retention runs on the store.
-        self.last_save["path"] = url = self.store.upload(
-            final, step, algo=self.config.hash_algo, policy=self.config.policy
-        )
+        url = self.store.upload(final, step, algo=self.config.hash_algo, policy=self.config.policy)
+        self.last_save["path"] = url
         return url
 
     # ------------------------------------------------------------------ retention and cleanup

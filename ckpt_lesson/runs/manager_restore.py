@@ -39,6 +39,8 @@ class RestoreMethods:
     env_policy: str
     _retention: BackgroundRetention
     _cadence: SaveCadence
+    _contract: tuple[Any, list[str]] | None
+    last_restore: dict[str, Any] | None
 
     # ------------------------------------------------------------------ discovery
 
@@ -104,8 +106,8 @@ class RestoreMethods:
         """
         self.check_open()
         self._retention.wait()
-        self._contract: tuple[Any, list[str]] | None = None
-        self.last_restore: dict[str, Any] | None = {}
+        self._contract = None
+        self.last_restore = {}
         load = loader_for(
             args, strict=strict, map_location=map_location, mmap=mmap, check_contract=self._check_contract
         )
