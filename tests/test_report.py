@@ -10,7 +10,8 @@ import time
 import pytest
 
 from ckpt_lesson import cli
-from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
+from ckpt_lesson.files.storage import open_storage
 from ckpt_lesson.runs.manager import CheckpointManager
 from ckpt_lesson.runs.report import (
     RECOVERY_LOG,
@@ -188,3 +189,11 @@ def test_report_of_a_run_with_saves_but_no_restore_says_so_and_exits_zero(bucket
         mgr.save(run.model, run.optimizer, run.scheduler, run.state)
     assert cli.main(["report", bucket_env.url("saved")]) == 0
     assert "saved: no restores recorded" in capsys.readouterr().out
+
+
+def test_a_damaged_log_in_a_bucket_is_named_by_its_url_not_a_local_temp_path(s3_bucket):
+    url = s3_bucket.url("damaged-log")
+    open_storage(url, s3_bucket.options).put_bytes(RECOVERY_LOG, b"not json\n[1]\n")
+    with pytest.raises(CorruptCheckpointError) as caught:
+        read_recovery_log(url, s3_bucket.options)
+    assert str(caught.value).startswith(f"{url}/{RECOVERY_LOG}: 2 line(s) and none is a recovery record")

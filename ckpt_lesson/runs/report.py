@@ -23,7 +23,8 @@ and :func:`read_recovery_log` of the URL reads it from there. The per-step
 heartbeat stays local: on a new machine it is gone, and the record says "steps
 redone: unknown" rather than guessing.
 
-``python -m ckpt_lesson report RUN_DIR_OR_URL [--json]`` summarises the log.
+``python -m ckpt_lesson report RUN_DIR_OR_URL [--json]`` summarises the log
+(:mod:`~ckpt_lesson.runs.recovery_summary`).
 """
 
 from __future__ import annotations
@@ -32,12 +33,9 @@ import json
 import logging
 import math
 import os
-import statistics
 import subprocess
-import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -46,6 +44,7 @@ from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 from ckpt_lesson.files.safe_read import MAX_RECORD_BYTES, parse_json_text, read_json_file, read_regular_file
 from ckpt_lesson.files.side_files import append_beside, replace_beside
 from ckpt_lesson.files.storage import Storage, is_store_url, open_storage
+from ckpt_lesson.runs.recovery_summary import RecoverySummary, summarize_recoveries
 
 __all__ = [
     "PROGRESS_NAME",
@@ -219,22 +218,30 @@ def read_recovery_log(
     """
     if is_store_url(run_dir):
         storage = open_storage(str(run_dir), storage_options)
-        with tempfile.TemporaryDirectory(prefix="ckpt-lesson-report-") as folder:
-            if not _fetch_log(storage, Path(folder)) and not storage.list_keys():
-                # "no restores recorded", exit 0, would read as "all fine" for a typo'd bucket or prefix;
-                # list_keys names a missing bucket itself, an empty prefix is refused here, as scan does.
-                raise CheckpointError(
-                    f"{run_dir}: no run found (no saves, no {RECOVERY_LOG}); pass the prefix a manager "
-                    "saved to, e.g. s3://BUCKET/runs/exp1 ('python -m ckpt_lesson scan URL' lists its saves)."
-                )
-            return read_recovery_log(folder)
+        try:
+            raw = storage.read_bytes(RECOVERY_LOG, limit=MAX_RECORD_BYTES)
+        except FileNotFoundError:
+            if storage.list_keys():
+                return []
+            # "no restores recorded", exit 0, would read as "all fine" for a typo'd bucket or prefix;
+            # list_keys names a missing bucket itself, an empty prefix is refused here, as scan does.
+            raise CheckpointError(
+                f"{run_dir}: no run found (no saves, no {RECOVERY_LOG}); pass the prefix a manager "
+                "saved to, e.g. s3://BUCKET/runs/exp1 ('python -m ckpt_lesson scan URL' lists its saves)."
+            ) from None
+        return _parse_log(raw, storage.where(RECOVERY_LOG))
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise CheckpointError(f"{run_dir}: not a run directory; pass the folder that holds step-* saves.")
     path = run_dir / RECOVERY_LOG
     if not path.exists() and not path.is_symlink():
         return []
-    raw = read_regular_file(path, what="recovery log")  # regular, size-capped: see files/safe_read.py
+    # Regular, size-capped: see files/safe_read.py.
+    return _parse_log(read_regular_file(path, what="recovery log"), str(path))
+
+
+def _parse_log(raw: bytes, where: str) -> list[dict[str, Any]]:
+    """The records of a log's bytes (``where`` names it in messages); see :func:`read_recovery_log`."""
     lines = raw.split(b"\n")
     torn_tail = not raw.endswith(b"\n")  # a crash mid-append leaves a last line without its newline
     if lines and not lines[-1].strip():
@@ -242,7 +249,7 @@ def read_recovery_log(
     records, bad = [], 0
     for i, line in enumerate(lines):
         try:
-            rec = parse_json_text(line, where=f"{path.name} line {i + 1}")
+            rec = parse_json_text(line, where=f"{RECOVERY_LOG} line {i + 1}")
         except CheckpointError:
             if i < len(lines) - 1 or not torn_tail:  # only an unterminated last line may be torn
                 bad += 1
@@ -253,11 +260,11 @@ def read_recovery_log(
             bad += 1
     if bad and not records:
         raise CorruptCheckpointError(
-            f"{path}: {bad} line(s) and none is a recovery record (not JSON, or wrongly typed fields); "
+            f"{where}: {bad} line(s) and none is a recovery record (not JSON, or wrongly typed fields); "
             "the log is damaged or not ours. Move it aside; new restores start a fresh log."
         )
     if bad:
-        log.warning("%s: ignored %d damaged line(s)", path, bad)
+        log.warning("%s: ignored %d damaged line(s)", where, bad)
     return records
 
 
@@ -275,57 +282,6 @@ def _is_record(rec: Any) -> bool:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             return False
     return True
-
-
-@dataclass(frozen=True)
-class RecoverySummary:
-    """Totals over a run's recovery log."""
-
-    restores: int
-    fallbacks: int
-    incomplete_saves: int
-    corrupt_saves: int
-    steps_redone_total: int | None
-    steps_redone_max: int | None
-    recovery_seconds_median: float | None
-    recovery_seconds_max: float | None
-    save_age_seconds_max: float | None
-
-    def format(self) -> str:
-        def num(x: float | None, unit: str = "") -> str:
-            return "unknown" if x is None else f"{x:.2f}{unit}" if isinstance(x, float) else f"{x}{unit}"
-
-        med = num(self.recovery_seconds_median, " s")
-        rows = [
-            ("restores", str(self.restores)),
-            ("fallbacks", f"{self.fallbacks} (a newer save was skipped)"),
-            ("incomplete saves", str(self.incomplete_saves)),
-            ("corrupt saves", str(self.corrupt_saves)),
-            ("steps redone", f"{num(self.steps_redone_total)} total, {num(self.steps_redone_max)} max"),
-            ("recovery time", f"median {med}, max {num(self.recovery_seconds_max, ' s')}"),
-            ("last good save age", f"max {num(self.save_age_seconds_max, ' s')}"),
-        ]
-        return "\n".join(f"{k:<20}{v}" for k, v in rows)
-
-
-def summarize_recoveries(records: list[dict[str, Any]]) -> RecoverySummary:
-    """Totals, medians and maxima over recovery records (unknown values are left out)."""
-
-    def known(key: str) -> list[Any]:
-        return [r[key] for r in records if r.get(key) is not None]
-
-    redone, secs, ages = known("steps_redone"), known("recovery_seconds"), known("last_good_save_age_seconds")
-    return RecoverySummary(
-        restores=len(records),
-        fallbacks=sum(1 for r in records if r.get("fallback")),
-        incomplete_saves=sum(int(r.get("incomplete_saves") or 0) for r in records),
-        corrupt_saves=sum(int(r.get("corrupt_saves") or 0) for r in records),
-        steps_redone_total=sum(redone) if redone else None,
-        steps_redone_max=max(redone) if redone else None,
-        recovery_seconds_median=float(statistics.median(secs)) if secs else None,
-        recovery_seconds_max=float(max(secs)) if secs else None,
-        save_age_seconds_max=float(max(ages)) if ages else None,
-    )
 
 
 class RecoveryRecorder:
