@@ -556,3 +556,33 @@ def test_random_saves_crashes_and_purges_never_lose_the_newest_good_save(ops, k,
         elif any_saves:
             with pytest.raises(CheckpointError, match="none is usable"):
                 CheckpointManager(run_dir, every_steps=1).restore_latest(fresh, fresh_opt, None)
+
+
+def _package_imports(module: str) -> set[str]:
+    """The package's modules that ``module``'s source imports (any depth in the file), by name."""
+    import ast
+
+    source = Path(__file__).resolve().parents[1] / (module.replace(".", "/") + ".py")
+    found = set()
+    for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and (node.module or "").startswith("ckpt_lesson")
+        ):
+            found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("ckpt_lesson")}
+    root = Path(__file__).resolve().parents[1]
+    return {name for name in found if (root / (name.replace(".", "/") + ".py")).is_file()}
+
+
+def test_a_single_process_save_needs_no_multi_rank_module():
+    reached, todo = set(), ["ckpt_lesson.runs.manager"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(_package_imports(module))
+    assert "ckpt_lesson.runs.save_parts" in reached and "ckpt_lesson.runs.store_commit" in reached
+    assert not [m for m in reached if "dcp" in m or ".distributed" in m], sorted(reached)

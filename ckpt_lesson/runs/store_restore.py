@@ -39,9 +39,13 @@ from ckpt_lesson.files.safe_read import parse_json_text
 from ckpt_lesson.files.storage import Storage
 from ckpt_lesson.files.storage_transfer import RANGE_BYTES
 from ckpt_lesson.files.verified_bytes import VerifiedBytes
-from ckpt_lesson.runs.dcp_manifest import MANIFEST_SCHEMA as DCP_MANIFEST_SCHEMA
-from ckpt_lesson.runs.dcp_manifest import check_manifest_seal, validate_manifest
-from ckpt_lesson.runs.layout import MANIFEST_NAME, check_manifest, step_dir_name
+from ckpt_lesson.runs.layout import (
+    DCP_MANIFEST_SCHEMA,
+    MANIFEST_KINDS,
+    MANIFEST_NAME,
+    check_manifest,
+    step_dir_name,
+)
 from ckpt_lesson.runs.save_source import SaveSource, VerifiedSave
 from ckpt_lesson.runs.store_commit import read_commit
 
@@ -97,15 +101,13 @@ def _checked_manifest(
     multi-rank (DCP) one, ``None`` whichever the record says it is.
     """
     where = storage.where(f"{step_dir_name(step)}/{marker['save_id']}/{MANIFEST_NAME}")
+    manifest = parse_json_text(raw, where=where)
     if multi_rank is None:
-        parsed = parse_json_text(raw, where=where)
-        multi_rank = isinstance(parsed, dict) and parsed.get("schema") == DCP_MANIFEST_SCHEMA
-    if multi_rank:
-        manifest = parse_json_text(raw, where=where)
-        check_manifest_seal(manifest, where=where)  # the seal first: an unverifiable record is damage
-        validate_manifest(manifest, where=where)  # part names are plain names, .metadata listed
+        multi_rank = isinstance(manifest, dict) and manifest.get("schema") == DCP_MANIFEST_SCHEMA
+    if multi_rank:  # seal, then fields (part names plain, .metadata listed): its own module's checks
+        MANIFEST_KINDS[DCP_MANIFEST_SCHEMA].check(manifest, where)
     else:  # schema, seal, part names that stay inside the folder: exactly as for a local manifest
-        manifest = check_manifest(parse_json_text(raw, where=where), where=where)
+        manifest = check_manifest(manifest, where=where)
     if manifest["step"] != step or manifest["save_id"] != marker["save_id"]:
         raise CorruptCheckpointError(
             f"{storage.where(step_dir_name(step))}: the manifest names step {manifest['step']} / save "
