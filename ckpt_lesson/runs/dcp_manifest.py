@@ -33,7 +33,6 @@ from ckpt_lesson.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     SchemaError,
-    UnsafeCheckpointError,
 )
 from ckpt_lesson.files.record_seal import SEAL_KEY, is_sealed, verify_record_seal
 from ckpt_lesson.files.safe_read import parse_json_text, read_regular_file
@@ -44,6 +43,7 @@ from ckpt_lesson.runs.dcp_marker import COMMIT_MARKER, PUBLISH_MODES, check_comm
 from ckpt_lesson.runs.layout import (
     DCP_MANIFEST_SCHEMA,
     ManifestKind,
+    check_part_file,
     check_parts_list,
     register_manifest_kind,
 )
@@ -257,17 +257,7 @@ def validate_manifest(manifest: Any, *, where: str) -> None:
 def _check_part(part: Any, where: str) -> None:
     if not isinstance(part, dict) or set(part) != {"file", "bytes", "algo", "digest"}:
         raise CorruptCheckpointError(f"{where}: every part must be an object with file, bytes, algo, digest.")
-    name = part["file"]
-    if not isinstance(name, str) or not name:
-        raise CorruptCheckpointError(f"{where}: a part has no 'file' name.")
-    # A manifest is data, and data can be hostile: a part may only name a plain file in this folder.
-    if "/" in name or "\\" in name or name in (".", "..") or name == MANIFEST_NAME or "\x00" in name:
-        raise UnsafeCheckpointError(
-            f"{where}: part name {name!r} is not a plain file name in the save folder."
-        )
-    size = part["bytes"]
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise CorruptCheckpointError(f"{where}: part {name!r} has no valid 'bytes' count.")
+    name = check_part_file(part, where)  # a plain name in the save folder, a size: as a single-process part
     check_hash_record(part, where=f"{where}: part {name!r}")
 
 

@@ -53,6 +53,7 @@ __all__ = [
     "STAGING_PREFIX",
     "ScanResult",
     "check_manifest",
+    "check_part_file",
     "inspect_save",
     "published_steps",
     "read_manifest",
@@ -243,7 +244,19 @@ def check_manifest(manifest: Any, *, where: str) -> dict[str, Any]:
     return manifest
 
 
-def _check_part_entry(part: Any, where: str) -> None:
+def check_part_file(part: Any, where: str) -> str:
+    """Check a manifest part's ``file`` (a plain name in the save folder) and ``bytes``; returns the name.
+
+    Shared by both manifest kinds; each checks its digest fields after this.
+
+    Raises:
+        CorruptCheckpointError: Not an object, no name, or no valid size.
+        UnsafeCheckpointError: A name that would leave the save folder.
+
+    Example:
+        >>> check_part_file({"file": "checkpoint.pt", "bytes": 10}, "m")
+        'checkpoint.pt'
+    """
     if not isinstance(part, dict):
         raise CorruptCheckpointError(f"{where}: every part must be an object with file, bytes, algo, digest.")
     name = part.get("file")
@@ -257,6 +270,11 @@ def _check_part_entry(part: Any, where: str) -> None:
     size = part.get("bytes")
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise CorruptCheckpointError(f"{where}: part {name!r} has no valid 'bytes' count.")
+    return name
+
+
+def _check_part_entry(part: Any, where: str) -> None:
+    name = check_part_file(part, where)
     try:
         part_digest(part)  # {"algo", "digest"}, or {"sha256"} from earlier versions
     except CorruptCheckpointError:
