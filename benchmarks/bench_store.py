@@ -44,9 +44,8 @@ import s3fs
 import torch
 
 from ckpt_lesson.files.storage_fsspec import FsspecStorage
-from ckpt_lesson.runs.manager import CheckpointManager
+from ckpt_lesson.runs.manager import CheckpointManager, StoreCheckpointManager
 from ckpt_lesson.runs.store_commit import upload_save
-from ckpt_lesson.runs.store_manager import StoreCheckpointManager
 from ckpt_lesson.runs.store_restore import fetch_verified, read_verified
 
 

@@ -103,15 +103,15 @@ from .runs.cost import (  # noqa: E402
 )
 from .runs.data_position import ResumableLoader, resumable  # noqa: E402
 from .runs.folder_manifest import latest_verified_folder, verify_folder, write_folder_manifest  # noqa: E402
-from .runs.manager import CheckpointManager  # noqa: E402
+from .runs.layout import ScanResult, read_manifest  # noqa: E402
+from .runs.manager import CheckpointManager, StoreCheckpointManager  # noqa: E402
 from .runs.manager_config import ManagerConfig  # noqa: E402
 from .runs.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler  # noqa: E402
 from .runs.report import RecoveryRecorder, read_recovery_log, summarize_recoveries  # noqa: E402
 from .runs.retention import KeepBest, KeepLastK, keep_last_k  # noqa: E402
-from .runs.scan import ScanResult, read_manifest, scan_checkpoints  # noqa: E402
+from .runs.scan import scan_checkpoints  # noqa: E402
 from .runs.steplog import log_step  # noqa: E402
 from .runs.store_commit import CommitConflictError  # noqa: E402
-from .runs.store_manager import StoreCheckpointManager  # noqa: E402
 from .runs.warm_start import WarmStartRecord, warm_start_from  # noqa: E402
 
 __version__ = "0.1.0"

@@ -41,9 +41,9 @@ from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.atomic import atomic_save, atomic_write_json
 from ckpt_lesson.files.checkpoint import TrainState, build_payload
 from ckpt_lesson.files.record_seal import seal_record
+from ckpt_lesson.runs.layout import read_manifest
 from ckpt_lesson.runs.manager import CheckpointManager
 from ckpt_lesson.runs.report import RecoveryRecorder, read_recovery_log
-from ckpt_lesson.runs.scan import read_manifest
 from ckpt_lesson.runs.warm_start import read_warm_start, warm_start_from
 
 SEED, TOTAL, EVERY, KEEP = 11, 300, 40, 3

@@ -17,8 +17,9 @@ from _distributed_local import flip_byte, save_locally
 from ckpt_lesson import cli
 from ckpt_lesson.errors import SchemaError
 from ckpt_lesson.files.record_seal import seal_record
+from ckpt_lesson.runs.layout import inspect_save, read_manifest
 from ckpt_lesson.runs.manager import CheckpointManager
-from ckpt_lesson.runs.scan import inspect_save, read_manifest, scan_checkpoints
+from ckpt_lesson.runs.scan import scan_checkpoints
 
 
 def _statuses(run: Path) -> dict[int, tuple[str, str]]:

@@ -22,9 +22,9 @@ from _s3_server import Bucket, options_for
 from _store_dcp_workers import w_save_then_resume
 
 from ckpt_lesson.files.storage_fsspec import FsspecStorage
-from ckpt_lesson.runs.scan import ScanResult
-from ckpt_lesson.runs.store_report import read_store_recovery_log
-from ckpt_lesson.runs.store_scan import scan_store
+from ckpt_lesson.runs.layout import ScanResult
+from ckpt_lesson.runs.report import read_recovery_log
+from ckpt_lesson.runs.scan import scan_checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def _attempt(store: FsspecStorage, step_dir: str) -> str:
 
 
 def test_scan_of_a_bucket_verifies_each_multi_rank_save_with_every_ranks_objects(resumed: Bucket) -> None:
-    results = scan_store(resumed.url(), resumed.options)
+    results = scan_checkpoints(resumed.url(), resumed.options)
     assert [(r.path.name, r.step, r.status, r.reason) for r in results] == [
         ("step-00000002", 2, "ok", ""),
         ("step-00000004", 4, "ok", ""),
@@ -98,7 +98,7 @@ def test_scan_of_a_bucket_names_a_flipped_byte_and_a_missing_rank_object_and_an_
     for key in store.list_keys(step2):
         store.put_bytes(f"{orphan}/{key.rsplit('/', 1)[-1]}", store.read_bytes(key, limit=1 << 30))
 
-    rows = {r.step: r for r in scan_store(resumed.url("damaged"), resumed.options)}
+    rows = {r.step: r for r in scan_checkpoints(resumed.url("damaged"), resumed.options)}
     assert (rows[2].status, rows[4].status, rows[6].status) == ("incomplete", "corrupt", "incomplete")
     assert "__0_0.distcp: missing" in rows[2].reason
     assert "__1_0.distcp" in rows[4].reason and ".metadata" in rows[4].reason
@@ -113,7 +113,7 @@ def test_scan_of_a_bucket_names_a_flipped_byte_and_a_missing_rank_object_and_an_
 def test_report_of_a_bucket_shows_the_restore_the_two_ranks_made_recorded_once_by_rank_0(
     resumed: Bucket,
 ) -> None:
-    [record] = read_store_recovery_log(resumed.url(), resumed.options)
+    [record] = read_recovery_log(resumed.url(), resumed.options)
     assert record["chosen"]["step"] == 4
     assert (record["fallback"], record["skipped"]) == (False, [])
     assert record["recovery_seconds"] is not None and record["recovery_seconds"] > 0

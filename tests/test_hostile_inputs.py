@@ -33,9 +33,10 @@ from ckpt_lesson.files.integrity import FooterWriter
 from ckpt_lesson.files.migrate import migrate_file
 from ckpt_lesson.files.record_seal import SEAL_KEY, seal_record
 from ckpt_lesson.files.safe_read import read_json_file
+from ckpt_lesson.runs.layout import read_manifest
 from ckpt_lesson.runs.manager import CheckpointManager
 from ckpt_lesson.runs.retention import KeepBest
-from ckpt_lesson.runs.scan import read_manifest, scan_checkpoints
+from ckpt_lesson.runs.scan import scan_checkpoints
 
 # ---------------------------------------------------------------- helpers
 
@@ -539,7 +540,7 @@ def test_a_new_file_follows_the_umask(tmp_path, tiny_run):
 
 @pytest.mark.parametrize("name", ["step-٣٣٣٣٣٣٣٣", "step-１２３４５６７８", "step-۱۲۳۴۵۶۷۸"])
 def test_step_folders_with_non_ascii_digits_are_not_saves(tmp_path, name):
-    from ckpt_lesson.runs.scan import step_of
+    from ckpt_lesson.runs.layout import step_of
 
     (tmp_path / name).mkdir()
     assert step_of(name) is None

@@ -25,10 +25,11 @@ from ckpt_lesson.course.training import (
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.integrity import DEFAULT_ALGO, digest_bytes
+from ckpt_lesson.runs.layout import read_manifest
 from ckpt_lesson.runs.manager import CheckpointManager
 from ckpt_lesson.runs.manager_config import ManagerConfig
 from ckpt_lesson.runs.retention import KeepBest
-from ckpt_lesson.runs.scan import read_manifest, scan_checkpoints
+from ckpt_lesson.runs.scan import scan_checkpoints
 
 SEED = 3
 
@@ -84,6 +85,28 @@ def names(run_dir: Path) -> list[str]:
 
 
 # ---------------------------------------------------------------- saving and retention
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("storage_options", {"key": "k"}),
+        ("cache_dir", "cache"),
+        ("read_only", True),
+        ("timeout", 5.0),
+        ("lease_seconds", 60.0),
+    ],
+)
+def test_a_store_option_given_for_a_folder_is_refused_by_name_and_nothing_is_created(tmp_path, option, value):
+    with pytest.raises(CheckpointError, match=f"{option} only apply to an object store"):
+        CheckpointManager(tmp_path / "run", keep_last=1, every_steps=1, **{option: value})
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_folder_manager_has_no_store_and_its_url_is_its_folder(tmp_path):
+    with CheckpointManager(tmp_path / "run", keep_last=1, every_steps=1) as mgr:
+        assert mgr.store is None and mgr.storage is None
+        assert mgr.url == str(tmp_path / "run")
 
 
 def test_save_and_purge_keeps_last_k_checkpoints(tmp_path):
@@ -533,3 +556,33 @@ def test_random_saves_crashes_and_purges_never_lose_the_newest_good_save(ops, k,
         elif any_saves:
             with pytest.raises(CheckpointError, match="none is usable"):
                 CheckpointManager(run_dir, every_steps=1).restore_latest(fresh, fresh_opt, None)
+
+
+def _package_imports(module: str) -> set[str]:
+    """The package's modules that ``module``'s source imports (any depth in the file), by name."""
+    import ast
+
+    source = Path(__file__).resolve().parents[1] / (module.replace(".", "/") + ".py")
+    found = set()
+    for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and (node.module or "").startswith("ckpt_lesson")
+        ):
+            found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("ckpt_lesson")}
+    root = Path(__file__).resolve().parents[1]
+    return {name for name in found if (root / (name.replace(".", "/") + ".py")).is_file()}
+
+
+def test_a_single_process_save_needs_no_multi_rank_module():
+    reached, todo = set(), ["ckpt_lesson.runs.manager"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(_package_imports(module))
+    assert "ckpt_lesson.runs.save_parts" in reached and "ckpt_lesson.runs.store_commit" in reached
+    assert not [m for m in reached if "dcp" in m or ".distributed" in m], sorted(reached)

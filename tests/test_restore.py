@@ -21,7 +21,6 @@ from conftest import TinyRun, build_tiny_run
 
 from ckpt_lesson.runs.manager import CheckpointManager
 from ckpt_lesson.runs.report import RecoveryRecorder, read_recovery_log
-from ckpt_lesson.runs.store_report import StoreRecoveryRecorder, read_store_recovery_log
 
 
 def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -100,7 +99,7 @@ def test_a_bucket_restore_whose_save_is_deleted_meanwhile_takes_the_newer_save(
             finally:
                 eval_job.storage.fs.s3.meta.events.unregister("before-send.s3.GetObject", hold_the_download)
             (tmp_path / "eval").mkdir()
-            recorder = StoreRecoveryRecorder(url, tmp_path / "eval", storage_options=options)
+            recorder = RecoveryRecorder(tmp_path / "eval", store=url, storage_options=options)
             recorder.restored(eval_job.last_restore)
             recorder.step_done(state.step + 1)
     finally:
@@ -109,5 +108,5 @@ def test_a_bucket_restore_whose_save_is_deleted_meanwhile_takes_the_newer_save(
         trainer.close()
     assert go.is_set() and done.is_set()
     _check_followed(eval_job, state, trainer_run, fresh)
-    [record] = read_store_recovery_log(url, options)
+    [record] = read_recovery_log(url, options)
     assert record["chosen"]["step"] == 6 and record["skipped"][0]["relisted"] == [6]

@@ -11,10 +11,11 @@ from _distributed_local import flip_byte as flip_dcp_byte
 from _distributed_local import save_locally
 
 from ckpt_lesson.files.checkpoint import TrainState
+from ckpt_lesson.runs.layout import step_dir_name
 from ckpt_lesson.runs.manager import CheckpointManager
 from ckpt_lesson.runs.retention import KeepLastK
 from ckpt_lesson.runs.reverify import KnownGood, check_save, retention_pass
-from ckpt_lesson.runs.scan import scan_checkpoints, step_dir_name
+from ckpt_lesson.runs.scan import scan_checkpoints
 
 
 def flip_byte(path: Path, at: float = 0.5) -> None:

@@ -90,7 +90,7 @@ def test_a_deletion_during_a_restore_falls_back_to_the_previous_save(tiny_run, s
     weights = _saved_run(tiny_run, s3_bucket)
     fresh = tiny_run(seed=50)
     with CheckpointManager(s3_bucket.url(), every_steps=2, storage_options=s3_bucket.options) as mgr:
-        mgr.storage = _RetentionDuringRestore(s3_bucket.url(), s3_bucket.options)
+        mgr.store.storage = _RetentionDuringRestore(s3_bucket.url(), s3_bucket.options)
         state = mgr.restore_latest(fresh.model, fresh.optimizer, fresh.scheduler)
         assert [(s["step"], s["status"]) for s in mgr.last_restore["skipped"]] == [(4, "incomplete")]
     assert state.step == 2 and _same(fresh.model, weights[2])

@@ -114,7 +114,7 @@ def test_resuming_a_finished_run_trains_nothing_and_saves_nothing(tmp_path):
 
 def test_the_manifest_records_data_fingerprint_and_config(tmp_path):
     run_managed_training(tmp_path, total_steps=2, every_steps=2)
-    from ckpt_lesson.runs.scan import read_manifest
+    from ckpt_lesson.runs.layout import read_manifest
 
     manifest = read_manifest(tmp_path / "step-00000002")
     fingerprint = SyntheticRegression(seed=SEED).fingerprint()

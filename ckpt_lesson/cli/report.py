@@ -8,9 +8,7 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
-from ckpt_lesson.files.storage import is_store_url
 from ckpt_lesson.runs.report import RECOVERY_LOG, read_recovery_log, summarize_recoveries
-from ckpt_lesson.runs.store_report import read_store_recovery_log
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -22,10 +20,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if is_store_url(args.run_dir):
-        records = read_store_recovery_log(args.run_dir)  # credentials from the AWS_* environment
-    else:
-        records = read_recovery_log(args.run_dir)
+    records = read_recovery_log(args.run_dir)  # a URL's credentials from the AWS_* environment
     summary = summarize_recoveries(records)
     if args.json:
         # Strict JSON: NaN and Infinity are not JSON, so they become null (unknown).

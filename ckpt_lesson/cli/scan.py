@@ -10,10 +10,9 @@ import json
 from dataclasses import asdict
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.storage import is_store_url
+from ckpt_lesson.runs.layout import ScanResult
 from ckpt_lesson.runs.lightning_files import LIGHTNING_SUFFIX, is_lightning_temp_file, newness
-from ckpt_lesson.runs.scan import ScanResult, scan_checkpoints
-from ckpt_lesson.runs.store_scan import scan_store
+from ckpt_lesson.runs.scan import scan_checkpoints
 
 # ---------------------------------------------------------------- CLI: python -m ckpt_lesson scan
 
@@ -32,10 +31,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the scan; exit 0 when every save is ok, 1 otherwise."""
-    if is_store_url(args.run_dir):
-        results = scan_store(args.run_dir)  # credentials and endpoint from the AWS_* environment
-    else:
-        results = scan_checkpoints(args.run_dir)
+    results = scan_checkpoints(args.run_dir)  # a URL's credentials and endpoint from the AWS_* environment
     if not results:
         # "0 saves, exit 0" would read as "all good" for a typo'd path or the parent of run folders.
         raise CheckpointError(

@@ -41,13 +41,12 @@ from ckpt_lesson.files.storage import is_store_url, open_storage
 from ckpt_lesson.runs.async_save import AsyncCheckpointer
 from ckpt_lesson.runs.contract import config_fingerprint as _contract_config_fingerprint
 from ckpt_lesson.runs.contract import model_fingerprint
+from ckpt_lesson.runs.layout import step_of
 from ckpt_lesson.runs.manager import CheckpointManager
 from ckpt_lesson.runs.manager_config import EventHook
 from ckpt_lesson.runs.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
 from ckpt_lesson.runs.report import RecoveryRecorder
-from ckpt_lesson.runs.scan import step_of
 from ckpt_lesson.runs.store_commit import committed_steps
-from ckpt_lesson.runs.store_report import StoreRecoveryRecorder
 
 __all__ = ["DEFAULT_EVERY_STEPS", "RESUME_MODES", "run_managed_training"]
 
@@ -180,7 +179,7 @@ def run_managed_training(
         "model_fingerprint": model_fingerprint(model),
     }
     recorder = (
-        StoreRecoveryRecorder(run_dir, recorder_dir)
+        RecoveryRecorder(recorder_dir, store=run_dir)
         if isinstance(run_dir, str)
         else RecoveryRecorder(run_dir)
     )  # reads the crashed process's last heartbeat first

@@ -43,7 +43,7 @@ from ckpt_lesson.errors import (
 )
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.rng import restore_rng_state
-from ckpt_lesson.runs.scan import step_dir_name
+from ckpt_lesson.runs.layout import step_dir_name
 from ckpt_lesson.short_repr import short_repr
 
 from .comm import Comm, quiet_single_process, raise_from_checkpoint_exception

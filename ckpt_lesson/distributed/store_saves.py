@@ -19,7 +19,7 @@ conditional creates that really refuse a second writer (S3 since August 2024;
 see :mod:`ckpt_lesson.files.storage_fsspec`).
 
 Each restore that found a save is also recorded, by rank 0, in the bucket's
-``recovery.jsonl`` (:class:`~ckpt_lesson.runs.store_report.StoreRecoveryRecorder`,
+``recovery.jsonl`` (:class:`~ckpt_lesson.runs.report.StoreRecoveryRecorder`,
 as the single-process training loop does), once the first step after it is
 done; ``python -m ckpt_lesson report URL`` summarises them.
 """
@@ -43,8 +43,9 @@ from ckpt_lesson.errors import (
     LoadEnvironmentError,
 )
 from ckpt_lesson.files.storage import Storage, open_storage
+from ckpt_lesson.runs.layout import MANIFEST_NAME, step_dir_name
+from ckpt_lesson.runs.report import StoreRecoveryRecorder
 from ckpt_lesson.runs.retention import RetentionPolicy
-from ckpt_lesson.runs.scan import MANIFEST_NAME, step_dir_name
 from ckpt_lesson.runs.store_commit import (
     COMMIT_NAME,
     apply_store_retention,
@@ -54,7 +55,6 @@ from ckpt_lesson.runs.store_commit import (
     read_commit,
 )
 from ckpt_lesson.runs.store_lease import LeaseRenewer
-from ckpt_lesson.runs.store_report import StoreRecoveryRecorder
 
 from .reader import StoreSave
 from .restore import DistributedRestore, Saves

@@ -21,11 +21,11 @@ from ckpt_lesson.errors import (
     LoadEnvironmentError,
     UnsafeCheckpointError,
 )
+from ckpt_lesson.files.hashing import hash_bytes
 from ckpt_lesson.files.safe_read import read_regular_file
 from ckpt_lesson.files.storage import Storage
-from ckpt_lesson.files.hashing import hash_bytes
 from ckpt_lesson.runs.dcp_manifest import METADATA_FILE, check_dcp_part, read_dcp_manifest
-from ckpt_lesson.runs.scan import step_dir_name
+from ckpt_lesson.runs.layout import step_dir_name
 from ckpt_lesson.runs.store_restore import read_committed_manifest
 
 from .comm import Comm

@@ -64,8 +64,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckpt_lesson.errors import CheckpointError, IncompleteCheckpointError
-from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.hashing import DEFAULT_ALGO, new_hasher
+from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.runs.dcp_manifest import METADATA_FILE, build_manifest
 
 __all__ = [

@@ -31,7 +31,7 @@ from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.storage import is_store_url
 from ckpt_lesson.runs.dcp_marker import COMMIT_MARKER, MARKER_LOCK
-from ckpt_lesson.runs.store_scan import scan_store
+from ckpt_lesson.runs.scan import scan_checkpoints
 
 __all__ = [
     "SAVE_STEPS",
@@ -237,7 +237,7 @@ def _staging(run: Path | str) -> list[str]:
     """Unpublished folders: staging folders, marker-mode folders without their marker, uploads no
     ``COMMIT`` names in a bucket (``scan``'s rows for them)."""
     if isinstance(run, str):
-        return [r.path.name for r in scan_store(run) if r.path.name.startswith(".uncommitted-")]
+        return [r.path.name for r in scan_checkpoints(run) if r.path.name.startswith(".uncommitted-")]
     unmarked = [
         p for p in run.glob("step-*") if (p / MARKER_LOCK).exists() and not (p / COMMIT_MARKER).exists()
     ]

@@ -34,11 +34,11 @@ from ckpt_lesson.faults.harness import _arm, _suicide
 from ckpt_lesson.faults.kill_plan import KillPlan
 from ckpt_lesson.files.checkpoint import load_verified_file
 from ckpt_lesson.files.storage import open_storage
-from ckpt_lesson.runs.scan import MANIFEST_NAME, step_dir_name
+from ckpt_lesson.runs.layout import MANIFEST_NAME, step_dir_name
+from ckpt_lesson.runs.report import read_recovery_log
+from ckpt_lesson.runs.scan import scan_checkpoints
 from ckpt_lesson.runs.store_commit import COMMIT_NAME, LEASE_NAME, read_commit
-from ckpt_lesson.runs.store_report import read_store_recovery_log
 from ckpt_lesson.runs.store_restore import fetch_verified
-from ckpt_lesson.runs.store_scan import scan_store
 
 __all__ = ["StoreTarget"]
 
@@ -161,11 +161,11 @@ class StoreTarget:
 
     def incomplete_found(self) -> int:
         """Rows ``scan`` calls incomplete now (uploads no marker names, saves with a part missing)."""
-        return sum(1 for r in scan_store(self.url) if r.status == "incomplete")
+        return sum(1 for r in scan_checkpoints(self.url) if r.status == "incomplete")
 
     def recoveries(self) -> list[dict[str, Any]]:
         """The run's recovery log, kept in the bucket (``recovery.jsonl``)."""
-        return read_store_recovery_log(self.url)
+        return read_recovery_log(self.url)
 
     def remove(self) -> None:
         """Delete every object of the run's prefix and abort its unfinished uploads."""

@@ -15,7 +15,8 @@ from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.safe_read import parse_json_text
 from ckpt_lesson.files.storage import open_storage
 from ckpt_lesson.resume_test.watch import MANAGER, FolderWatcher, SaveBurst
-from ckpt_lesson.runs.scan import published_steps, read_manifest, scan_checkpoints, step_dir_name
+from ckpt_lesson.runs.layout import published_steps, read_manifest, step_dir_name
+from ckpt_lesson.runs.scan import scan_checkpoints
 from ckpt_lesson.runs.store_commit import committed_steps, read_commit
 
 __all__ = ["damage_after_kill", "newest_save", "newest_store_save"]

@@ -41,7 +41,7 @@ from typing import Any
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.storage import is_store_url, open_storage
 from ckpt_lesson.resume_test.image import install_image
-from ckpt_lesson.runs.scan import published_steps
+from ckpt_lesson.runs.layout import published_steps
 from ckpt_lesson.runs.store_commit import committed_steps
 
 __all__ = [

@@ -39,7 +39,7 @@ from pathlib import Path
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.atomic import fsync_dir
 from ckpt_lesson.files.side_files import open_beside, open_existing_lock
-from ckpt_lesson.runs.scan import STAGING_PREFIX, inspect_save, step_of
+from ckpt_lesson.runs.layout import STAGING_PREFIX, inspect_save, step_of
 
 __all__ = [
     "DELETING_PREFIX",

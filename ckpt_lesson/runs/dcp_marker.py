@@ -43,7 +43,6 @@ __all__ = [
     "MARKER_SCHEMA",
     "PUBLISH_MODES",
     "check_commit_marker",
-    "clean_unmarked",
     "lock_is_free",
     "open_marker_folder",
     "write_commit_marker",
@@ -163,13 +162,6 @@ def open_marker_folder(final: Path) -> Iterator[Path]:
             except OSError:
                 pass
         os.close(fd)  # releases the flock
-
-
-def clean_unmarked(run_dir: Path) -> list[str]:
-    """See :func:`ckpt_lesson.runs.marker_cleanup.clean_unmarked` (kept here for old imports)."""
-    from ckpt_lesson.runs.marker_cleanup import clean_unmarked as clean  # it imports this module
-
-    return clean(run_dir)
 
 
 def lock_is_free(path: Path) -> bool:

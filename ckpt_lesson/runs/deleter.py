@@ -35,9 +35,9 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 
+from ckpt_lesson.runs.layout import inspect_save, step_dir_name
 from ckpt_lesson.runs.retention import RetentionPolicy
 from ckpt_lesson.runs.reverify import Emit, KnownGood, retention_pass
-from ckpt_lesson.runs.scan import inspect_save, step_dir_name
 
 __all__ = ["BackgroundRetention"]
 

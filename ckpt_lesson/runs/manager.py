@@ -24,9 +24,13 @@ owner dies, even by ``SIGKILL``, so "can I take the lock?" is an exact test of
 "is the writer dead?". A pid can be reused; a lock cannot lie. One writer per
 run directory (readers, scans and restores may be many).
 
+A URL (``s3://bucket/prefix``) gives the same manager over an object store: each save is
+made this way in a local cache folder, then uploaded and committed by a conditional marker
+under a lease (:class:`~ckpt_lesson.runs.store_run.StoreRun`, held as ``self.store``).
+
 This class reads as the protocol; each step is a small function elsewhere: folder moves in
 :mod:`~ckpt_lesson.runs.commit`, parts in :mod:`~ckpt_lesson.runs.save_parts`, settings in
-:mod:`~ckpt_lesson.runs.manager_config`, restore checks in :mod:`~ckpt_lesson.runs.restore`.
+:mod:`~ckpt_lesson.runs.manager_config`, listing and restoring in :mod:`~ckpt_lesson.runs.manager_restore`.
 """
 
 from __future__ import annotations
@@ -39,35 +43,35 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.apply import Restored
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.files.payload import build_state_payload
-from ckpt_lesson.files.storage import is_store_url
+from ckpt_lesson.files.storage import Storage, is_store_url
+from ckpt_lesson.files.storage_transfer import DEFAULT_TIMEOUT
 from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale, open_staging, publish
 from ckpt_lesson.runs.contract import ENV_POLICIES
 from ckpt_lesson.runs.deleter import BackgroundRetention
+from ckpt_lesson.runs.layout import step_dir_name
 from ckpt_lesson.runs.loop_api import LoopMethods, default_run_dir
 from ckpt_lesson.runs.manager_config import EventHook, ManagerConfig
-from ckpt_lesson.runs.restore import check_resume_contract, restore_newest
-from ckpt_lesson.runs.restore_state import loader_for
+from ckpt_lesson.runs.manager_restore import RestoreMethods
 from ckpt_lesson.runs.retention import RetentionPolicy
 from ckpt_lesson.runs.save_parts import refuse_if_already_saved, stage_payload_save, stage_save
-from ckpt_lesson.runs.save_source import Candidates, SaveSource, folder_candidates
-from ckpt_lesson.runs.scan import MANIFEST_NAME, ScanResult, inspect_save, published_steps, step_dir_name
 from ckpt_lesson.runs.state_args import is_state_call, positional_save_args
+from ckpt_lesson.runs.store_run import DEFAULT_LEASE_SECONDS, StoreRun
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "StoreCheckpointManager"]
 
 log = logging.getLogger(__name__)
 
 
-class CheckpointManager(LoopMethods):
-    """Save, purge, scan and restore the checkpoints of one run directory.
+class CheckpointManager(RestoreMethods, LoopMethods):
+    """Save, purge, scan and restore the checkpoints of one run, in a folder or an object store.
 
     Args:
-        run_dir: The run's folder (created if missing). Default: ``$CKPT_LESSON_CKPT_DIR``
-            when set (``resume-test`` sets it), else ``checkpoints``.
+        run_dir: The run's folder (created if missing), or its prefix in an object store
+            (``s3://bucket/runs/exp1``; also ``gs://``, ``az://``). Default:
+            ``$CKPT_LESSON_CKPT_DIR`` when set (``resume-test`` sets it), else ``checkpoints``.
         keep_last: How many verified saves retention keeps.
         every_steps: Cadence for :meth:`should_save`: every this many steps.
         every_seconds: Cadence for :meth:`should_save`: this many seconds after the last save
@@ -91,9 +95,24 @@ class CheckpointManager(LoopMethods):
             :mod:`ckpt_lesson.runs.contract`). The environment is always compared.
         env_policy: ``"refuse"`` (default), ``"warn"`` or ``"allow"`` an
             environment change on resume; data/model/config changes are always refused.
+        storage_options: (store) fsspec options; ``None`` reads credentials and endpoint
+            from the environment (``AWS_ENDPOINT_URL``, ...).
+        cache_dir: (store) Local scratch folder where each save is staged before its upload
+            (and a sharded save is downloaded for its restore). By default a fresh
+            ``ckpt-lesson-cache-*`` folder in ``$TMPDIR``, removed by :meth:`close` or at exit,
+            reclaimed by a later manager if this process is killed; a folder passed is never removed.
+        lease_seconds: (store) How long this writer's uploads count as alive after its
+            last sign of life; a dead writer's leftovers go after that.
+        read_only: (store) Refuse every save. Without it a manager writes nothing either until
+            its first save (the conditional-write probe and the cleanup of dead writers' uploads
+            run then), so read-only credentials can restore, scan and list.
+        timeout: (store) Seconds any one store request may wait (default 300): a store that goes
+            silent is a one-line ``LoadEnvironmentError`` naming the bucket and what waited.
 
     Raises:
-        CheckpointError: Invalid settings, or ``run_dir`` is a file.
+        CheckpointError: Invalid settings, ``run_dir`` is a file, a store option given for a
+            folder, or the store client is missing (``pip install ckpt_lesson[s3]``).
+        LoadEnvironmentError: The bucket cannot be reached (or does not exist).
 
     Example:
         >>> with CheckpointManager("runs/a", keep_last=2, every_steps=50) as mgr:  # doctest: +SKIP
@@ -102,14 +121,6 @@ class CheckpointManager(LoopMethods):
         ...         train_one_step(model, opt)
         ...         mgr.save_if_due(step, state)
     """
-
-    def __new__(cls, run_dir: Any = None, *args: Any, **kwargs: Any) -> CheckpointManager:
-        # A URL (s3://bucket/prefix): same API, plus an object store's commit (runs/store_manager.py).
-        if cls is CheckpointManager and is_store_url(default_run_dir(run_dir)):
-            from ckpt_lesson.runs.store_manager import StoreCheckpointManager
-
-            return super().__new__(StoreCheckpointManager)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -131,6 +142,11 @@ class CheckpointManager(LoopMethods):
         zip_crc32: bool = False,
         scrub_bytes_per_s: float | None = None,
         background_retention: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        read_only: bool = False,
+        timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         if env_policy not in ENV_POLICIES:
             raise CheckpointError(f"env_policy must be one of {ENV_POLICIES}, got {env_policy!r}.")
@@ -151,11 +167,28 @@ class CheckpointManager(LoopMethods):
             scrub_bytes_per_s=scrub_bytes_per_s,
             background_retention=background_retention,
         )
-        self.run_dir = Path(default_run_dir(run_dir))
+        self.on_event = on_event
+        location = default_run_dir(run_dir)
+        #: The object-store side of this run (``None`` for a folder): where saves are committed.
+        self.store: StoreRun | None = None
+        if is_store_url(location):
+            self.store = StoreRun(
+                str(location), storage_options, cache_dir, lease_seconds, read_only, timeout, self._emit
+            )
+            location = self.store.cache
+        else:
+            given = {"storage_options": storage_options, "cache_dir": cache_dir, "read_only": read_only}
+            wrong = [k for k, v in given.items() if v] + (["timeout"] if timeout != DEFAULT_TIMEOUT else [])
+            if wrong or lease_seconds != DEFAULT_LEASE_SECONDS:
+                raise CheckpointError(
+                    f"{location}: {', '.join(wrong) or 'lease_seconds'} only apply to an object store "
+                    "(s3://bucket/prefix); leave them out for a folder."
+                )
+        #: The run's folder (for a store: the local cache each save is staged in).
+        self.run_dir = Path(location)
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise CheckpointError(f"{self.run_dir}: exists and is not a directory; pass a run directory.")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.on_event = on_event
         self._cadence = SaveCadence(every_steps, every_seconds, clock=clock)
         # Retention's worker owns what is known to verify (written+checked here, or verified by a
         # scan/restore); everything below that reads or changes it waits for the worker first.
@@ -182,12 +215,24 @@ class CheckpointManager(LoopMethods):
 
     def __repr__(self) -> str:
         c = self.config
-        return f"CheckpointManager({str(self.run_dir)!r}, keep_last={c.keep_last}, layout={c.layout!r})"
+        return f"CheckpointManager({self.url!r}, keep_last={c.keep_last}, layout={c.layout!r})"
+
+    @property
+    def url(self) -> str:
+        """Where the run lives: its folder, or its object-store prefix."""
+        return self.store.url if self.store is not None else str(self.run_dir)
+
+    @property
+    def storage(self) -> Storage | None:
+        """The object store's backend (``None`` for a folder)."""
+        return self.store.storage if self.store is not None else None
 
     def close(self) -> None:
-        """Wait for the retention pass in flight, then stop accepting saves."""
+        """Wait for the retention pass in flight, stop accepting saves, remove a store's default cache."""
         self._retention.wait()
         self._closed = True
+        if self.store is not None:
+            self.store.close()
 
     def wait_retention(self) -> list[int]:
         """Wait until the background retention pass (if any) is done; returns every step deleted so far.
@@ -220,36 +265,9 @@ class CheckpointManager(LoopMethods):
         """True when the cadence says the state after ``step`` steps is due for a save."""
         return self._cadence.should_save(step)
 
-    # ------------------------------------------------------------------ discovery
-
-    def _published(self) -> list[int]:
-        return published_steps(self.run_dir)
-
-    def all_steps(self) -> list[int]:
-        """Published steps that have a manifest, ascending. Nothing is hashed."""
-        self._retention.wait()
-        return [s for s in self._published() if (self.step_dir(s) / MANIFEST_NAME).is_file()]
-
-    def verify_step(self, step: int) -> ScanResult:
-        """Hash every part of one save against its manifest; updates the known-good set."""
-        self._retention.wait()
-        result, _ = inspect_save(self.step_dir(step))
-        if result.ok:
-            self._retention.known.mark_hashed(step)
-        else:
-            self._retention.known.forget([step])
-        return result
-
-    def latest_step(self) -> int | None:
-        """The newest step whose save verifies (hashing newest first), or ``None``."""
-        for step in reversed(self._published()):
-            if self.verify_step(step).ok:
-                return step
-        return None
-
     # ------------------------------------------------------------------ save
 
-    def save(self, *args: Any, extras: dict[str, Any] | None = None, rng: Any = None) -> Path:
+    def save(self, *args: Any, extras: dict[str, Any] | None = None, rng: Any = None) -> Any:
         """Save the training state at a step with the commit protocol, then apply retention.
 
         Two forms:
@@ -260,12 +278,14 @@ class CheckpointManager(LoopMethods):
         * ``save(model, optimizer, scheduler, train_state, *, extras=None, rng=None)``: positional.
 
         Returns:
-            The published ``step-XXXXXXXX`` folder.
+            The published ``step-XXXXXXXX`` folder; for a store, the committed save's URL.
 
         Raises:
             CheckpointError: The manager is closed, a part or value is refused (named, before
                 anything is written), a good save of this step exists, or ``verify_on_save``
-                found the written bytes differ (nothing is published then).
+                found the written bytes differ (nothing is published then). For a store also:
+                ``read_only``, or the lease ran out before the commit (nothing is committed).
+            CommitConflictError: Another writer committed this step to the store first.
 
         Example:
             >>> mgr.save(240, {"model": model, "optimizer": opt, "best": 0.31}).name  # doctest: +SKIP
@@ -283,17 +303,19 @@ class CheckpointManager(LoopMethods):
             staging, self.config, model, optimizer, scheduler, state, extras=extras, rng=rng, emit=self._emit
         ))  # fmt: skip
 
-    def save_payload(self, payload: dict[str, Any]) -> Path:
+    def save_payload(self, payload: dict[str, Any]) -> Any:
         """Commit a payload from ``build_state_payload`` (or an asynchronous snapshot of one)."""
         return self._save_payload(payload)
 
-    def _save_payload(self, payload: dict[str, Any]) -> Path:
+    def _save_payload(self, payload: dict[str, Any]) -> Any:
         self.check_open()
         return self._commit(payload["step"], lambda staging: stage_payload_save(
             staging, self.config, payload, emit=self._emit
         ))  # fmt: skip
 
-    def _commit(self, step: int, stage: Callable[[Path], dict[str, Any]]) -> Path:
+    def _commit(self, step: int, stage: Callable[[Path], dict[str, Any]]) -> Any:
+        if self.store is not None:
+            self.store.open_for_writing()  # refuse a reader; at the first save prove the marker fences
         refuse_if_already_saved(self.step_dir(step), step)
         started = time.perf_counter()
         # Ctrl-C or an error anywhere in this block: open_staging removes the staging folder
@@ -315,7 +337,12 @@ class CheckpointManager(LoopMethods):
         # Retention (and the cleanup of stale folders) runs behind, off this thread; this call
         # waits only if the previous pass is still running (see runs/deleter.py).
         self._retention.submit(step, checked=self.config.verify_on_save is not False)
-        return final
+        if self.store is None:
+            return final
+        # A store: the local save is scratch; upload and commit it, then retention runs on the store.
+        url = self.store.upload(final, step, algo=self.config.hash_algo, policy=self.config.policy)
+        self.last_save["path"] = url
+        return url
 
     # ------------------------------------------------------------------ retention and cleanup
 
@@ -337,63 +364,10 @@ class CheckpointManager(LoopMethods):
         ``spare_own`` leaves this process's staging folders alone (the background pass, which may
         run while a save of this process is starting).
         """
-        return clean_stale(self.run_dir, spare_pid=os.getpid() if spare_own else None)
+        local = clean_stale(self.run_dir, spare_pid=os.getpid() if spare_own else None)
+        # A store's uploads whose writer's lease expired, once this manager has saved.
+        return local + self.store.clean_stale() if self.store is not None else local
 
-    # ------------------------------------------------------------------ restore
 
-    def restore_latest(
-        self, *args: Any, strict: bool = True, map_location: Any = "cpu", mmap: bool = True
-    ) -> Any:
-        """Restore the newest save that verifies; skip (and log) damaged newer ones.
-
-        Two forms:
-
-        * ``restore_latest(state, *, strict=True)``: the state API; objects restored in place,
-          the RNG too, a :class:`~ckpt_lesson.files.apply.Restored` returned.
-          ``strict=False`` ignores parts present on one side only.
-        * ``restore_latest(model, optimizer, scheduler)``: returns the :class:`TrainState`.
-
-        Either way a file is read once, into a sealed private copy that is verified and loaded
-        (``mmap=True`` maps the copy, ``mmap=False`` reads it); its changes after the hash do not count.
-
-        Returns:
-            The result above, or ``None`` when the run directory holds no save at all (a fresh start).
-
-        Raises:
-            CheckpointError: Saves exist but none is usable (each reason listed); errors that
-                are not damage (a state that does not fit, an unsafe file) are raised at once.
-
-        Example:
-            >>> restored = mgr.restore_latest({"model": model, "best": None})  # doctest: +SKIP
-            >>> start = restored.step + 1 if restored else 1  # doctest: +SKIP
-        """
-        self.check_open()
-        self._retention.wait()
-        self._contract = None
-        self.last_restore = {}
-        load = loader_for(
-            args, strict=strict, map_location=map_location, mmap=mmap, check_contract=self._check_contract
-        )
-        found = restore_newest(self._restore_candidates(), load, record=self.last_restore)
-        self._retention.known.forget([s["step"] for s in self.last_restore["skipped"]])
-        if found is None:
-            return None
-        step, result = found
-        self._retention.known.mark_hashed(step)
-        self._cadence.mark_saved(step)
-        contract = self._contract
-        self.last_restore["contract"] = contract[0].to_dict() if contract else None
-        self.last_restore["contract_warnings"] = contract[1] if contract else []
-        if isinstance(result, Restored):
-            result.skipped = list(self.last_restore["skipped"])
-        return result
-
-    def _restore_candidates(self) -> Candidates:
-        """The saves :meth:`restore_latest` may choose from: the run directory's published ones."""
-        return folder_candidates(self.run_dir, self._published())._replace(relist=self._published)
-
-    def _check_contract(self, target: SaveSource, manifest: dict[str, Any]) -> None:
-        """Refuse a save this run must not resume (see ``restore.check_resume_contract``)."""
-        self._contract = check_resume_contract(
-            target, manifest, expect=self.expect, env_policy=self.env_policy, emit=self._emit
-        )
+#: The name of the object-store manager before there was one manager: the same class.
+StoreCheckpointManager = CheckpointManager

@@ -16,7 +16,15 @@
 * the **age of the last good save** at restore time, and the **code version**
   (``git rev-parse HEAD`` of the package's checkout, or ``null``).
 
-``python -m ckpt_lesson report RUN_DIR [--json]`` summarises the log.
+For a run in a bucket the local folder is scratch that dies with the machine,
+so the log lives in the bucket too: it is fetched when a recorder starts and put
+back whole each time a record is added (``RecoveryRecorder(folder, store=URL)``),
+and :func:`read_recovery_log` of the URL reads it from there. The per-step
+heartbeat stays local: on a new machine it is gone, and the record says "steps
+redone: unknown" rather than guessing.
+
+``python -m ckpt_lesson report RUN_DIR_OR_URL [--json]`` summarises the log
+(:mod:`~ckpt_lesson.runs.recovery_summary`).
 """
 
 from __future__ import annotations
@@ -25,23 +33,25 @@ import json
 import logging
 import math
 import os
-import statistics
 import subprocess
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
-from ckpt_lesson.files.safe_read import parse_json_text, read_json_file, read_regular_file
+from ckpt_lesson.files.safe_read import MAX_RECORD_BYTES, parse_json_text, read_json_file, read_regular_file
 from ckpt_lesson.files.side_files import append_beside, replace_beside
+from ckpt_lesson.files.storage import Storage, is_store_url, open_storage
+from ckpt_lesson.runs.recovery_summary import RecoverySummary, summarize_recoveries
 
 __all__ = [
     "PROGRESS_NAME",
     "RECOVERY_LOG",
     "RecoveryRecorder",
     "RecoverySummary",
+    "StoreRecoveryRecorder",
     "append_recovery_record",
     "build_recovery_record",
     "code_version",
@@ -182,19 +192,56 @@ def append_recovery_record(run_dir: str | os.PathLike[str], record: dict[str, An
     append_beside(Path(run_dir) / RECOVERY_LOG, line.encode("utf-8"))
 
 
-def read_recovery_log(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+def _fetch_log(storage: Storage, folder: Path) -> bool:
+    """Copy the store's ``recovery.jsonl`` into ``folder``; False when the store holds none."""
+    try:
+        data = storage.read_bytes(RECOVERY_LOG, limit=MAX_RECORD_BYTES)
+    except FileNotFoundError:
+        return False
+    (folder / RECOVERY_LOG).write_bytes(data)
+    return True
+
+
+def read_recovery_log(
+    run_dir: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """Every complete record of ``recovery.jsonl``; a torn last line (a crash mid-append) is ignored.
 
+    Args:
+        run_dir: A run directory, or a run's URL (``s3://bucket/runs/exp1``): then the log kept in the store.
+        storage_options: fsspec options for a URL (``None``: credentials from the environment).
+
     Raises:
-        CheckpointError: ``run_dir`` is not a directory.
+        CheckpointError: ``run_dir`` is not a directory, or nothing at all lies under the URL.
+        LoadEnvironmentError: The bucket is missing or cannot be reached.
+        CorruptCheckpointError: The log holds no record at all, only damaged lines.
     """
+    if is_store_url(run_dir):
+        storage = open_storage(str(run_dir), storage_options)
+        try:
+            raw = storage.read_bytes(RECOVERY_LOG, limit=MAX_RECORD_BYTES)
+        except FileNotFoundError:
+            if storage.list_keys():
+                return []
+            # "no restores recorded", exit 0, would read as "all fine" for a typo'd bucket or prefix;
+            # list_keys names a missing bucket itself, an empty prefix is refused here, as scan does.
+            raise CheckpointError(
+                f"{run_dir}: no run found (no saves, no {RECOVERY_LOG}); pass the prefix a manager "
+                "saved to, e.g. s3://BUCKET/runs/exp1 ('python -m ckpt_lesson scan URL' lists its saves)."
+            ) from None
+        return _parse_log(raw, storage.where(RECOVERY_LOG))
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise CheckpointError(f"{run_dir}: not a run directory; pass the folder that holds step-* saves.")
     path = run_dir / RECOVERY_LOG
     if not path.exists() and not path.is_symlink():
         return []
-    raw = read_regular_file(path, what="recovery log")  # regular, size-capped: see files/safe_read.py
+    # Regular, size-capped: see files/safe_read.py.
+    return _parse_log(read_regular_file(path, what="recovery log"), str(path))
+
+
+def _parse_log(raw: bytes, where: str) -> list[dict[str, Any]]:
+    """The records of a log's bytes (``where`` names it in messages); see :func:`read_recovery_log`."""
     lines = raw.split(b"\n")
     torn_tail = not raw.endswith(b"\n")  # a crash mid-append leaves a last line without its newline
     if lines and not lines[-1].strip():
@@ -202,7 +249,7 @@ def read_recovery_log(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     records, bad = [], 0
     for i, line in enumerate(lines):
         try:
-            rec = parse_json_text(line, where=f"{path.name} line {i + 1}")
+            rec = parse_json_text(line, where=f"{RECOVERY_LOG} line {i + 1}")
         except CheckpointError:
             if i < len(lines) - 1 or not torn_tail:  # only an unterminated last line may be torn
                 bad += 1
@@ -213,11 +260,11 @@ def read_recovery_log(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
             bad += 1
     if bad and not records:
         raise CorruptCheckpointError(
-            f"{path}: {bad} line(s) and none is a recovery record (not JSON, or wrongly typed fields); "
+            f"{where}: {bad} line(s) and none is a recovery record (not JSON, or wrongly typed fields); "
             "the log is damaged or not ours. Move it aside; new restores start a fresh log."
         )
     if bad:
-        log.warning("%s: ignored %d damaged line(s)", path, bad)
+        log.warning("%s: ignored %d damaged line(s)", where, bad)
     return records
 
 
@@ -237,59 +284,15 @@ def _is_record(rec: Any) -> bool:
     return True
 
 
-@dataclass(frozen=True)
-class RecoverySummary:
-    """Totals over a run's recovery log."""
-
-    restores: int
-    fallbacks: int
-    incomplete_saves: int
-    corrupt_saves: int
-    steps_redone_total: int | None
-    steps_redone_max: int | None
-    recovery_seconds_median: float | None
-    recovery_seconds_max: float | None
-    save_age_seconds_max: float | None
-
-    def format(self) -> str:
-        def num(x: float | None, unit: str = "") -> str:
-            return "unknown" if x is None else f"{x:.2f}{unit}" if isinstance(x, float) else f"{x}{unit}"
-
-        med = num(self.recovery_seconds_median, " s")
-        rows = [
-            ("restores", str(self.restores)),
-            ("fallbacks", f"{self.fallbacks} (a newer save was skipped)"),
-            ("incomplete saves", str(self.incomplete_saves)),
-            ("corrupt saves", str(self.corrupt_saves)),
-            ("steps redone", f"{num(self.steps_redone_total)} total, {num(self.steps_redone_max)} max"),
-            ("recovery time", f"median {med}, max {num(self.recovery_seconds_max, ' s')}"),
-            ("last good save age", f"max {num(self.save_age_seconds_max, ' s')}"),
-        ]
-        return "\n".join(f"{k:<20}{v}" for k, v in rows)
-
-
-def summarize_recoveries(records: list[dict[str, Any]]) -> RecoverySummary:
-    """Totals, medians and maxima over recovery records (unknown values are left out)."""
-
-    def known(key: str) -> list[Any]:
-        return [r[key] for r in records if r.get(key) is not None]
-
-    redone, secs, ages = known("steps_redone"), known("recovery_seconds"), known("last_good_save_age_seconds")
-    return RecoverySummary(
-        restores=len(records),
-        fallbacks=sum(1 for r in records if r.get("fallback")),
-        incomplete_saves=sum(int(r.get("incomplete_saves") or 0) for r in records),
-        corrupt_saves=sum(int(r.get("corrupt_saves") or 0) for r in records),
-        steps_redone_total=sum(redone) if redone else None,
-        steps_redone_max=max(redone) if redone else None,
-        recovery_seconds_median=float(statistics.median(secs)) if secs else None,
-        recovery_seconds_max=float(max(secs)) if secs else None,
-        save_age_seconds_max=float(max(ages)) if ages else None,
-    )
-
-
 class RecoveryRecorder:
     """Glue for a training loop: heartbeat every step, one record after the first resumed step.
+
+    Args:
+        run_dir: The folder of the heartbeat and the log (for a run in a store: a local scratch folder).
+        started_at: When the process started (default :func:`process_start_time`).
+        store: A run's URL whose ``recovery.jsonl`` the log is fetched from now and put back to
+            after each record (the single-process loop and rank 0 of a multi-rank manager on a store).
+        storage_options: fsspec options for ``store`` (``None``: credentials from the environment).
 
     Example:
         >>> rec = RecoveryRecorder(run_dir)                 # doctest: +SKIP
@@ -298,8 +301,18 @@ class RecoveryRecorder:
         >>> # in after_step: rec.step_done(state.step)
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str], *, started_at: float | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        started_at: float | None = None,
+        store: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
         self.run_dir = Path(run_dir)
+        self.storage = None if store is None else open_storage(store, storage_options)
+        if self.storage is not None:
+            _fetch_log(self.storage, self.run_dir)
         self.started_at = process_start_time() if started_at is None else started_at
         # Read before this process overwrites it: the crashed process's last step.
         self.last_executed_step = read_progress(self.run_dir)
@@ -332,4 +345,11 @@ class RecoveryRecorder:
             # planted at its name, a full disk): say so once and keep going.
             log.warning("could not append to %s (%s); this restore is not in the report", RECOVERY_LOG, exc)
         self._pending = None
+        if self.storage is not None:
+            self.storage.put_bytes(RECOVERY_LOG, (self.run_dir / RECOVERY_LOG).read_bytes())
         return self.record
+
+
+def StoreRecoveryRecorder(url: str, folder: Path, **kwargs: Any) -> RecoveryRecorder:  # noqa: N802
+    """The name the store's recorder had: ``RecoveryRecorder(folder, store=url, **kwargs)``."""
+    return RecoveryRecorder(folder, store=url, **kwargs)

@@ -1,15 +1,17 @@
 """Loading one managed save: check everything that is cheap before anything that is not.
 
 :meth:`~ckpt_lesson.runs.manager.CheckpointManager.restore_latest` walks the saves
-newest first and hands each candidate folder to :func:`load_save`. The order of
-the checks inside is the lesson:
+newest first and hands each candidate to :func:`load_save`, whichever call form
+it was given: the state API's mapping of parts, or the positional
+``(model, optimizer, scheduler)``, which is the same load with the buckets seen as
+the parts ``model``, ``optimizer``, ``scheduler``. The order of the checks inside is the lesson:
 
 1. the manifest parses and names the right step (a few hundred bytes);
 2. the resume contract passes, from the manifest alone: same data, model,
    config and environment, every bucket covered (nothing loaded yet);
 3. every part exists with its recorded size (a ``stat`` each, no reading);
 4. every part hashes to its recorded digest, and only then is the payload
-   unpickled (safely, ``weights_only``) and applied.
+   unpickled (safely, ``weights_only``), its step checked, and applied.
 
 A save is a local folder, or (a restore from an object store) a save whose
 parts were verified into memory as they downloaded; for those, steps 3 and 4's
@@ -17,7 +19,7 @@ hashing is already done and only the weights-only load remains
 (:mod:`ckpt_lesson.runs.save_source`).
 
 Damage (``CorruptCheckpointError``, ``IncompleteCheckpointError``) makes the
-manager try the next older save. Anything else (a contract that does not match,
+manager try the next save. Anything else (a contract that does not match,
 a model that does not fit, an unknown schema) is raised as it is: an older save
 of the same run would be refused the same way.
 """
@@ -25,24 +27,25 @@ of the same run would be refused the same way.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
-from ckpt_lesson.errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    StateMismatchError,
+from ckpt_lesson.errors import CorruptCheckpointError, StateMismatchError
+from ckpt_lesson.files.apply import apply_state_payload, parts_view
+from ckpt_lesson.files.checkpoint import (
+    BUCKETS,
+    TrainState,
+    apply_payload,
+    read_checkpoint,
+    read_state_payload,
 )
-from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, apply_payload, read_checkpoint
 from ckpt_lesson.files.integrity import part_digest
 from ckpt_lesson.files.payload import PARTS_SCHEMA
 from ckpt_lesson.files.schema import current_env
 from ckpt_lesson.files.sharded import load_sharded_checkpoint
 from ckpt_lesson.runs.contract import ResumeReport, check_contract, resume_report
 from ckpt_lesson.runs.save_source import (
-    Candidates,
     SaveSource,
     check_parts_present,
     source_folder,
@@ -50,15 +53,13 @@ from ckpt_lesson.runs.save_source import (
     source_part,
     verify_other_parts,
 )
-from ckpt_lesson.runs.scan import step_dir_name
+from ckpt_lesson.runs.state_args import check_state_mapping, positional_restore_args
 
 __all__ = [
     "check_parts_present",  # from save_source, where they learned to pass a save in memory
     "check_resume_contract",
-    "load_newest_good",
-    "load_positional",
     "load_save",
-    "restore_newest",
+    "loader_for",
     "verify_other_parts",
 ]
 
@@ -67,26 +68,29 @@ log = logging.getLogger("ckpt_lesson.runs.manager")
 
 #: ``check(target, manifest)``: raises when the save must not be resumed; see :func:`check_resume_contract`.
 ContractCheck = Callable[[SaveSource, dict[str, Any]], None]
+#: Where a save is restored to: the state API's ``{name: part}`` mapping, or ``(model, optimizer, scheduler)``
+Into = Mapping[str, Any] | tuple[Any, Any, Any]
 
 
 def load_save(
     target: SaveSource,
     step: int,
-    model: Any,
-    optimizer: Any,
-    scheduler: Any,
+    into: Into,
     *,
-    map_location: Any,
+    strict: bool = True,
+    map_location: Any = "cpu",
     check_contract: ContractCheck,
     mmap: bool = True,
-) -> tuple[dict[str, Any], TrainState]:
+) -> tuple[dict[str, Any], Any]:
     """Verify one published save and restore it into the live objects.
 
     Args:
         target: The ``step-XXXXXXXX`` folder, or a save verified into memory
             (:class:`~ckpt_lesson.runs.save_source.VerifiedSave`, its parts already hashed).
         step: The step its name promises; manifest and payload must agree.
-        model, optimizer, scheduler: Restored in place.
+        into: The live ``{name: part}`` mapping (state API), or ``(model, optimizer, scheduler)``;
+            objects are restored in place.
+        strict: State API: refuse parts present on one side only.
         map_location: As for ``torch.load``.
         check_contract: Called with ``(target, manifest)`` before any part is
             read; it raises to refuse the save.
@@ -95,67 +99,90 @@ def load_save(
             the file into memory, which no truncation by another process can disturb.
 
     Returns:
-        ``(manifest, state)``.
+        ``(manifest, result)``: a :class:`~ckpt_lesson.files.apply.Restored` for the
+        state API, the :class:`TrainState` for the positional form.
 
     Raises:
         IncompleteCheckpointError: A part is missing.
         CorruptCheckpointError: Wrong step, size or digest, or an unreadable part.
+        StateMismatchError: The save does not fit ``into`` (named by part), or was written
+            in a form this call cannot read (a state-API save restored positionally).
         CheckpointError: Whatever ``check_contract`` or the loaders raise.
 
     Example:
         >>> no_contract = lambda target, manifest: None
-        >>> manifest, state = load_save(  # doctest: +SKIP
-        ...     run / "step-00000240", 240, model, opt, sched, map_location="cpu", check_contract=no_contract)
+        >>> manifest, restored = load_save(  # doctest: +SKIP
+        ...     run / "step-00000240", 240, {"model": model}, check_contract=no_contract)
     """
+    positional = isinstance(into, tuple)
     manifest = source_manifest(target)
     if manifest["step"] != step:
         raise CorruptCheckpointError(f"{target.name}: manifest records step {manifest['step']}")
-    if manifest.get("payload_schema") == PARTS_SCHEMA:
+    parts_save = manifest.get("payload_schema") == PARTS_SCHEMA
+    if positional and parts_save:
         raise StateMismatchError(
             f"{target.name}: saved through the state API (mgr.save(step, state)); restore it the same way, "
             "with mgr.restore_latest({'model': model, 'optimizer': opt, ...})."
         )
     check_contract(target, manifest)
     check_parts_present(target, manifest)
-    return load_positional(
-        target, manifest, step, model, optimizer, scheduler, map_location=map_location, mmap=mmap
-    )
-
-
-def load_positional(
-    target: SaveSource,
-    manifest: dict[str, Any],
-    step: int,
-    model: Any,
-    optimizer: Any,
-    scheduler: Any,
-    *,
-    map_location: Any,
-    mmap: bool = True,
-) -> tuple[dict[str, Any], TrainState]:
-    """The positional save's payload, verified and applied (the end of :func:`load_save`)."""
+    source: Any = target
     if manifest["layout"] == "single":
-        by_name = {p["file"]: p for p in manifest["parts"]}
         verify_other_parts(target, manifest, skip={"checkpoint.pt"})
-        # One pass: load_verified_file checks footer and the manifest's digest while hashing.
-        path = source_part(target, "checkpoint.pt")
-        algo, want = part_digest(by_name["checkpoint.pt"])
-        payload = read_checkpoint(
-            path, map_location=map_location, expected_digest=want, algo=algo, mmap_model=mmap
+        algo, want = part_digest({p["file"]: p for p in manifest["parts"]}["checkpoint.pt"])
+        source = source_part(target, "checkpoint.pt")
+        # One pass: the loader checks footer and the manifest's digest while hashing.
+        if parts_save:
+            payload = read_state_payload(
+                source, map_location=map_location, expected_digest=want, algo=algo, mmap=mmap
+            )
+        else:
+            payload = read_checkpoint(
+                source, map_location=map_location, expected_digest=want, algo=algo, mmap_model=mmap
+            )
+    elif not (parts_save or positional):
+        raise StateMismatchError(
+            f"{target.name}: a sharded positional save; restore it with "
+            "restore_latest(model, optimizer, scheduler), or save through the state API from now on."
         )
-        saved = TrainState.from_dict(payload["state"], source=str(path))
-        if saved.step != step:
-            raise CorruptCheckpointError(f"{target.name}: payload holds step {saved.step}")
-        return manifest, apply_payload(payload, model, optimizer, scheduler, source=str(path))
-    # Sharded: pin index.json to the manifest; the loader checks every shard against the index.
-    verify_other_parts(target, manifest, skip=set())
-    state = load_sharded_checkpoint(
-        source_folder(target), model, optimizer, scheduler, map_location=map_location
+    else:
+        verify_other_parts(target, manifest, skip=set())  # pins index.json; the loader checks the rest
+        if positional:  # the sharded positional loader applies as it reads
+            state = load_sharded_checkpoint(source_folder(target), *into, map_location=map_location)
+            # Everything was applied already; the next (older) candidate replaces all five buckets.
+            _check_step(target, state.step, step)
+            return manifest, state
+        payload = read_state_payload(source_folder(target), map_location=map_location)
+    if positional:
+        _check_step(target, TrainState.from_dict(payload["state"], source=str(source)).step, step)
+        return manifest, apply_payload(payload, *into, source=str(source))
+    _check_step(target, parts_view(payload, source=str(target))["step"], step)  # before anything is applied
+    restored = apply_state_payload(payload, into, source=str(target), strict=strict)
+    # A save in memory has no local path; its URL says where it came from (as last_restore["path"]).
+    restored.path = target if isinstance(target, Path) else str(target)
+    restored.save_id = manifest.get("save_id")
+    return manifest, restored
+
+
+def _check_step(target: SaveSource, saved: int, step: int) -> None:
+    if saved != step:
+        raise CorruptCheckpointError(f"{target.name}: payload holds step {saved}")
+
+
+def loader_for(
+    args: tuple[Any, ...], *, strict: bool, map_location: Any, mmap: bool, check_contract: ContractCheck
+) -> Callable[[SaveSource, int], tuple[dict[str, Any], Any]]:
+    """``load(source, step)`` for ``restore_latest(*args)``: the state API for one mapping, else positional.
+
+    Raises:
+        CheckpointError: Arguments of neither form (named by :mod:`~ckpt_lesson.runs.state_args`).
+    """
+    if len(args) == 1 and not isinstance(args[0], Mapping):
+        check_state_mapping(args[0])
+    into = args[0] if len(args) == 1 else positional_restore_args(args)
+    return lambda target, step: load_save(
+        target, step, into, strict=strict, map_location=map_location, check_contract=check_contract, mmap=mmap
     )
-    if state.step != step:
-        # Everything was applied already; the next (older) candidate replaces all five buckets.
-        raise CorruptCheckpointError(f"{target.name}: payload holds step {state.step}")
-    return manifest, state
 
 
 def check_resume_contract(
@@ -203,118 +230,3 @@ def check_resume_contract(
     log.info("%s", report.format())
     emit("resume_contract", step=manifest["step"], save_id=manifest.get("save_id"), report=report)
     return report, check_contract(report, env_policy=env_policy)
-
-
-def load_newest_good(
-    candidates: Candidates,
-    load: Callable[[SaveSource, int], tuple[dict[str, Any], Any]],
-    *,
-    skipped: list[dict[str, Any]],
-) -> tuple[int, SaveSource, dict[str, Any], Any]:
-    """Try the saves newest first; load the first that verifies, skipping (and logging) damage.
-
-    When a save turns out damaged or gone and ``candidates.relist`` is set, the
-    saves are listed again and the newest one not tried yet comes next, newer
-    ones included: a restore that races another process's retention (which
-    deleted the save being read, after committing a newer one) follows the run.
-
-    Args:
-        candidates: The steps to try and how to open each (a folder, or a save
-            verified into memory; see :mod:`~ckpt_lesson.runs.save_source`).
-        load: ``load(source, step) -> (manifest, result)``: :func:`load_save` with the live
-            objects bound, or the state API's ``load_state_save``; raises on damage.
-        skipped: A list this function appends ``{"step", "status", "reason"}`` to,
-            one per damaged or incomplete save passed over (the caller keeps it
-            for its report even when this raises); with a re-listing also
-            ``"relisted"``, the steps found then.
-
-    Returns:
-        ``(step, source, manifest, result)`` of the save that was loaded.
-
-    Raises:
-        CheckpointError: No save is usable (the message lists each one's
-            reason), or an error that is not damage (an older save would not fix it).
-
-    Example:
-        >>> step, source, manifest, state = load_newest_good(  # doctest: +SKIP
-        ...     folder_candidates(run_dir, [40, 80]), load, skipped=[])
-    """
-    steps, tried = list(candidates.steps), set()
-    while untried := [s for s in steps if s not in tried]:
-        step = max(untried)  # the newest not tried yet: after a re-listing, possibly newer than the last
-        tried.add(step)
-        try:
-            # Opening is inside: a download that finds a part damaged or gone is damage too.
-            target = candidates.open(step)
-            manifest, state = load(target, step)
-        except (CorruptCheckpointError, IncompleteCheckpointError, OSError) as exc:
-            # An OSError (EIO) reading a part is damage to this copy, like a wrong hash: fall back.
-            # LoadEnvironmentError is not caught: once the hashes match, an older save would fail alike
-            # (and a store that cannot be reached is no reason to pick an older save either).
-            status = "incomplete" if isinstance(exc, IncompleteCheckpointError) else "corrupt"
-            entry = {"step": step, "status": status, "reason": str(exc)}
-            if candidates.relist is not None:
-                # The run may have moved on meanwhile (another process's retention removed this save,
-                # and its next save is newer): follow it rather than only falling back.
-                steps = candidates.relist()
-                newer = sorted(s for s in steps if s > step and s not in tried)
-                entry["relisted"] = steps
-                if newer:
-                    entry["reason"] = (
-                        f"{str(exc).rstrip('.')}. Listed the saves again: newer step(s) {newer} appeared; "
-                        "trying them."
-                    )
-            skipped.append(entry)
-            log.warning("restore: skipping %s (%s): %s", step_dir_name(step), status, entry["reason"])
-            continue
-        if skipped:
-            which = "newer" if all(s["step"] > step for s in skipped) else "other"
-            log.warning("restored step %d after skipping %d %s save(s)", step, len(skipped), which)
-        else:
-            log.info("restored step %d from %s", step, target)
-        return step, target, manifest, state
-    lines = "\n".join(f"  step {s['step']}: {s['status']}: {s['reason']}" for s in skipped)
-    raise CheckpointError(
-        f"{candidates.where}: {len(skipped)} {candidates.noun} found but none is usable:\n{lines}\n"
-        f"Nothing was restored. {candidates.hint}"
-    )
-
-
-def restore_newest(
-    candidates: Candidates,
-    load: Callable[[SaveSource, int], tuple[dict[str, Any], Any]],
-    *,
-    record: dict[str, Any],
-) -> tuple[int, Any] | None:
-    """:func:`load_newest_good`, filling ``record`` (the manager's ``last_restore``) as it goes.
-
-    Args:
-        record: Filled with ``step``, ``save_id``, ``path``, ``skipped`` and
-            ``manifest`` at once (so a failed restore still reports what it
-            skipped), and ``layout`` and ``seconds`` after a restore.
-
-    Returns:
-        ``(step, result)``, or ``None`` when there are no candidates (a fresh start).
-
-    Raises:
-        CheckpointError: As :func:`load_newest_good`.
-
-    Example:
-        >>> found = restore_newest(folder_candidates(run_dir, [40, 80]), load, record={})  # doctest: +SKIP
-    """
-    started = time.perf_counter()
-    skipped: list[dict[str, Any]] = []
-    record.update(step=None, save_id=None, path=None, skipped=skipped, manifest=None)
-    if not candidates.steps:
-        log.info("%s: no saves; starting fresh", candidates.where)
-        return None
-    step, target, manifest, state = load_newest_good(candidates, load, skipped=skipped)
-    record.update(
-        step=step,
-        save_id=manifest.get("save_id"),
-        path=str(target),
-        layout=manifest["layout"],
-        manifest=manifest,
-        seconds=time.perf_counter() - started,
-    )
-    return step, state

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpt_lesson.runs.commit import delete_save
+from ckpt_lesson.runs.layout import inspect_save, published_steps, step_dir_name
 from ckpt_lesson.runs.retention import RetentionPolicy
-from ckpt_lesson.runs.scan import inspect_save, published_steps, step_dir_name
 
 __all__ = ["KnownGood", "check_save", "retention_pass"]
 

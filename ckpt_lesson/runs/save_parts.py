@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,8 @@ from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, MANIFEST_SCHEMA, current_env
 from ckpt_lesson.files.sharded import INDEX_NAME, save_sharded_checkpoint
 from ckpt_lesson.files.verify import check_written_part, verify_mode
+from ckpt_lesson.runs.layout import MANIFEST_NAME, inspect_save, read_manifest
 from ckpt_lesson.runs.manager_config import ManagerConfig
-from ckpt_lesson.runs.scan import MANIFEST_NAME, inspect_save, read_manifest
 
 __all__ = [
     "build_manifest",
@@ -54,52 +55,22 @@ def refuse_if_already_saved(target: Path, step: int) -> None:
 
 
 def write_parts(
-    staging: Path,
-    config: ManagerConfig,
-    model: Any,
-    optimizer: Any,
-    scheduler: Any,
-    state: TrainState,
-    *,
-    extras: Any,
-    rng: dict[str, Any] | None,
-    emit: Emit,
+    staging: Path, config: ManagerConfig, step: int, write: Callable[..., Any], *, emit: Emit
 ) -> list[dict[str, Any]]:
-    """Write one save's files into ``staging``; returns ``[{"file", "bytes", "algo", "digest"}, ...]``."""
-    step, data = state.step, config.data
-    if config.num_shards is None:
-        emit("part_begin", step=step, file="checkpoint.pt")
-        digest = save_checkpoint(
-            model,
-            optimizer,
-            scheduler,
-            state,
-            staging / "checkpoint.pt",
-            extras=extras,
-            data=data,
-            rng=rng,
-            algo=config.hash_algo,
-            zip_crc32=config.zip_crc32,
+    """Write one save's files into ``staging``; returns ``[{"file", "bytes", "algo", "digest"}, ...]``.
+
+    ``write(target, **options)`` is the payload's writer (positional or state API), called with
+    ``staging/checkpoint.pt`` or, sharded, with ``staging`` and ``num_shards`` and ``layout``.
+    """
+    single = config.num_shards is None
+    emit("part_begin", step=step, file="checkpoint.pt" if single else "*")
+    options: dict[str, Any] = {"algo": config.hash_algo, "zip_crc32": config.zip_crc32}
+    if single:
+        parts = [{"file": "checkpoint.pt", **write(staging / "checkpoint.pt", **options).record()}]
+    else:
+        parts = sharded_parts(
+            write(staging, num_shards=config.num_shards, layout=config.shard_layout, **options)
         )
-        part = {"file": "checkpoint.pt", **digest.record()}
-        emit("part_written", step=step, **part)
-        return [part]
-    emit("part_begin", step=step, file="*")
-    result = save_sharded_checkpoint(
-        model,
-        optimizer,
-        scheduler,
-        state,
-        staging,
-        num_shards=config.num_shards,
-        layout=config.shard_layout,
-        extras=extras,
-        data=data,
-        rng=rng,
-        algo=config.hash_algo,
-        zip_crc32=config.zip_crc32,
-    )
-    parts = sharded_parts(result)
     for part in parts:
         emit("part_written", step=step, **part)
     return parts
@@ -191,11 +162,15 @@ def stage_save(
         >>> manifest = stage_save(staging, mgr.config, model, opt, sched, state,  # doctest: +SKIP
         ...                       extras=None, rng=None, emit=lambda name, **info: None)
     """
-    step = state.step
-    parts = write_parts(
-        staging, config, model, optimizer, scheduler, state, extras=extras, rng=rng, emit=emit
-    )
-    return _finish_stage(staging, config, parts, step, emit, build_manifest(config, state, parts))
+
+    def write(target: Path, **options: Any) -> Any:
+        save = save_checkpoint if config.num_shards is None else save_sharded_checkpoint
+        return save(
+            model, optimizer, scheduler, state, target, extras=extras, data=config.data, rng=rng, **options
+        )
+
+    parts = write_parts(staging, config, state.step, write, emit=emit)
+    return _finish_stage(staging, config, parts, state.step, emit, build_manifest(config, state, parts))
 
 
 def _finish_stage(
@@ -227,24 +202,7 @@ def stage_payload_save(
         The manifest as written.
     """
     step = payload["step"]
-    emit("part_begin", step=step, file="checkpoint.pt" if config.num_shards is None else "*")
-    if config.num_shards is None:
-        written = write_state_payload(
-            payload, staging / "checkpoint.pt", algo=config.hash_algo, zip_crc32=config.zip_crc32
-        )
-        parts = [{"file": "checkpoint.pt", **written.record()}]
-    else:
-        result = write_state_payload(
-            payload,
-            staging,
-            num_shards=config.num_shards,
-            layout=config.shard_layout,
-            algo=config.hash_algo,
-            zip_crc32=config.zip_crc32,
-        )
-        parts = sharded_parts(result)
-    for part in parts:
-        emit("part_written", step=step, **part)
+    parts = write_parts(staging, config, step, partial(write_state_payload, payload), emit=emit)
     return _finish_stage(staging, config, parts, step, emit, build_manifest(
         config, {"step": step}, parts, payload_schema=PARTS_SCHEMA,
         covers=[*payload["kinds"], *(["rng"] if payload["rng"] is not None else [])],

@@ -1,6 +1,6 @@
 """Where a restore reads one save from: a local folder, or a save already verified in memory.
 
-The local restore (:mod:`ckpt_lesson.runs.restore`, :mod:`ckpt_lesson.runs.restore_state`)
+The local restore (:mod:`ckpt_lesson.runs.restore`)
 was written for a ``step-XXXXXXXX`` folder: read the manifest, check every part
 is there with its size, hash every part, then a weights-only load. A save
 fetched from an object store arrives differently: every part was hashed against
@@ -29,7 +29,7 @@ from ckpt_lesson.files.safe_read import read_json_file
 from ckpt_lesson.files.sharded import INDEX_NAME
 from ckpt_lesson.files.verified_bytes import VerifiedBytes
 from ckpt_lesson.files.verify import verify_record
-from ckpt_lesson.runs.scan import read_manifest, step_dir_name
+from ckpt_lesson.runs.layout import read_manifest, step_dir_name
 
 __all__ = [
     "Candidates",

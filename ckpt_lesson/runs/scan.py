@@ -1,29 +1,16 @@
-"""Scan a run directory: which saves are good, which are damaged, which never finished.
+"""Scan a run: which saves are good, which are damaged, which never finished.
 
-A run directory written by :class:`~ckpt_lesson.runs.manager.CheckpointManager`
-looks like this::
-
-    RUN_DIR/
-      step-00000240/          a published save
-        checkpoint.pt         (or model.shard-NNN.pt + meta.pt + index.json,
-                              or DCP's __R_N.distcp + .metadata from a multi-rank save)
-        manifest.json         the commit record: every part's size and digest
-      .staging-step-00000280-<pid>-<hex8>/   a save in progress (or abandoned)
-
-A save is *ok* only if its ``manifest.json`` exists and every part it lists
-has the recorded size and digest (and, for ``.pt`` files, matches its own
-in-file footer). Each record names its algorithm (``xxh3_128`` by default;
-records from earlier versions carry a ``sha256`` and still verify). A step
-folder without a manifest is *incomplete*; one whose bytes differ is *corrupt*.
-Nothing here loads a tensor: a scan costs one read of every byte (xxh3-128
-hashes far faster than the disk reads), no unpickling.
+A run is a folder (see :mod:`~ckpt_lesson.runs.layout` for what a save in it
+looks like) or a prefix in an object store; :func:`scan_checkpoints` reads
+either and returns the same rows. Nothing loads a tensor: a scan costs one
+read of every byte, no unpickling.
 
 The same scan understands two folders written by the trainer integrations:
 Hugging Face ``checkpoint-N`` folders (judged by their folder manifest) and
 Lightning ``.ckpt`` files (judged by their own footer, see
 :mod:`ckpt_lesson.runs.lightning_files`).
 
-``python -m ckpt_lesson scan RUN_DIR [--json]`` prints the same table; it
+``python -m ckpt_lesson scan RUN_DIR_OR_URL [--json]`` prints the same table; it
 exits 0 when every save is ok, 1 when something is corrupt or incomplete, and
 2 when RUN_DIR is missing or not a directory.
 """
@@ -31,9 +18,7 @@ exits 0 when every save is ok, 1 when something is corrupt or incomplete, and
 from __future__ import annotations
 
 import os
-import re
-import string
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,246 +29,15 @@ from ckpt_lesson.errors import (
     SchemaError,
     UnsafeCheckpointError,
 )
-from ckpt_lesson.files.integrity import part_digest
-from ckpt_lesson.files.record_seal import verify_record_seal
-from ckpt_lesson.files.safe_read import read_json_file
-from ckpt_lesson.files.schema import MANIFEST_NAME, MANIFEST_SCHEMA
-from ckpt_lesson.files.verify import verify_part, verify_record
-from ckpt_lesson.runs.dcp_manifest import MANIFEST_SCHEMA as DCP_MANIFEST_SCHEMA
-from ckpt_lesson.runs.dcp_manifest import check_dcp_part, check_parts_list, read_dcp_manifest
-from ckpt_lesson.runs.dcp_marker import COMMIT_MARKER
+from ckpt_lesson.files.storage import is_store_url, open_storage
+from ckpt_lesson.runs import dcp_manifest  # noqa: F401 - a scan reads multi-rank saves too: registers their reader
 from ckpt_lesson.runs.folder_manifest import FOLDER_MANIFEST_NAME, checkpoint_folder_step, verify_folder
+from ckpt_lesson.runs.layout import STAGING_RE, ScanResult, inspect_save, step_dir_name, step_of
 from ckpt_lesson.runs.lightning_files import LIGHTNING_SUFFIX, inspect_lightning_file, is_lightning_temp_file
-from ckpt_lesson.short_repr import short_repr
+from ckpt_lesson.runs.store_commit import attempt_of, committed_steps, read_commit
+from ckpt_lesson.runs.store_restore import verify_store_save
 
-__all__ = [
-    "LAYOUTS",
-    "MANIFEST_NAME",
-    "MANIFEST_SCHEMA",
-    "STAGING_PREFIX",
-    "ScanResult",
-    "inspect_save",
-    "published_steps",
-    "read_manifest",
-    "scan_checkpoints",
-    "step_dir_name",
-    "step_of",
-    "verify_part",
-    "verify_record",
-]
-
-LAYOUTS = ("single", "sharded")
-#: Prefix of a save in progress: ``.staging-step-00000280-<pid>-<hex8>``.
-STAGING_PREFIX = ".staging-step-"
-# [0-9], not \d: \d also matches other scripts' digits ("step-٣٣٣٣٣٣٣٣"), which int() accepts but
-# step_dir_name() never writes, so scan would list a save that restore can never find.
-_STEP_RE = re.compile(r"^step-([0-9]{8,})$")
-_STAGING_RE = re.compile(r"^\.staging-step-([0-9]{8,})-")
-_HEX = set(string.hexdigits.lower())
-#: Every top-level key a manifest had before manifests carried their own checksum.
-LEGACY_MANIFEST_KEYS = frozenset(
-    {"schema", "save_id", "step", "payload_schema", "layout", "parts", "covers", "state", "env", "data"}
-    | {"metadata", "created_at", "num_shards"}
-)
-
-
-def step_dir_name(step: int) -> str:
-    """``step-00000240``: zero-padded so that text order equals numeric order."""
-    return f"step-{step:08d}"
-
-
-def published_steps(run_dir: Path) -> list[int]:
-    """Steps of the ``step-XXXXXXXX`` folders in ``run_dir`` (no links), ascending. Nothing is read."""
-    steps = []
-    # scandir, not iterdir + is_dir: the kind of each entry comes with the listing (d_type), so
-    # 10,000 step folders cost one pass over the directory, not 20,000 stat calls.
-    with os.scandir(run_dir) as entries:
-        for entry in entries:
-            step = step_of(entry.name)
-            if step is not None and entry.is_dir(follow_symlinks=False):
-                steps.append(step)
-    return sorted(steps)
-
-
-def step_of(name: str) -> int | None:
-    """The step of a published save folder's name, or ``None`` for any other name."""
-    found = _STEP_RE.match(name)
-    return int(found.group(1)) if found else None
-
-
-@dataclass(frozen=True)
-class ScanResult:
-    """One save found in a run directory.
-
-    Attributes:
-        path: The save's folder (or a Lightning ``.ckpt`` file).
-        step: Its step number (from the folder name; a Lightning file's
-            ``global_step``, ``None`` when unreadable).
-        status: ``"ok"``, ``"corrupt"`` or ``"incomplete"``; a Lightning file
-            without our integrity footer is ``"unverified"``.
-        reason: Why it is not ok (file names only, no directories); ``""`` when ok.
-        epoch: A Lightning file's ``epoch`` where readable; ``None`` otherwise.
-    """
-
-    __repr__ = short_repr  # one short line: see ckpt_lesson/short_repr.py
-
-    path: Path
-    step: int | None
-    status: str
-    reason: str = ""
-    epoch: int | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-
-def read_manifest(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and validate a save's ``manifest.json`` (structure only, no hashing).
-
-    Args:
-        step_dir: A published save folder (or a staging folder).
-
-    Returns:
-        The manifest dict; ``parts`` is a list of ``{"file", "bytes", "sha256"}``.
-
-    Raises:
-        IncompleteCheckpointError: There is no manifest: the save never finished.
-        CorruptCheckpointError: Not JSON, or a field is missing or malformed.
-        SchemaError: A manifest schema this code does not know.
-        UnsafeCheckpointError: A part's name would leave the folder.
-
-    Example:
-        >>> manifest = read_manifest("run/step-00000240")  # doctest: +SKIP
-        >>> [p["file"] for p in manifest["parts"]]  # doctest: +SKIP
-        ['checkpoint.pt']
-    """
-    step_dir = Path(step_dir)
-    where = f"{step_dir.name}/{MANIFEST_NAME}"
-    try:
-        # A regular file, size-capped, any parse failure = damaged (see files/safe_read.py).
-        manifest = read_json_file(step_dir / MANIFEST_NAME, what="manifest")
-    except FileNotFoundError:
-        raise IncompleteCheckpointError(
-            f"{step_dir.name}: no {MANIFEST_NAME}; the save never finished (the manifest is written "
-            "last). Restore an older save."
-        ) from None
-    except OSError as exc:
-        why = exc.strerror or exc
-        raise CorruptCheckpointError(f"{where}: unreadable ({why}); restore an older save.") from exc
-    if not isinstance(manifest, dict):
-        raise CorruptCheckpointError(f"{where}: expected a JSON object; restore an older save.")
-    schema = manifest.get("schema")
-    if schema == DCP_MANIFEST_SCHEMA:
-        # Before the seal check: a multi-rank record has its own seal rule (dcp_manifest.py), and
-        # its reader, not the legacy rule of single-process records, gives the verdict.
-        raise SchemaError(
-            f"{where}: a multi-rank save (schema {schema!r}); restore it with DistributedCheckpointManager."
-        )
-    # The manifest's own checksum comes first: an unverifiable record is damage, never a refusal.
-    verify_record_seal(manifest, where=where, legacy_keys=LEGACY_MANIFEST_KEYS)
-    if not isinstance(schema, str):
-        raise CorruptCheckpointError(f"{where}: no 'schema' field; restore an older save.")
-    if schema != MANIFEST_SCHEMA:
-        raise SchemaError(f"{where}: unknown manifest schema {schema!r}; upgrade ckpt_lesson to read it.")
-    step = manifest.get("step")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CorruptCheckpointError(f"{where}: 'step' must be an int >= 0, got {step!r}.")
-    if manifest.get("layout") not in LAYOUTS:
-        found = manifest.get("layout")
-        raise CorruptCheckpointError(f"{where}: 'layout' must be one of {LAYOUTS}, got {found!r}.")
-    seen = check_parts_list(manifest.get("parts"), where, _check_part_entry)
-    if manifest["layout"] == "single" and "checkpoint.pt" not in seen:
-        raise CorruptCheckpointError(f"{where}: a single-file save must list 'checkpoint.pt' as a part.")
-    return manifest
-
-
-def _check_part_entry(part: Any, where: str) -> None:
-    if not isinstance(part, dict):
-        raise CorruptCheckpointError(f"{where}: every part must be an object with file, bytes, algo, digest.")
-    name = part.get("file")
-    if not isinstance(name, str) or not name:
-        raise CorruptCheckpointError(f"{where}: a part has no 'file' name.")
-    # A manifest is data, and data can be hostile: a part name may only name a file in this folder.
-    if "/" in name or "\\" in name or name in (".", "..") or name == MANIFEST_NAME or "\x00" in name:
-        raise UnsafeCheckpointError(
-            f"{where}: part name {name!r} is not a plain file name in the save folder."
-        )
-    size = part.get("bytes")
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise CorruptCheckpointError(f"{where}: part {name!r} has no valid 'bytes' count.")
-    try:
-        part_digest(part)  # {"algo", "digest"}, or {"sha256"} from earlier versions
-    except CorruptCheckpointError:
-        raise CorruptCheckpointError(
-            f"{where}: part {name!r} has no valid 'algo' and 'digest' (or 'sha256')."
-        ) from None
-
-
-def inspect_save(
-    step_dir: str | os.PathLike[str], *, hash_parts: bool = True
-) -> tuple[ScanResult, dict[str, Any] | None]:
-    """Classify one published save folder; returns its result and manifest (if readable).
-
-    Args:
-        step_dir: A ``step-XXXXXXXX`` folder.
-        hash_parts: ``False`` checks only presence and sizes (a cheap ``stat``
-            per part), for callers that verified the bytes earlier.
-
-    A multi-rank save (``layout: dcp``, written by
-    :class:`~ckpt_lesson.distributed.DistributedCheckpointManager`) is checked
-    the same way, against its own manifest; its manifest is returned as well.
-
-    Raises:
-        SchemaError: The manifest has a schema this code does not know (not a
-            damaged save, so not silently classified as one).
-    """
-    step_dir = Path(step_dir)
-    step = step_of(step_dir.name)
-    if step is None:
-        raise CheckpointError(f"{step_dir.name}: not a save folder name (expected step-XXXXXXXX).")
-    try:
-        manifest, is_dcp = _read_any_manifest(step_dir)
-    except IncompleteCheckpointError:
-        # With a manifest present, what is missing is a multi-rank save's commit marker (written last).
-        missing = COMMIT_MARKER if (step_dir / MANIFEST_NAME).exists() else MANIFEST_NAME
-        return ScanResult(step_dir, step, "incomplete", f"no {missing} (save never finished)"), None
-    except (CorruptCheckpointError, UnsafeCheckpointError) as exc:
-        return ScanResult(step_dir, step, "corrupt", str(exc)), None
-    if manifest["step"] != step:
-        reason = f"{MANIFEST_NAME} records step {manifest['step']}, folder says {step}"
-        return ScanResult(step_dir, step, "corrupt", reason), manifest
-    problems = []
-    for part in manifest["parts"]:
-        path = step_dir / part["file"]
-        if is_dcp:  # DCP's files carry no footer: size, then the tagged digest (never unpickled)
-            problem = check_dcp_part(step_dir, part, hash_it=hash_parts)
-        elif hash_parts:
-            problem = verify_record(path, part)
-        elif not path.is_file() or path.is_symlink():
-            problem = f"{part['file']}: missing"
-        elif path.stat().st_size != part["bytes"]:
-            problem = f"{part['file']}: size {path.stat().st_size} != recorded {part['bytes']}"
-        else:
-            problem = None
-        if problem:
-            problems.append(problem)
-    if problems:
-        missing_only = all(p.endswith(": missing") for p in problems)
-        status = "incomplete" if missing_only else "corrupt"
-        return ScanResult(step_dir, step, status, "; ".join(problems)), manifest
-    return ScanResult(step_dir, step, "ok", ""), manifest
-
-
-def _read_any_manifest(step_dir: Path) -> tuple[dict[str, Any], bool]:
-    """``(manifest, is_dcp)``: a single-process manifest, else a multi-rank (DCP) one."""
-    try:
-        return read_manifest(step_dir), False
-    except SchemaError as unknown:
-        try:
-            return read_dcp_manifest(step_dir)[0], True
-        except SchemaError:
-            raise unknown from None  # neither layout: keep the first reader's message
+__all__ = ["scan_checkpoints"]
 
 
 def _check_run_dir(run_dir: Path) -> None:
@@ -305,11 +59,14 @@ def _inspect_checkpoint_folder(folder: Path) -> ScanResult:
     return ScanResult(folder, step, "incomplete" if missing else "corrupt", reason)
 
 
-def scan_checkpoints(run_dir: str | os.PathLike[str]) -> list[ScanResult]:
-    """Verify every save in ``run_dir`` without loading any tensor.
+def scan_checkpoints(
+    run_dir: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> list[ScanResult]:
+    """Verify every save in ``run_dir`` (a folder or a bucket URL) without loading any tensor.
 
     Args:
-        run_dir: A manager's run directory.
+        run_dir: A manager's run directory, or its URL (``s3://bucket/runs/exp1``: see :func:`_scan_store`).
+        storage_options: fsspec options for a URL (default: credentials from the environment).
 
     Returns:
         One :class:`ScanResult` per published save folder, per Hugging Face
@@ -319,12 +76,15 @@ def scan_checkpoints(run_dir: str | os.PathLike[str]) -> list[ScanResult]:
         and per staging folder or temp file (``incomplete``), sorted by step.
 
     Raises:
-        CheckpointError: ``run_dir`` does not exist or is not a directory.
+        CheckpointError: ``run_dir`` does not exist or is not a directory; the store client is missing.
+        LoadEnvironmentError: The bucket cannot be reached.
 
     Example:
         >>> [(r.step, r.status) for r in scan_checkpoints("run")]  # doctest: +SKIP
         [(240, 'ok'), (280, 'corrupt')]
     """
+    if is_store_url(run_dir):
+        return _scan_store(str(run_dir), storage_options)
     run_dir = Path(run_dir)
     _check_run_dir(run_dir)
     results = []
@@ -339,7 +99,7 @@ def scan_checkpoints(run_dir: str | os.PathLike[str]) -> list[ScanResult]:
             results.append(ScanResult(entry, found.step, found.status, found.reason, found.epoch))
         if not entry.is_dir():
             continue
-        staged = _STAGING_RE.match(entry.name)
+        staged = STAGING_RE.match(entry.name)
         if staged:
             step = int(staged.group(1))
             results.append(ScanResult(entry, step, "incomplete", "unpublished save (staging)"))
@@ -355,3 +115,52 @@ def scan_checkpoints(run_dir: str | os.PathLike[str]) -> list[ScanResult]:
         results,
         key=lambda r: (unknown if r.step is None else r.step, r.path.name.startswith("."), r.path.name),
     )
+
+
+def _scan_store(url: str, storage_options: Mapping[str, Any] | None) -> list[ScanResult]:
+    """Verify every committed save under ``url`` (streaming and hashing it) and list uncommitted uploads.
+
+    The rows are those of a folder: one per committed step (``ok``, ``corrupt`` or
+    ``incomplete`` with the reason), a single-process or a multi-rank save alike, each
+    object hashed as it streams by and nothing unpickled; then one per upload that no
+    marker names (a writer that died, or one still running).
+
+    Args:
+        url: The run's prefix, e.g. ``s3://bucket/runs/exp1``.
+        storage_options: fsspec options (default: credentials from the environment).
+
+    Returns:
+        One :class:`ScanResult` per committed step (ascending; single-process and
+        multi-rank saves alike), then one
+        ``incomplete`` row per upload no marker names (path ``.uncommitted-...``).
+
+    Raises:
+        CheckpointError: The client is missing. ``LoadEnvironmentError``: the bucket cannot be reached.
+
+    Example:
+        >>> [r.status for r in scan_checkpoints("s3://my-bucket/runs/exp1")]  # doctest: +SKIP
+        ['ok', 'ok']
+    """
+    storage = open_storage(url, storage_options)
+    keys = storage.list_keys()
+    results = []
+    named: set[str] = set()
+    for step in committed_steps(storage, keys):
+        path = Path(step_dir_name(step))
+        try:
+            named.add(f"{step_dir_name(step)}/{read_commit(storage, step)[0]['save_id']}")
+            verify_store_save(storage, step)  # hashed as it streams by; nothing is written locally
+            results.append(ScanResult(path, step, "ok"))
+        except IncompleteCheckpointError as exc:
+            results.append(ScanResult(path, step, "incomplete", str(exc)))
+        except (CorruptCheckpointError, SchemaError, UnsafeCheckpointError) as exc:
+            # As in a local scan: a record of an unknown kind or a hostile part name is listed, not fatal.
+            results.append(ScanResult(path, step, "corrupt", str(exc)))
+    attempts = sorted({a for a in map(attempt_of, keys) if a is not None} - named)
+    for attempt in attempts:
+        head, save_id = attempt.split("/")
+        step = step_of(head)
+        if step is not None:
+            reason = f"{attempt}: an upload no commit marker names (a writer died, or is still writing)"
+            results.append(ScanResult(Path(f".uncommitted-{head}-{save_id[:8]}"), step, "incomplete", reason))
+    return results

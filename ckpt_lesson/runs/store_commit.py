@@ -51,8 +51,8 @@ from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, Incomple
 from ckpt_lesson.files.hashing import digest_bytes, part_digest
 from ckpt_lesson.files.safe_read import MAX_RECORD_BYTES, parse_json_text
 from ckpt_lesson.files.storage import Storage
+from ckpt_lesson.runs.layout import MANIFEST_NAME, read_manifest, step_dir_name, step_of
 from ckpt_lesson.runs.retention import RetentionPolicy
-from ckpt_lesson.runs.scan import MANIFEST_NAME, read_manifest, step_dir_name, step_of
 from ckpt_lesson.runs.store_lease import LEASE_NAME, LeaseRenewer, write_lease
 
 __all__ = [

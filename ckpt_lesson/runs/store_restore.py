@@ -21,7 +21,7 @@ previous committed save. Not reaching the store is ``LoadEnvironmentError``
 (raised by the storage backend) and is never taken for damage.
 
 A multi-rank save (DCP's files, committed by the same marker) is read by
-:mod:`ckpt_lesson.distributed.store_reader`; only :func:`read_committed_manifest`
+:mod:`ckpt_lesson.distributed.verify`; only :func:`read_committed_manifest`
 (its manifest, either kind) and :func:`verify_store_save` (``scan``) serve both.
 """
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,10 +39,14 @@ from ckpt_lesson.files.safe_read import parse_json_text
 from ckpt_lesson.files.storage import Storage
 from ckpt_lesson.files.storage_transfer import RANGE_BYTES
 from ckpt_lesson.files.verified_bytes import VerifiedBytes
-from ckpt_lesson.runs.dcp_manifest import MANIFEST_SCHEMA as DCP_MANIFEST_SCHEMA
-from ckpt_lesson.runs.dcp_manifest import check_manifest_seal, validate_manifest
+from ckpt_lesson.runs.layout import (
+    DCP_MANIFEST_SCHEMA,
+    MANIFEST_KINDS,
+    MANIFEST_NAME,
+    check_manifest,
+    step_dir_name,
+)
 from ckpt_lesson.runs.save_source import SaveSource, VerifiedSave
-from ckpt_lesson.runs.scan import MANIFEST_NAME, read_manifest, step_dir_name
 from ckpt_lesson.runs.store_commit import read_commit
 
 __all__ = ["fetch_verified", "open_verified", "read_committed_manifest", "read_verified", "verify_store_save"]
@@ -88,15 +91,6 @@ def _fetch_part(storage: Storage, key: str, dest: Path, part: dict[str, Any]) ->
         _stream_part(storage, key, part, out.write)
 
 
-def _parse_single(raw: bytes) -> dict[str, Any]:
-    """A single-process manifest's bytes, parsed and seal-checked exactly like a local one."""
-    with tempfile.TemporaryDirectory(prefix="ckpt-lesson-manifest-") as folder:
-        fd = os.open(Path(folder) / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            out.write(raw)
-        return read_manifest(Path(folder))  # schema, seal, part names that stay inside the folder
-
-
 def _checked_manifest(
     storage: Storage, step: int, marker: dict[str, Any], raw: bytes, *, multi_rank: bool | None = False
 ) -> dict[str, Any]:
@@ -107,15 +101,13 @@ def _checked_manifest(
     multi-rank (DCP) one, ``None`` whichever the record says it is.
     """
     where = storage.where(f"{step_dir_name(step)}/{marker['save_id']}/{MANIFEST_NAME}")
+    manifest = parse_json_text(raw, where=where)
     if multi_rank is None:
-        parsed = parse_json_text(raw, where=where)
-        multi_rank = isinstance(parsed, dict) and parsed.get("schema") == DCP_MANIFEST_SCHEMA
-    if multi_rank:
-        manifest = parse_json_text(raw, where=where)
-        check_manifest_seal(manifest, where=where)  # the seal first: an unverifiable record is damage
-        validate_manifest(manifest, where=where)  # part names are plain names, .metadata listed
-    else:
-        manifest = _parse_single(raw)
+        multi_rank = isinstance(manifest, dict) and manifest.get("schema") == DCP_MANIFEST_SCHEMA
+    if multi_rank:  # seal, then fields (part names plain, .metadata listed): its own module's checks
+        MANIFEST_KINDS[DCP_MANIFEST_SCHEMA].check(manifest, where)
+    else:  # schema, seal, part names that stay inside the folder: exactly as for a local manifest
+        manifest = check_manifest(manifest, where=where)
     if manifest["step"] != step or manifest["save_id"] != marker["save_id"]:
         raise CorruptCheckpointError(
             f"{storage.where(step_dir_name(step))}: the manifest names step {manifest['step']} / save "
@@ -267,7 +259,7 @@ def open_verified(storage: Storage, step: int, cache: Path) -> SaveSource:
 
     Example:
         >>> source = open_verified(store, 240, Path("/tmp/cache"))  # doctest: +SKIP
-        >>> manifest, state = load_save(source, 240, model, opt, sched, ...)  # doctest: +SKIP
+        >>> manifest, state = load_save(source, 240, (model, opt, sched), ...)  # doctest: +SKIP
     """
     marker, raw = read_commit(storage, step)
     manifest = _checked_manifest(storage, step, marker, raw)

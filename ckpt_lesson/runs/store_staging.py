@@ -1,6 +1,6 @@
 """Where a bucket manager stages its saves, and how staging space left by dead processes comes back.
 
-A :class:`~ckpt_lesson.runs.store_manager.StoreCheckpointManager` writes each
+A :class:`~ckpt_lesson.runs.manager.CheckpointManager` over a store writes each
 save to a local folder first (the ordinary protocol), uploads it, then deletes
 it. By default that folder is ``$TMPDIR/ckpt-lesson-cache-XXXXXXXX``. A process
 killed mid-upload (the very case a bucket is for) leaves the whole staged save

@@ -15,9 +15,8 @@ from _s3_server import options_for, read_only_options
 from ckpt_lesson.errors import LoadEnvironmentError
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.storage_fsspec import FsspecStorage
-from ckpt_lesson.runs.manager import CheckpointManager
+from ckpt_lesson.runs.manager import CheckpointManager, StoreCheckpointManager
 from ckpt_lesson.runs.store_commit import clean_uncommitted
-from ckpt_lesson.runs.store_manager import StoreCheckpointManager
 
 
 def _save_steps(run, mgr, steps):
@@ -291,8 +290,8 @@ def test_read_only_credentials_restore_scan_and_report_and_write_nothing(tiny_ru
     import moto.settings
 
     from ckpt_lesson.errors import CheckpointError
-    from ckpt_lesson.runs.store_report import read_store_recovery_log
-    from ckpt_lesson.runs.store_scan import scan_store
+    from ckpt_lesson.runs.report import read_recovery_log
+    from ckpt_lesson.runs.scan import scan_checkpoints
 
     run = tiny_run(seed=4)
     with CheckpointManager(s3_bucket.url(), every_steps=2, storage_options=s3_bucket.options) as mgr:
@@ -310,12 +309,12 @@ def test_read_only_credentials_restore_scan_and_report_and_write_nothing(tiny_ru
         assert mgr.all_steps() == [2, 4] and mgr.latest_step() == 4
     for a, b in zip(run.model.state_dict().values(), fresh.model.state_dict().values(), strict=True):
         assert torch.equal(a, b)
-    assert [(r.step, r.status) for r in scan_store(s3_bucket.url(), reader)] == [
+    assert [(r.step, r.status) for r in scan_checkpoints(s3_bucket.url(), reader)] == [
         (2, "ok"),
         (4, "ok"),
         (6, "incomplete"),
     ]
-    assert read_store_recovery_log(s3_bucket.url(), reader) == []
+    assert read_recovery_log(s3_bucket.url(), reader) == []
     with CheckpointManager(s3_bucket.url(), every_steps=2, storage_options=reader, read_only=True) as mgr:
         assert mgr.restore_latest(fresh.model, fresh.optimizer, fresh.scheduler).step == 4
         fresh.train(until_step=8)
