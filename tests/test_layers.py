@@ -1,6 +1,7 @@
 """The package's layers import only downward: cli -> faults -> course/resume_test/bench -> ... -> base.
 
-The folder a module sits in says what it is for; this test keeps that true.
+The folder a module sits in says what it is for; this test keeps that true, and keeps the import
+graph free of cycles (two modules that import each other are one job split in two).
 It reads every module's source (nothing is imported), so a lazy import inside
 a function counts exactly like one at the top.
 """
@@ -99,3 +100,80 @@ def test_layer_check_catches_an_upward_import(tmp_path: Path) -> None:
             test_module_imports_only_its_own_layer_or_lower(fake)
     finally:
         fake.unlink()
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(("ckpt_lesson", *(parts[:-1] if parts[-1] == "__init__" else parts)))
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """Modules ``path`` imports when it runs: everything but imports under ``if TYPE_CHECKING:``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {
+        line
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for inner in ast.walk(node)
+        if (line := getattr(inner, "lineno", None)) is not None
+    }
+    return {module for line, module in imported_modules(path) if line not in typing_only}
+
+
+def import_cycles(paths: list[Path]) -> list[list[str]]:
+    """The strongly connected groups of two or more modules in the import graph (Tarjan's algorithm)."""
+    names = {_module_name(p): p for p in paths}
+    graph = {
+        name: sorted(m for m in _runtime_imports(path) if m in names and m != name)
+        for name, path in names.items()
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:  # recursion depth is bounded by the package's ~200 modules
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                group.append(top)
+                if top == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    return sorted(found)
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    # A lazy import inside a function counts: it is the same dependency, only deferred.
+    cycles = import_cycles(package_modules() + [PACKAGE / "__init__.py"])
+    assert not cycles, "import cycles (break each by moving the shared piece down a module):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles
+    )
+
+
+def test_the_cycle_check_finds_a_cycle_of_two_modules(tmp_path: Path) -> None:
+    one, two = PACKAGE / "files" / "_probe_one.py", PACKAGE / "files" / "_probe_two.py"
+    one.write_text("from ckpt_lesson.files import _probe_two\n", encoding="utf-8")
+    two.write_text("def f():\n    from ckpt_lesson.files._probe_one import g\n", encoding="utf-8")
+    try:
+        assert ["ckpt_lesson.files._probe_one", "ckpt_lesson.files._probe_two"] in import_cycles([one, two])
+    finally:
+        one.unlink()
+        two.unlink()
