@@ -105,6 +105,7 @@ class Harness:
         if self.path.ranks == 1:
             return CheckpointManager(self.location, **self.options, **kwargs)
         mgr = RankManager(DistributedCheckpointManager(self.location, **self.options, **kwargs))
+        assert mgr.world_size == self.path.ranks  # the job's real group, not a world of one
         self.managers.append(mgr)
         return mgr  # type: ignore[return-value]
 

@@ -28,6 +28,7 @@ import pytest
 import torch.distributed as dist
 
 from ckpt_lesson.distributed import DistributedCheckpointManager
+from ckpt_lesson.faults.rank_launch import launch
 
 
 class RankManager:
@@ -103,8 +104,6 @@ def _passes_now(known_failure: str | None) -> None:
 
 
 def _launch(test: Callable[..., None], h: Any, kwargs: dict[str, Any]) -> None:
-    from _distributed_workers import launch
-
     out = h.tmp_path / "ranks"
     out.mkdir()
     ranks = h.path.ranks
