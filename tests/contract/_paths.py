@@ -74,11 +74,7 @@ SKIPS: dict[tuple[str, str], str] = {
 }
 #: Guarantees a path should offer but does not (a bug, reported): ``{(guarantee, axis value): what
 #: fails}``. The test still runs and must fail (a strict xfail): once fixed, delete the entry.
-LOADED_FIRST = "FAILS: DCP loads into the live model and optimizer before the part check refuses (bug)"
-FAILS: dict[tuple[str, str], str] = {
-    ("bad_input:none", "2 ranks"): LOADED_FIRST,
-    ("bad_input:missing_part", "2 ranks"): LOADED_FIRST,
-}
+FAILS: dict[tuple[str, str], str] = {}
 
 
 class Harness:
