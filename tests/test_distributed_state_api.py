@@ -67,3 +67,39 @@ def test_a_model_without_an_optimizer_saves_and_restores_through_dcp(tmp_path):
     mgr.close()
     assert restored.step == 4 and restored.values == {"ema_decay": 0.99}
     assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+
+
+@pytest.mark.parametrize("given", ["optimizer is None", "scheduler left out", "an extra scheduler"])
+def test_a_restore_refused_for_its_part_names_leaves_the_weights_and_moments_untouched(tmp_path, given):
+    # The part check used to run after DCP had loaded into the live model and optimizer (and after the
+    # load template had created a fresh optimizer's moments): now the rank's blob is read and checked first.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    mgr = DistributedCheckpointManager(tmp_path, keep_last=2, every_steps=1)
+    mgr.save(4, {"model": model, "optimizer": opt, "scheduler": sched})
+    mgr.close()
+    fresh = torch.nn.Linear(3, 2)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    state = {
+        "model": fresh,
+        "optimizer": fresh_opt,
+        "scheduler": torch.optim.lr_scheduler.StepLR(fresh_opt, 1),
+    }
+    if given == "optimizer is None":
+        state["optimizer"], pattern = None, r"part 'optimizer'.*holds None"
+    elif given == "an extra scheduler":
+        state["warmup"], pattern = torch.optim.lr_scheduler.StepLR(fresh_opt, 2), r"parts \['warmup'\]"
+    else:
+        del state["scheduler"]
+        pattern = r"parts \['scheduler'\]"
+    before = [p.clone() for p in fresh.parameters()]
+    mgr = DistributedCheckpointManager(tmp_path, keep_last=2, every_steps=1)
+    with pytest.raises(cl.StateMismatchError, match=pattern):
+        mgr.restore_latest(state)
+    mgr.close()
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters(), strict=True))
+    assert fresh_opt.state_dict()["state"] == {}  # no moments loaded either

@@ -30,6 +30,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
 from .comm import Comm, failure_summary, new_checkpoint_group, quiet_single_process, release_groups
 from .restore import WORLD_SIZE_POLICIES, DistributedRestore, listed, restore_newest
 from .saving import SaveJob, fail_save, open_save, open_saves
-from .state_api import apply_rank_parts, as_restored, restore_args, save_args
+from .state_api import apply_rank_parts, as_restored, check_rank_parts, restore_args, save_args
 from .store_saves import DEFAULT_LEASE_SECONDS
 
 __all__ = ["DistributedCheckpointManager", "StoreDistributedCheckpointManager"]
@@ -362,9 +363,10 @@ class DistributedCheckpointManager(LoopMethods):
             raise CheckpointError(f"on_world_size_change must be one of {WORLD_SIZE_POLICIES}.")
         self.wait()
         state, model, optimizer, scheduler = restore_args(args)
+        check = None if state is None else partial(check_rank_parts, state=state, strict=strict)
         restored = restore_newest(
             listed(self.saves, self._ctl), saves=self.saves, ctl=self._ctl, io_group=self._io_group,
-            model=model, optimizer=optimizer, scheduler=scheduler,
+            model=model, optimizer=optimizer, scheduler=scheduler, check=check,
             on_world_size_change=on_world_size_change, reseed_base=reseed_base,
         )  # fmt: skip
         if restored is not None:

@@ -26,6 +26,7 @@ counters, gives every rank a fresh reproducible stream, and says so in the log.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,7 @@ def restore_save(
     scheduler: Any,
     on_world_size_change: str,
     reseed_base: int,
+    check: Callable[..., Any] | None = None,
 ) -> DistributedRestore:
     """Verify, load and apply one save on every rank; collective over ``ctl``.
 
@@ -172,6 +174,8 @@ def restore_save(
         model, optimizer, scheduler: Restored in place; ``scheduler`` may be ``None``.
         on_world_size_change: ``"refuse"`` or ``"reseed"`` (see the module doc).
         reseed_base: Base seed for ``"reseed"``.
+        check: ``check(data, source=...)`` refuses this rank's saved data (a ``StateMismatchError``)
+            before anything is loaded into the live objects, e.g. the state API's part names.
 
     Returns:
         The restore's record on this rank.
@@ -203,27 +207,14 @@ def restore_save(
         )
     # Same world: each rank reads its own blob. Changed world: everyone reads rank 0's counters.
     blob_key = rank_key(0 if resharded else ctl.rank)
-    template = build_load_template(model, optimizer, scheduler, blob_keys=[blob_key])
-    try:
-        with quiet_single_process(not ctl.enabled):
-            dcp.load(
-                template,
-                storage_reader=saves.reader(verified),
-                planner=WeightsOnlyLoadPlanner(),
-                process_group=io_group,
-                no_dist=not ctl.enabled,
-            )
-    except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
-        raise_from_checkpoint_exception(exc, f"loading {name}", reading=True)
-    problem = None
-    try:
-        rank_state = decode_rank_state(template[blob_key], where=f"{name}/{blob_key}")
-    except (StateMismatchError, UnsafeCheckpointError) as exc:
-        problem = (isinstance(exc, UnsafeCheckpointError), str(exc))
-    problems = [p for p in ctl.all_gather(problem) if p]  # all ranks decide together
-    if problems:
-        unsafe, message = problems[0]
-        raise (UnsafeCheckpointError if unsafe else StateMismatchError)(message)
+    where = f"{name}/{blob_key}"
+    load = dict(saves=saves, verified=verified, ctl=ctl, io_group=io_group, name=name)
+    if check is not None:  # first the blob alone: the template below already touches the live objects
+        blob = _load({blob_key: b""}, **load)[blob_key]
+        source = str(saves.step_dir(step))
+        _agreed(ctl, lambda: check(decode_rank_state(blob, where=where)["data"], source=source))
+    template = _load(build_load_template(model, optimizer, scheduler, blob_keys=[blob_key]), **load)
+    rank_state = _agreed(ctl, lambda: decode_rank_state(template[blob_key], where=where))
     apply_shared_state(model, optimizer, scheduler, template)
     seed = None
     if resharded:
@@ -256,6 +247,37 @@ def restore_save(
         save_id=manifest["save_id"],
         reseed=seed,
     )
+
+
+def _load(template: dict[str, Any], *, saves: Saves, verified: VerifiedSave, ctl: Comm,
+          io_group: dist.ProcessGroup | None, name: str) -> dict[str, Any]:  # fmt: skip
+    """``dcp.load`` the keys of ``template`` from the verified save, in place; returns ``template``."""
+    try:
+        with quiet_single_process(not ctl.enabled):
+            dcp.load(
+                template,
+                storage_reader=saves.reader(verified),
+                planner=WeightsOnlyLoadPlanner(),
+                process_group=io_group,
+                no_dist=not ctl.enabled,
+            )
+    except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
+        raise_from_checkpoint_exception(exc, f"loading {name}", reading=True)
+    return template
+
+
+def _agreed(ctl: Comm, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on every rank; a refusal on any rank is raised on all of them (they decide together)."""
+    problem = result = None
+    try:
+        result = fn()
+    except (StateMismatchError, UnsafeCheckpointError) as exc:
+        problem = (isinstance(exc, UnsafeCheckpointError), str(exc))
+    problems = [p for p in ctl.all_gather(problem) if p]
+    if problems:
+        unsafe, message = problems[0]
+        raise (UnsafeCheckpointError if unsafe else StateMismatchError)(message)
+    return result
 
 
 def restore_newest(steps: list[int], *, saves: Saves, ctl: Comm, **options: Any) -> DistributedRestore | None:

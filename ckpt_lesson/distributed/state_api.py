@@ -36,6 +36,7 @@ __all__ = [
     "PARTS_KEY",
     "apply_rank_parts",
     "as_restored",
+    "check_rank_parts",
     "has_rank_parts",
     "rank_data",
     "restore_args",
@@ -110,12 +111,18 @@ def rank_data(parts: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def apply_rank_parts(data: Any, state: Mapping[str, Any], *, source: str, strict: bool) -> dict[str, Any]:
-    """Load the other objects from this rank's blob; returns the plain values.
+def check_rank_parts(data: Any, state: Mapping[str, Any], *, source: str, strict: bool) -> dict[str, Any]:
+    """Refuse a save whose parts do not fit ``state``; returns the blob's parts block.
+
+    A restore calls it on the blob it read *before* it applies anything (weights included),
+    so a refused restore changes nothing.
 
     Raises:
         StateMismatchError: The save was not made through the state API, or its parts
             do not fit ``state`` (named by part).
+
+    Example:
+        >>> check_rank_parts(data, {"model": m}, source="step-4", strict=True)  # doctest: +SKIP
     """
     block = data.get(PARTS_KEY) if isinstance(data, dict) else None
     if not isinstance(block, dict) or not all(
@@ -127,6 +134,16 @@ def apply_rank_parts(data: Any, state: Mapping[str, Any], *, source: str, strict
         )
     kinds = {n: (VALUE if k == VALUE else OBJECT) for n, k in block["kinds"].items()}
     check_part_names(kinds, state, source=source, strict=strict)
+    return block
+
+
+def apply_rank_parts(data: Any, state: Mapping[str, Any], *, source: str, strict: bool) -> dict[str, Any]:
+    """Load the other objects from this rank's blob; returns the plain values.
+
+    Raises:
+        StateMismatchError: As :func:`check_rank_parts`, or an object refused its saved state.
+    """
+    block = check_rank_parts(data, state, source=source, strict=strict)
     for name, saved in block["objects"].items():
         if name not in state:
             continue
