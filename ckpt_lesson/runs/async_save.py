@@ -12,7 +12,7 @@ time (seconds for a real model). Only the first has to stop training, so an
    except the large optimizer-state tensors: by default the writer copies those
    first, while the next forward and backward run, and every optimizer's next
    ``step()`` waits until it has (``overlap_copy``; see
-   :mod:`~ckpt_lesson.runs.deferred_copy`).
+   :mod:`~ckpt_lesson.runs.snapshot`).
 2. **Write, in the background.** One thread runs the manager's full commit
    protocol (:meth:`CheckpointManager.save <ckpt_lesson.runs.manager.CheckpointManager.save>`)
    on the snapshot, passing ``rng=snapshot.rng``, while training continues.
@@ -81,9 +81,8 @@ from typing import Any, Literal
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.payload import build_state_payload
 from ckpt_lesson.runs.async_report import forget_failure, lower_writer_priority, note_failure
-from ckpt_lesson.runs.deferred_copy import DeferredCopies, StepGate, stepped_storages
 from ckpt_lesson.runs.manager import CheckpointManager
-from ckpt_lesson.runs.snapshot import TrainingSnapshot, snapshot_payload
+from ckpt_lesson.runs.snapshot import DeferredCopies, StepGate, TrainingSnapshot, snapshot_payload
 from ckpt_lesson.runs.state_args import is_state_call, positional_save_args
 
 __all__ = ["AsyncCheckpointer", "TrainingSnapshot"]
@@ -113,7 +112,7 @@ class AsyncCheckpointer:
         overlap_copy: Which large tensors the writer thread copies while the next
             forward and backward run, instead of the training thread now; every
             optimizer's next ``step()`` waits until they are copied (see
-            :mod:`~ckpt_lesson.runs.deferred_copy`). ``"optimizer"`` (the
+            :mod:`~ckpt_lesson.runs.snapshot`). ``"optimizer"`` (the
             default): optimizer state (AdamW's moments are two thirds of the
             state). ``True``: parameters too, for loops where nothing but
             ``step()`` writes parameters between saves. ``False``: copy
@@ -308,7 +307,7 @@ class AsyncCheckpointer:
         if self._gate is None:
             self._gate = StepGate()
         live = args[1].values() if is_state_call(args) and isinstance(args[1], Mapping) else args[:2]
-        return DeferredCopies(stepped_storages(live, parameters=self.overlap_copy is True))
+        return DeferredCopies(live, parameters=self.overlap_copy is True)
 
     def _write(self, snapshot: Any, extras: dict[str, Any] | None, later: DeferredCopies | None) -> None:
         try:

@@ -19,8 +19,8 @@ from torch.optim.optimizer import _global_optimizer_pre_hooks
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.runs.async_save import AsyncCheckpointer
-from ckpt_lesson.runs.deferred_copy import DeferredCopies, StepGate, stepped_storages
 from ckpt_lesson.runs.manager import CheckpointManager
+from ckpt_lesson.runs.snapshot import DeferredCopies, StepGate
 
 
 def make_run(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -109,7 +109,7 @@ def test_an_overlapped_save_holds_the_values_from_before_the_next_optimizer_step
 
 def test_only_large_parameters_and_moments_are_deferred_never_buffers_or_small_tensors():
     model, opt = make_run()
-    later = DeferredCopies(stepped_storages([model, opt]))
+    later = DeferredCopies([model, opt])
     deferred = {name for name, t in model.state_dict().items() if later.wants(t)}
     assert deferred == {"2.weight"}  # 4 MiB; the first layer's 256 KiB and every bias are small
     assert not later.wants(model[1].running_mean)  # a buffer: a forward pass changes it
@@ -165,7 +165,7 @@ def test_by_default_moments_wait_for_the_writer_and_parameters_are_copied_at_onc
 
 def test_only_moments_are_deferred_by_default():
     model, opt = make_run()
-    later = DeferredCopies(stepped_storages([model, opt], parameters=False))
+    later = DeferredCopies([model, opt], parameters=False)
     assert not any(later.wants(t) for t in model.state_dict().values())
     moments = [t for s in opt.state.values() for t in s.values() if t.nbytes >= 1 << 20]
     assert moments and all(later.wants(t) for t in moments)
