@@ -45,14 +45,7 @@ from ckpt_lesson.files.checkpoint import (
 from ckpt_lesson.files.integrity import FileDigest
 from ckpt_lesson.short_repr import short_repr
 
-__all__ = [
-    "ACCUMULATION_SCHEMA",
-    "AccumulationState",
-    "accumulation_extras",
-    "load_accumulating",
-    "restore_accumulation",
-    "save_accumulating",
-]
+__all__ = ["ACCUMULATION_SCHEMA", "AccumulationState", "load_accumulating", "save_accumulating"]
 
 #: Version tag of the ``extras["accumulation"]`` block.
 ACCUMULATION_SCHEMA = "ckpt.accum.v1"
@@ -80,27 +73,6 @@ class AccumulationState(TrainState):
         return {k: v for k, v in super().to_dict().items() if k in base}
 
 
-def accumulation_extras(
-    model: nn.Module, state: AccumulationState, *, accum_steps: int, micro_batch_size: int
-) -> dict[str, Any]:
-    """The ``extras["accumulation"]`` block for a save at ``state``.
-
-    At a boundary the block holds no gradients (they are zero by definition);
-    mid-accumulation it holds a clone of every non-``None`` ``param.grad``.
-    """
-    grads: dict[str, torch.Tensor] = {}
-    if state.micro_step > 0:
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return {
-        "schema": ACCUMULATION_SCHEMA,
-        "accum_steps": int(accum_steps),
-        "micro_batch_size": int(micro_batch_size),
-        "micro_step": int(state.micro_step),
-        "micro_losses": [float(x) for x in state.micro_losses],
-        "grads": grads,
-    }
-
-
 def save_accumulating(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -116,39 +88,22 @@ def save_accumulating(
 
     Safe at any micro-step. Returns the file's digest.
     """
-    block = accumulation_extras(model, state, accum_steps=accum_steps, micro_batch_size=micro_batch_size)
+    grads: dict[str, torch.Tensor] = {}
+    if state.micro_step > 0:  # at a boundary the gradients are zero by definition: none are stored
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    block = {
+        "schema": ACCUMULATION_SCHEMA,
+        "accum_steps": int(accum_steps),
+        "micro_batch_size": int(micro_batch_size),
+        "micro_step": int(state.micro_step),
+        "micro_losses": [float(x) for x in state.micro_losses],
+        "grads": grads,
+    }
     extras: dict[str, Any] = {"accumulation": block}
     if state.micro_step > 0:
         # Mid-accumulation the gradients are state: make plain loaders refuse the file.
         extras[REQUIRES_KEY] = ["accumulation"]
     return save_checkpoint(model, optimizer, scheduler, state, path, extras=extras, data=data)
-
-
-def restore_accumulation(
-    payload: dict[str, Any],
-    model: nn.Module,
-    *,
-    accum_steps: int,
-    micro_batch_size: int,
-    source: str = "<payload>",
-) -> tuple[int, list[float]]:
-    """Check the payload's accumulation block and put its gradients into ``param.grad``.
-
-    Returns:
-        ``(micro_step, micro_losses)`` to continue from.
-
-    Raises:
-        StateMismatchError: No block, a different ``accum_steps`` or
-            ``micro_batch_size`` (continuing with another split changes the
-            run), or gradients that do not fit the model's parameters.
-            Nothing is assigned unless every check passes.
-    """
-    micro_step, micro_losses, grads = _checked_block(
-        payload, model, accum_steps=accum_steps, micro_batch_size=micro_batch_size, source=source
-    )
-    for name, param in model.named_parameters():
-        param.grad = grads[name].to(param.device).clone() if name in grads else None
-    return micro_step, micro_losses
 
 
 def _checked_block(
@@ -207,10 +162,12 @@ def load_accumulating(
     """Load a :func:`save_accumulating` file: all five buckets, then the gradients.
 
     Raises:
-        CheckpointError: Anything :func:`~ckpt_lesson.files.checkpoint.read_checkpoint`,
-            :func:`~ckpt_lesson.files.checkpoint.apply_payload` or
-            :func:`restore_accumulation` refuses; the accumulation block is
-            checked first, so a refused file changes nothing.
+        StateMismatchError: No accumulation block, a different ``accum_steps``
+            or ``micro_batch_size`` (continuing with another split changes the
+            run), or gradients that do not fit the model's parameters.
+        CheckpointError: Anything :func:`~ckpt_lesson.files.checkpoint.read_checkpoint`
+            or :func:`~ckpt_lesson.files.checkpoint.apply_payload` refuses. The
+            accumulation block is checked first, so a refused file changes nothing.
 
     Example:
         >>> st = load_accumulating(  # doctest: +SKIP
@@ -219,9 +176,10 @@ def load_accumulating(
     payload = read_checkpoint(path, map_location=map_location)
     source = str(path)
     kw = {"accum_steps": accum_steps, "micro_batch_size": micro_batch_size, "source": source}
-    _checked_block(payload, model, **kw)
+    micro_step, micro_losses, grads = _checked_block(payload, model, **kw)
     base = apply_payload(payload, model, optimizer, scheduler, source=source, handles=("accumulation",))
-    micro_step, micro_losses = restore_accumulation(payload, model, **kw)
+    for name, param in model.named_parameters():
+        param.grad = grads[name].to(param.device).clone() if name in grads else None
     return AccumulationState(
         step=base.step,
         epoch=base.epoch,
