@@ -6,7 +6,8 @@ time (seconds for a real model). Only the first has to stop training, so an
 :class:`AsyncCheckpointer` does:
 
 1. **Snapshot, synchronously.** :meth:`TrainingSnapshot.capture` copies every
-   tensor of the three ``state_dict()``\\ s to CPU memory of its own, copies the
+   tensor of the three ``state_dict()``\\ s to CPU memory of its own (the
+   previous snapshot's buffers, refilled), copies the
    :class:`~ckpt_lesson.files.checkpoint.TrainState`, and captures the generators
    *now*. When it returns, the snapshot shares no memory with the live objects,
    except the large optimizer-state tensors: by default the writer copies those
@@ -21,15 +22,6 @@ Why the generators are captured at the snapshot: the next training steps draw
 dropout masks and input jitter. A state captured when the thread gets round to
 writing would describe some later step, and a resume would continue with the
 wrong random numbers, plausibly but not identically.
-
-Why the snapshot buffers are kept between saves: allocating a fresh copy of
-the whole state on every save costs page faults on every byte (the stall
-measured 0.19 s for a 400 MB state; refilling kept buffers, 0.044 s). Once
-the previous save has finished, its buffers are free, so the next snapshot
-copies into them (pinned memory when the tensors live on a GPU, so the copy
-is a fast DMA). A tensor whose shape, dtype or strides changed gets a new
-buffer. Every tensor is overwritten with the new values or freshly allocated;
-nothing of one save can survive into the next.
 
 Why at most one save is in flight: each snapshot is a full copy of the
 training state, so a queue of them is unbounded memory; one in flight means at
@@ -243,7 +235,7 @@ class AsyncCheckpointer:
                 self._gate.shut()  # from here until the writer has copied them, steps wait
             thread = threading.Thread(
                 target=self._write,
-                args=(snapshot, copy.deepcopy(extras), later),
+                args=(snapshot, step, copy.deepcopy(extras), later),
                 name=f"ckpt-save-step-{step}",
                 daemon=False,
             )
@@ -309,11 +301,13 @@ class AsyncCheckpointer:
         live = args[1].values() if is_state_call(args) and isinstance(args[1], Mapping) else args[:2]
         return DeferredCopies(live, parameters=self.overlap_copy is True)
 
-    def _write(self, snapshot: Any, extras: dict[str, Any] | None, later: DeferredCopies | None) -> None:
+    def _write(
+        self, snapshot: Any, step: int, extras: dict[str, Any] | None, later: DeferredCopies | None
+    ) -> None:
         try:
             try:  # first the copies the training thread left: its next optimizer step waits for them
                 if later is not None:
-                    later.run(snapshot["step"] if isinstance(snapshot, dict) else snapshot.state.step)
+                    later.run(step)
             finally:
                 if self._gate is not None:
                     self._gate.open()
@@ -329,7 +323,6 @@ class AsyncCheckpointer:
                 )
         except BaseException as exc:  # kept for the training thread, which alone can act on it
             self._error = exc
-            step = snapshot["step"] if isinstance(snapshot, dict) else snapshot.state.step
             note_failure(step, exc)  # reported at exit if nobody asks before then
 
     def _wait_locked(self) -> Path | None:

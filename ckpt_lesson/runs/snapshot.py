@@ -2,10 +2,13 @@
 
 :class:`~ckpt_lesson.runs.async_save.AsyncCheckpointer` takes one of these on the
 training thread and hands it to its writer thread. The copy is what the training
-thread pays for (the "stall"), so it reuses the previous snapshot's buffers
-whenever their shapes, dtypes and devices still fit (pinned CPU memory for CUDA
-tensors): a copy into memory already touched, instead of a fresh allocation that
-the kernel must zero page by page.
+thread pays for (the "stall"), so once the previous save has finished, the next
+snapshot refills its buffers wherever shapes, dtypes and strides still fit
+(pinned CPU memory for CUDA tensors, so the copy is a fast DMA): a copy into
+memory already touched, instead of a fresh allocation that the kernel must zero
+page by page (the stall measured 0.19 s for a 400 MB state; refilling kept
+buffers, 0.044 s). Every tensor is overwritten with the new values or freshly
+allocated; nothing of one save can survive into the next.
 
 Copied at memory speed, the snapshot still costs about a tenth of a synchronous
 save here, and it grows with the model. Most of those bytes are optimizer
