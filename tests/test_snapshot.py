@@ -1,4 +1,4 @@
-"""``AsyncCheckpointer(overlap_copy=...)``: large tensors copied on the writer thread.
+"""The snapshot's deferred copies (``overlap_copy=...``): large tensors copied on the writer thread.
 
 By default (``"optimizer"``) the optimizer's moments are deferred; ``True`` defers
 parameters too.
