@@ -9,7 +9,7 @@ that have not been checked. A restore from a store therefore goes
    size or digest differs is damage;
 3. only then does the ordinary restore load the parts, through the same archive
    check and weights-only load as a local file, without hashing them again
-   (:mod:`ckpt_lesson.runs.save_source`).
+   (:func:`ckpt_lesson.runs.restore.load_save`).
 
 A sharded save is the exception: its loaders read a folder, so its parts are
 written into a fresh local folder (:func:`fetch_verified`) and the local
@@ -46,7 +46,7 @@ from ckpt_lesson.runs.layout import (
     check_manifest,
     step_dir_name,
 )
-from ckpt_lesson.runs.save_source import SaveSource, VerifiedSave
+from ckpt_lesson.runs.restore import SaveSource, VerifiedSave
 from ckpt_lesson.runs.store_commit import read_commit
 
 __all__ = ["fetch_verified", "open_verified", "read_committed_manifest", "read_verified", "verify_store_save"]
@@ -241,7 +241,7 @@ def open_verified(storage: Storage, step: int, cache: Path) -> SaveSource:
     """Committed save ``step``, verified, as the restore loaders take it: in memory where they can.
 
     A single-file save (the default layout, positional or state API) comes back
-    as a :class:`~ckpt_lesson.runs.save_source.VerifiedSave`: nothing is written
+    as a :class:`~ckpt_lesson.runs.restore.VerifiedSave`: nothing is written
     locally and nothing is hashed twice. A sharded save's loaders read a folder,
     so it is fetched into ``cache/step-XXXXXXXX`` (:func:`fetch_verified`) and
     that folder is returned; the caller removes it after the restore.
