@@ -53,11 +53,10 @@ from ckpt_lesson.runs.contract import ENV_POLICIES
 from ckpt_lesson.runs.deleter import BackgroundRetention
 from ckpt_lesson.runs.layout import step_dir_name
 from ckpt_lesson.runs.loop_api import LoopMethods, default_run_dir
-from ckpt_lesson.runs.manager_config import EventHook, ManagerConfig
+from ckpt_lesson.runs.manager_config import EventHook, ManagerConfig, is_state_call, positional_save_args
 from ckpt_lesson.runs.manager_restore import RestoreMethods
 from ckpt_lesson.runs.retention import RetentionPolicy
 from ckpt_lesson.runs.save_parts import refuse_if_already_saved, stage_payload_save, stage_save
-from ckpt_lesson.runs.state_args import is_state_call, positional_save_args
 from ckpt_lesson.runs.store_run import DEFAULT_LEASE_SECONDS, StoreRun
 
 __all__ = ["CheckpointManager", "StoreCheckpointManager"]
@@ -296,7 +295,7 @@ class CheckpointManager(RestoreMethods, LoopMethods):
             step, state = args
             if extras is not None:
                 raise CheckpointError("extras= is for the positional form; put values in the state.")
-            return self._save_payload(build_state_payload(step, state, rng=rng, data=self.config.data))
+            return self.save_payload(build_state_payload(step, state, rng=rng, data=self.config.data))
         model, optimizer, scheduler, state = positional_save_args(args)
         step = state.step
         return self._commit(step, lambda staging: stage_save(
@@ -305,9 +304,6 @@ class CheckpointManager(RestoreMethods, LoopMethods):
 
     def save_payload(self, payload: dict[str, Any]) -> Any:
         """Commit a payload from ``build_state_payload`` (or an asynchronous snapshot of one)."""
-        return self._save_payload(payload)
-
-    def _save_payload(self, payload: dict[str, Any]) -> Any:
         self.check_open()
         return self._commit(payload["step"], lambda staging: stage_payload_save(
             staging, self.config, payload, emit=self._emit

@@ -15,15 +15,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpt_lesson.errors import StateMismatchError
+from ckpt_lesson.errors import CheckpointError, StateMismatchError
 from ckpt_lesson.files.apply import Restored
 from ckpt_lesson.files.checkpoint import BUCKETS
 from ckpt_lesson.files.payload import PARTS_SCHEMA
 from ckpt_lesson.files.schema import current_env
 from ckpt_lesson.runs.contract import check_contract, resume_report
 from ckpt_lesson.runs.layout import MANIFEST_NAME, ScanResult, inspect_save, published_steps
+from ckpt_lesson.runs.manager_config import positional_restore_args
 from ckpt_lesson.runs.restore import Candidates, SaveSource, load_newest_good, load_save, log
-from ckpt_lesson.runs.state_args import check_state_mapping, positional_restore_args
 
 if TYPE_CHECKING:  # for the annotations only
     from ckpt_lesson.runs.cadence import SaveCadence
@@ -122,7 +122,10 @@ class RestoreMethods:
         }
         # The call form first, so wrong arguments are named before anything is listed or read.
         if len(args) == 1 and not isinstance(args[0], Mapping):
-            check_state_mapping(args[0])
+            raise CheckpointError(
+                f"state must be a mapping of named parts, e.g. {{'model': model, 'optimizer': opt}}, "
+                f"got {type(args[0]).__name__}."
+            )
         into = args[0] if len(args) == 1 else positional_restore_args(args)
         started = time.perf_counter()
         candidates = self._restore_candidates()
