@@ -151,7 +151,6 @@ class CheckpointManager(RestoreMethods, LoopMethods):
             raise CheckpointError(f"env_policy must be one of {ENV_POLICIES}, got {env_policy!r}.")
         self.expect = dict(expect or {})
         self.env_policy = env_policy
-        self._contract: tuple[Any, list[str]] | None = None
         self.config = ManagerConfig(
             keep_last=keep_last,
             every_steps=every_steps,
@@ -342,17 +341,13 @@ class CheckpointManager(RestoreMethods, LoopMethods):
 
     # ------------------------------------------------------------------ retention and cleanup
 
-    def apply_retention(self, *, fresh: tuple[int, ...] = ()) -> list[int]:
+    def apply_retention(self) -> list[int]:
         """Run one retention pass now, on this thread; returns the steps it deleted.
 
         Every save the policy would keep instead gets the cheap checks, and the
-        least recently hashed of them is hashed again (``fresh`` ones count as
-        hashed just now): see :mod:`~ckpt_lesson.runs.reverify`.
+        least recently hashed of them is hashed again: see :mod:`~ckpt_lesson.runs.reverify`.
         """
-        self._retention.wait()
-        for step in fresh:
-            self._retention.known.mark_hashed(step)
-        return self._retention.run_now()
+        return self._retention.run_now()  # it waits for the pass in flight first
 
     def clean_stale(self, *, spare_own: bool = False) -> list[str]:
         """Remove staging folders of dead writers and ``.deleting-`` leftovers; see ``commit.clean_stale``.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,20 +44,16 @@ class RestoreMethods:
     env_policy: str
     _retention: BackgroundRetention
     _cadence: SaveCadence
-    _contract: tuple[Any, list[str]] | None
     last_restore: dict[str, Any] | None
 
     # ------------------------------------------------------------------ discovery
-
-    def _published(self) -> list[int]:
-        return published_steps(self.run_dir)
 
     def all_steps(self) -> list[int]:
         """Saved steps, ascending (folders with a manifest, or committed steps). Nothing is hashed."""
         if self.store is not None:
             return self.store.all_steps()
         self._retention.wait()
-        return [s for s in self._published() if (self.step_dir(s) / MANIFEST_NAME).is_file()]
+        return [s for s in published_steps(self.run_dir) if (self.step_dir(s) / MANIFEST_NAME).is_file()]
 
     def verify_step(self, step: int) -> ScanResult:
         """Hash every part of one local save against its manifest; updates the known-good set."""
@@ -72,7 +69,7 @@ class RestoreMethods:
         """The newest step whose save verifies (a store's: marker and manifest, parts not downloaded)."""
         if self.store is not None:
             return self.store.latest_step()
-        for step in reversed(self._published()):
+        for step in reversed(published_steps(self.run_dir)):
             if self.verify_step(step).ok:
                 return step
         return None
@@ -110,16 +107,9 @@ class RestoreMethods:
         """
         self.check_open()
         self._retention.wait()
-        self._contract = None
         skipped: list[dict[str, Any]] = []
         # Filled at once, so that a failed restore still reports what it skipped.
-        self.last_restore = {
-            "step": None,
-            "save_id": None,
-            "path": None,
-            "skipped": skipped,
-            "manifest": None,
-        }
+        self.last_restore = dict(step=None, save_id=None, path=None, skipped=skipped, manifest=None)
         # The call form first, so wrong arguments are named before anything is listed or read.
         if len(args) == 1 and not isinstance(args[0], Mapping):
             raise CheckpointError(
@@ -132,24 +122,23 @@ class RestoreMethods:
         if not candidates.steps:
             log.info("%s: no saves; starting fresh", candidates.where)
             return None
+        contracts: list[tuple[Any, list[str]]] = []  # (report, warnings) of each save that passed it
+        load = partial(
+            load_save,
+            into=into,
+            strict=strict,
+            map_location=map_location,
+            mmap=mmap,
+            check_contract=lambda target, manifest: contracts.append(self._check_contract(target, manifest)),
+        )
         try:
-            step, target, manifest, result = load_newest_good(
-                candidates,
-                lambda target, step: load_save(
-                    target,
-                    step,
-                    into,
-                    strict=strict,
-                    map_location=map_location,
-                    check_contract=self._check_contract,
-                    mmap=mmap,
-                ),
-                skipped=skipped,
-            )
+            step, target, manifest, result = load_newest_good(candidates, load, skipped=skipped)
         finally:
             if self.store is not None:
                 self.store.drop_downloads()
         self._retention.known.forget([s["step"] for s in skipped])
+        # The chosen save's contract: load_save checks it before reading any of its parts.
+        report, warnings = contracts[-1]
         self.last_restore.update(
             step=step,
             save_id=manifest.get("save_id"),
@@ -158,12 +147,11 @@ class RestoreMethods:
             layout=manifest["layout"],
             manifest=manifest,
             seconds=time.perf_counter() - started,
+            contract=report.to_dict(),
+            contract_warnings=warnings,
         )
         self._retention.known.mark_hashed(step)
         self._cadence.mark_saved(step)
-        contract = self._contract
-        self.last_restore["contract"] = contract[0].to_dict() if contract else None
-        self.last_restore["contract_warnings"] = contract[1] if contract else []
         if isinstance(result, Restored):
             result.skipped = list(skipped)
             if self.store is not None:
@@ -174,15 +162,16 @@ class RestoreMethods:
         """The saves :meth:`restore_latest` may choose from: published folders, or committed saves."""
         if self.store is not None:
             return self.store.candidates()
-        return Candidates(str(self.run_dir), self._published(), self.step_dir, relist=self._published)
+        listed = partial(published_steps, self.run_dir)  # asked again when a save vanishes mid-restore
+        return Candidates(str(self.run_dir), listed(), self.step_dir, relist=listed)
 
-    def _check_contract(self, target: SaveSource, manifest: dict[str, Any]) -> None:
+    def _check_contract(self, target: SaveSource, manifest: dict[str, Any]) -> tuple[Any, list[str]]:
         """The resume contract, from the manifest alone: nothing is loaded before it passes.
 
         Not damage, so never skipped in favour of an older save: a save that covers fewer
         buckets, or belongs to other data, another model, config or environment, is refused,
         and older saves of the same run would be refused alike. The report is logged, emitted
-        (``resume_contract``) and kept, with the warnings, for ``last_restore``.
+        (``resume_contract``) and returned with the warnings, for ``last_restore``.
 
         Raises:
             StateMismatchError: The save does not cover every bucket.
@@ -200,4 +189,4 @@ class RestoreMethods:
         report = resume_report(manifest, current={**self.expect, "env": current_env()})
         log.info("%s", report.format())
         self._emit("resume_contract", step=manifest["step"], save_id=manifest.get("save_id"), report=report)
-        self._contract = (report, check_contract(report, env_policy=self.env_policy))
+        return report, check_contract(report, env_policy=self.env_policy)

@@ -84,10 +84,6 @@ class VerifiedSave:
 
 #: A save to restore: its local folder, or its verified bytes in memory.
 SaveSource = Union[Path, VerifiedSave]  # noqa: UP007 - a runtime alias; ``X | Y`` needs no quotes from 3.10 on
-#: ``check(target, manifest)``: raises when the save must not be resumed (the resume contract).
-ContractCheck = Callable[[SaveSource, dict[str, Any]], None]
-#: Where a save is restored to: the state API's ``{name: part}`` mapping, or ``(model, optimizer, scheduler)``
-Into = Mapping[str, Any] | tuple[Any, Any, Any]
 
 
 class Candidates(NamedTuple):
@@ -117,11 +113,11 @@ class Candidates(NamedTuple):
 def load_save(
     target: SaveSource,
     step: int,
-    into: Into,
+    into: Mapping[str, Any] | tuple[Any, Any, Any],
     *,
     strict: bool = True,
     map_location: Any = "cpu",
-    check_contract: ContractCheck,
+    check_contract: Callable[[SaveSource, dict[str, Any]], None],
     mmap: bool = True,
 ) -> tuple[dict[str, Any], Any]:
     """Verify one published save and restore it into the live objects.

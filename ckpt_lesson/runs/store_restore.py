@@ -52,13 +52,11 @@ from ckpt_lesson.runs.store_commit import read_commit
 __all__ = ["fetch_verified", "open_verified", "read_committed_manifest", "read_verified", "verify_store_save"]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-#: Ranged GETs this large, several in flight (files/storage_transfer.py): few requests, bounded memory.
-DOWNLOAD_CHUNK_BYTES = RANGE_BYTES
-
-Sink = Callable[[memoryview], None]
 
 
-def _stream_part(storage: Storage, key: str, part: dict[str, Any], sink: Sink) -> None:
+def _stream_part(
+    storage: Storage, key: str, part: dict[str, Any], sink: Callable[[memoryview], None]
+) -> None:
     """Stream one part down, hashing every block in order and handing it to ``sink``; check it all.
 
     ``sink`` sees only bytes within the recorded size; the check comes after the last
@@ -67,7 +65,8 @@ def _stream_part(storage: Storage, key: str, part: dict[str, Any], sink: Sink) -
     algo, want = part_digest(part)
     hasher, size = new_hasher(algo), 0
     try:
-        for chunk in storage.iter_chunks(key, chunk=DOWNLOAD_CHUNK_BYTES, size=part["bytes"]):
+        # Ranged GETs this large, several in flight (files/storage_transfer.py): few requests, bounded memory.
+        for chunk in storage.iter_chunks(key, chunk=RANGE_BYTES, size=part["bytes"]):
             size += len(chunk)
             if size > part["bytes"]:
                 break  # longer than recorded: damage, and no reason to download the rest
