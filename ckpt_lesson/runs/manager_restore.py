@@ -117,8 +117,8 @@ class RestoreMethods:
                 f"got {type(args[0]).__name__}."
             )
         into = args[0] if len(args) == 1 else positional_restore_args(args)
-        started = time.perf_counter()
         candidates = self._restore_candidates()
+        started = time.perf_counter()
         if not candidates.steps:
             log.info("%s: no saves; starting fresh", candidates.where)
             return None
