@@ -30,7 +30,7 @@ from ckpt_lesson.files.apply import Restored
 from ckpt_lesson.files.fit import check_part_names
 from ckpt_lesson.files.payload import OBJECT, VALUE, is_object, validate_payload
 from ckpt_lesson.files.train_state import TrainState
-from ckpt_lesson.runs.state_args import is_state_call, positional_restore_args, positional_save_args
+from ckpt_lesson.runs.manager_config import is_state_call, positional_restore_args, positional_save_args
 
 __all__ = [
     "PARTS_KEY",

@@ -74,8 +74,8 @@ from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.payload import build_state_payload
 from ckpt_lesson.runs.async_report import forget_failure, lower_writer_priority, note_failure
 from ckpt_lesson.runs.manager import CheckpointManager
+from ckpt_lesson.runs.manager_config import is_state_call, positional_save_args
 from ckpt_lesson.runs.snapshot import DeferredCopies, StepGate, TrainingSnapshot, snapshot_payload
-from ckpt_lesson.runs.state_args import is_state_call, positional_save_args
 
 __all__ = ["AsyncCheckpointer", "TrainingSnapshot"]
 

@@ -147,11 +147,7 @@ def current_contract(
     out: dict[str, Any] = {"env": current_env(world_size=world_size)}
     if data is not None:
         out["data"] = dict(data)
-    if model is not None:
-        out["model_fingerprint"] = model_fingerprint(model)
-    if config is not None:
-        out["config_fingerprint"] = config_fingerprint(config)
-    return out
+    return {**out, **contract_metadata(model=model, config=config)[CONTRACT_KEY]}
 
 
 @dataclass(frozen=True)

@@ -53,11 +53,10 @@ from ckpt_lesson.runs.contract import ENV_POLICIES
 from ckpt_lesson.runs.deleter import BackgroundRetention
 from ckpt_lesson.runs.layout import step_dir_name
 from ckpt_lesson.runs.loop_api import LoopMethods, default_run_dir
-from ckpt_lesson.runs.manager_config import EventHook, ManagerConfig
+from ckpt_lesson.runs.manager_config import EventHook, ManagerConfig, is_state_call, positional_save_args
 from ckpt_lesson.runs.manager_restore import RestoreMethods
 from ckpt_lesson.runs.retention import RetentionPolicy
 from ckpt_lesson.runs.save_parts import refuse_if_already_saved, stage_payload_save, stage_save
-from ckpt_lesson.runs.state_args import is_state_call, positional_save_args
 from ckpt_lesson.runs.store_run import DEFAULT_LEASE_SECONDS, StoreRun
 
 __all__ = ["CheckpointManager", "StoreCheckpointManager"]
@@ -152,7 +151,6 @@ class CheckpointManager(RestoreMethods, LoopMethods):
             raise CheckpointError(f"env_policy must be one of {ENV_POLICIES}, got {env_policy!r}.")
         self.expect = dict(expect or {})
         self.env_policy = env_policy
-        self._contract: tuple[Any, list[str]] | None = None
         self.config = ManagerConfig(
             keep_last=keep_last,
             every_steps=every_steps,
@@ -296,7 +294,7 @@ class CheckpointManager(RestoreMethods, LoopMethods):
             step, state = args
             if extras is not None:
                 raise CheckpointError("extras= is for the positional form; put values in the state.")
-            return self._save_payload(build_state_payload(step, state, rng=rng, data=self.config.data))
+            return self.save_payload(build_state_payload(step, state, rng=rng, data=self.config.data))
         model, optimizer, scheduler, state = positional_save_args(args)
         step = state.step
         return self._commit(step, lambda staging: stage_save(
@@ -305,9 +303,6 @@ class CheckpointManager(RestoreMethods, LoopMethods):
 
     def save_payload(self, payload: dict[str, Any]) -> Any:
         """Commit a payload from ``build_state_payload`` (or an asynchronous snapshot of one)."""
-        return self._save_payload(payload)
-
-    def _save_payload(self, payload: dict[str, Any]) -> Any:
         self.check_open()
         return self._commit(payload["step"], lambda staging: stage_payload_save(
             staging, self.config, payload, emit=self._emit
@@ -346,17 +341,13 @@ class CheckpointManager(RestoreMethods, LoopMethods):
 
     # ------------------------------------------------------------------ retention and cleanup
 
-    def apply_retention(self, *, fresh: tuple[int, ...] = ()) -> list[int]:
+    def apply_retention(self) -> list[int]:
         """Run one retention pass now, on this thread; returns the steps it deleted.
 
         Every save the policy would keep instead gets the cheap checks, and the
-        least recently hashed of them is hashed again (``fresh`` ones count as
-        hashed just now): see :mod:`~ckpt_lesson.runs.reverify`.
+        least recently hashed of them is hashed again: see :mod:`~ckpt_lesson.runs.reverify`.
         """
-        self._retention.wait()
-        for step in fresh:
-            self._retention.known.mark_hashed(step)
-        return self._retention.run_now()
+        return self._retention.run_now()  # it waits for the pass in flight first
 
     def clean_stale(self, *, spare_own: bool = False) -> list[str]:
         """Remove staging folders of dead writers and ``.deleting-`` leftovers; see ``commit.clean_stale``.

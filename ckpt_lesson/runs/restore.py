@@ -1,8 +1,8 @@
 """Loading one managed save: check everything that is cheap before anything that is not.
 
 :meth:`~ckpt_lesson.runs.manager.CheckpointManager.restore_latest` walks the saves
-newest first and hands each candidate to :func:`load_save`, whichever call form
-it was given: the state API's mapping of parts, or the positional
+newest first (:func:`load_newest_good`) and hands each candidate to :func:`load_save`,
+whichever call form it was given: the state API's mapping of parts, or the positional
 ``(model, optimizer, scheduler)``, which is the same load with the buckets seen as
 the parts ``model``, ``optimizer``, ``scheduler``. The order of the checks inside is the lesson:
 
@@ -13,10 +13,13 @@ the parts ``model``, ``optimizer``, ``scheduler``. The order of the checks insid
 4. every part hashes to its recorded digest, and only then is the payload
    unpickled (safely, ``weights_only``), its step checked, and applied.
 
-A save is a local folder, or (a restore from an object store) a save whose
-parts were verified into memory as they downloaded; for those, steps 3 and 4's
-hashing is already done and only the weights-only load remains
-(:mod:`ckpt_lesson.runs.save_source`).
+A save is read from one of two *sources* (:data:`SaveSource`): its local
+``step-XXXXXXXX`` folder, or a :class:`VerifiedSave` from an object store whose
+every part was hashed against the manifest while it streamed down
+(:mod:`ckpt_lesson.runs.store_restore`). For those, steps 3 and 4's hashing is
+already done and only the weights-only load remains, through the same archive
+check as a file (:class:`~ckpt_lesson.files.verified_bytes.VerifiedBytes`): one
+restore for both, not a second copy of it.
 
 Damage (``CorruptCheckpointError``, ``IncompleteCheckpointError``) makes the
 manager try the next save. Anything else (a contract that does not match,
@@ -28,65 +31,100 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, Union
 
-from ckpt_lesson.errors import CorruptCheckpointError, StateMismatchError
-from ckpt_lesson.files.apply import apply_state_payload, parts_view
-from ckpt_lesson.files.checkpoint import (
-    BUCKETS,
-    TrainState,
-    apply_payload,
-    read_checkpoint,
-    read_state_payload,
+from ckpt_lesson.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StateMismatchError,
 )
+from ckpt_lesson.files.apply import apply_state_payload, parts_view
+from ckpt_lesson.files.checkpoint import TrainState, apply_payload, read_checkpoint, read_state_payload
 from ckpt_lesson.files.integrity import part_digest
 from ckpt_lesson.files.payload import PARTS_SCHEMA
-from ckpt_lesson.files.schema import current_env
-from ckpt_lesson.files.sharded import load_sharded_checkpoint
-from ckpt_lesson.runs.contract import ResumeReport, check_contract, resume_report
-from ckpt_lesson.runs.save_source import (
-    SaveSource,
-    check_parts_present,
-    source_folder,
-    source_manifest,
-    source_part,
-    verify_other_parts,
-)
-from ckpt_lesson.runs.state_args import check_state_mapping, positional_restore_args
+from ckpt_lesson.files.safe_read import read_json_file
+from ckpt_lesson.files.sharded import INDEX_NAME, load_sharded_checkpoint
+from ckpt_lesson.files.verified_bytes import VerifiedBytes
+from ckpt_lesson.files.verify import verify_record
+from ckpt_lesson.runs.layout import read_manifest, step_dir_name
 
-__all__ = [
-    "check_parts_present",  # from save_source, where they learned to pass a save in memory
-    "check_resume_contract",
-    "load_save",
-    "loader_for",
-    "verify_other_parts",
-]
+__all__ = ["Candidates", "SaveSource", "VerifiedSave", "load_newest_good", "load_save"]
 
 # The manager's messages, under the manager's logger name (see ckpt_lesson.runs.commit for why).
 log = logging.getLogger("ckpt_lesson.runs.manager")
 
-#: ``check(target, manifest)``: raises when the save must not be resumed; see :func:`check_resume_contract`.
-ContractCheck = Callable[[SaveSource, dict[str, Any]], None]
-#: Where a save is restored to: the state API's ``{name: part}`` mapping, or ``(model, optimizer, scheduler)``
-Into = Mapping[str, Any] | tuple[Any, Any, Any]
+
+@dataclass(eq=False)
+class VerifiedSave:
+    """One committed save whose every part was verified against its manifest while it downloaded.
+
+    Attributes:
+        name: The save's folder name, ``step-XXXXXXXX`` (messages name it like a local save).
+        url: Where it lives, e.g. ``s3://bucket/run/step-00000240``; ``str()`` gives it.
+        manifest: The manifest, matched to the commit marker and sealed-checked.
+        parts: ``{file name: its verified bytes}``, one entry per manifest part.
+
+    Example:
+        >>> save = VerifiedSave("step-00000240", "s3://b/run/step-00000240", {"parts": []})
+        >>> str(save)
+        's3://b/run/step-00000240'
+    """
+
+    name: str
+    url: str
+    manifest: dict[str, Any]
+    parts: dict[str, VerifiedBytes] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return self.url
+
+
+#: A save to restore: its local folder, or its verified bytes in memory.
+SaveSource = Union[Path, VerifiedSave]  # noqa: UP007 - a runtime alias; ``X | Y`` needs no quotes from 3.10 on
+
+
+class Candidates(NamedTuple):
+    """The saves a restore may choose from, and how to open one.
+
+    Attributes:
+        where: The run, for messages (a folder or a URL).
+        steps: Their steps, ascending; the restore tries them newest first.
+        open: ``open(step) -> SaveSource``; it may raise damage
+            (``CorruptCheckpointError``, ``IncompleteCheckpointError``), which
+            makes the restore try the next older step.
+        noun: What the saves are called in the "none is usable" message.
+        hint: The last line of that message: where to look next.
+        relist: ``relist() -> steps``: the saves there are *now*, asked again when
+            a candidate vanished or turned out damaged (another process's
+            retention, or its next save, changes the run while it is restored).
+    """
+
+    where: str
+    steps: list[int]
+    open: Callable[[int], SaveSource]
+    noun: str = "save(s)"
+    hint: str = "Copy the folder for inspection; 'python -m ckpt_lesson scan DIR' shows the same list."
+    relist: Callable[[], list[int]] | None = None
 
 
 def load_save(
     target: SaveSource,
     step: int,
-    into: Into,
+    into: Mapping[str, Any] | tuple[Any, Any, Any],
     *,
     strict: bool = True,
     map_location: Any = "cpu",
-    check_contract: ContractCheck,
+    check_contract: Callable[[SaveSource, dict[str, Any]], None],
     mmap: bool = True,
 ) -> tuple[dict[str, Any], Any]:
     """Verify one published save and restore it into the live objects.
 
     Args:
         target: The ``step-XXXXXXXX`` folder, or a save verified into memory
-            (:class:`~ckpt_lesson.runs.save_source.VerifiedSave`, its parts already hashed).
+            (a :class:`VerifiedSave`, its parts already hashed).
         step: The step its name promises; manifest and payload must agree.
         into: The live ``{name: part}`` mapping (state API), or ``(model, optimizer, scheduler)``;
             objects are restored in place.
@@ -115,7 +153,10 @@ def load_save(
         ...     run / "step-00000240", 240, {"model": model}, check_contract=no_contract)
     """
     positional = isinstance(into, tuple)
-    manifest = source_manifest(target)
+    # A save in memory: its manifest is the one the marker pinned, and every part's size and
+    # digest were checked as it streamed in, so the folder's stat and hash steps are skipped.
+    in_memory = isinstance(target, VerifiedSave)
+    manifest = target.manifest if in_memory else read_manifest(target)
     if manifest["step"] != step:
         raise CorruptCheckpointError(f"{target.name}: manifest records step {manifest['step']}")
     parts_save = manifest.get("payload_schema") == PARTS_SCHEMA
@@ -125,12 +166,16 @@ def load_save(
             "with mgr.restore_latest({'model': model, 'optimizer': opt, ...})."
         )
     check_contract(target, manifest)
-    check_parts_present(target, manifest)
+    if not in_memory:
+        _check_parts_present(target, manifest)
     source: Any = target
     if manifest["layout"] == "single":
-        verify_other_parts(target, manifest, skip={"checkpoint.pt"})
         algo, want = part_digest({p["file"]: p for p in manifest["parts"]}["checkpoint.pt"])
-        source = source_part(target, "checkpoint.pt")
+        if in_memory:
+            source = target.parts["checkpoint.pt"]
+        else:
+            _verify_other_parts(target, manifest, skip={"checkpoint.pt"})
+            source = target / "checkpoint.pt"
         # One pass: the loader checks footer and the manifest's digest while hashing.
         if parts_save:
             payload = read_state_payload(
@@ -146,13 +191,15 @@ def load_save(
             "restore_latest(model, optimizer, scheduler), or save through the state API from now on."
         )
     else:
-        verify_other_parts(target, manifest, skip=set())  # pins index.json; the loader checks the rest
+        # Sharded loaders read a folder: the store restore hands a sharded save over as a
+        # verified folder in its cache, never in memory (store_restore.open_verified).
+        _verify_other_parts(target, manifest, skip=set())  # pins index.json; the loader checks the rest
         if positional:  # the sharded positional loader applies as it reads
-            state = load_sharded_checkpoint(source_folder(target), *into, map_location=map_location)
+            state = load_sharded_checkpoint(target, *into, map_location=map_location)
             # Everything was applied already; the next (older) candidate replaces all five buckets.
             _check_step(target, state.step, step)
             return manifest, state
-        payload = read_state_payload(source_folder(target), map_location=map_location)
+        payload = read_state_payload(target, map_location=map_location)
     if positional:
         _check_step(target, TrainState.from_dict(payload["state"], source=str(source)).step, step)
         return manifest, apply_payload(payload, *into, source=str(source))
@@ -169,64 +216,110 @@ def _check_step(target: SaveSource, saved: int, step: int) -> None:
         raise CorruptCheckpointError(f"{target.name}: payload holds step {saved}")
 
 
-def loader_for(
-    args: tuple[Any, ...], *, strict: bool, map_location: Any, mmap: bool, check_contract: ContractCheck
-) -> Callable[[SaveSource, int], tuple[dict[str, Any], Any]]:
-    """``load(source, step)`` for ``restore_latest(*args)``: the state API for one mapping, else positional.
-
-    Raises:
-        CheckpointError: Arguments of neither form (named by :mod:`~ckpt_lesson.runs.state_args`).
-    """
-    if len(args) == 1 and not isinstance(args[0], Mapping):
-        check_state_mapping(args[0])
-    into = args[0] if len(args) == 1 else positional_restore_args(args)
-    return lambda target, step: load_save(
-        target, step, into, strict=strict, map_location=map_location, check_contract=check_contract, mmap=mmap
-    )
+def _check_parts_present(target: Path, manifest: dict[str, Any]) -> None:
+    """Every manifest part exists with its recorded size: a ``stat`` each, no reading."""
+    for part in manifest["parts"]:  # presence and size first: free, and names a missing part exactly
+        path = target / part["file"]
+        if not path.is_file() or path.is_symlink():
+            raise IncompleteCheckpointError(f"{target.name}: part {part['file']} is missing")
+        if path.stat().st_size != part["bytes"]:
+            size = path.stat().st_size
+            raise CorruptCheckpointError(
+                f"{target.name}: {part['file']}: size {size} != recorded {part['bytes']}"
+            )
 
 
-def check_resume_contract(
-    target: SaveSource,
-    manifest: dict[str, Any],
+def _verify_other_parts(target: Path, manifest: dict[str, Any], *, skip: set[str]) -> None:
+    """Hash every manifest part except ``skip`` and, when sharded, the files the index covers."""
+    if manifest["layout"] == "sharded":
+        # Those are verified by the sharded loader, against the index.json pinned here. An
+        # unreadable index skips nothing: every part is then hashed against the manifest instead.
+        try:
+            index = read_json_file(target / INDEX_NAME, what="index")
+            entries = [*index["shards"], index["meta"]]
+            skip = skip | {
+                e["file"] for e in entries if isinstance(e, dict) and isinstance(e.get("file"), str)
+            }
+        except (OSError, ValueError, KeyError, TypeError):  # CorruptCheckpointError is a ValueError
+            pass
+    for part in manifest["parts"]:
+        if part["file"] in skip:
+            continue
+        problem = verify_record(target / part["file"], part)
+        if problem:
+            raise CorruptCheckpointError(f"{target.name}: {problem}")
+
+
+def load_newest_good(
+    candidates: Candidates,
+    load: Callable[[SaveSource, int], tuple[dict[str, Any], Any]],
     *,
-    expect: dict[str, Any],
-    env_policy: str,
-    emit: Callable[..., None],
-) -> tuple[ResumeReport, list[str]]:
-    """The resume contract, from the manifest alone: nothing is loaded before it passes.
+    skipped: list[dict[str, Any]],
+) -> tuple[int, SaveSource, dict[str, Any], Any]:
+    """Try the saves newest first; load the first that verifies, skipping (and logging) damage.
 
-    Not damage, so never skipped in favour of an older save: a save that
-    covers fewer buckets, or belongs to other data, another model, config
-    or environment, is refused, and older saves of the same run would be refused alike.
+    When a save turns out damaged or gone and ``candidates.relist`` is set, the
+    saves are listed again and the newest one not tried yet comes next, newer
+    ones included: a restore that races another process's retention (which
+    deleted the save being read, after committing a newer one) follows the run.
 
     Args:
-        target: The save folder (for messages).
-        manifest: Its parsed manifest.
-        expect: What the resume must match (``data``, ``config_fingerprint``, ...).
-        env_policy: ``"refuse"``, ``"warn"`` or ``"allow"`` an environment change.
-        emit: ``emit(name, **info)``; called once with ``"resume_contract"``.
+        candidates: The steps to try and how to open each (a folder, or a save
+            verified into memory).
+        load: ``load(source, step) -> (manifest, result)``: :func:`load_save` with the live
+            objects bound; raises on damage.
+        skipped: A list this function appends ``{"step", "status", "reason"}`` to,
+            one per damaged or incomplete save passed over (the caller keeps it
+            for its report even when this raises); with a re-listing also
+            ``"relisted"``, the steps found then.
 
     Returns:
-        The report (also logged) and the warnings :func:`~ckpt_lesson.runs.contract.check_contract` returned.
+        ``(step, source, manifest, result)`` of the save that was loaded.
 
     Raises:
-        StateMismatchError: The save does not cover every bucket.
-        ContractMismatchError: Data, model, config or (per ``env_policy``) environment differ.
+        CheckpointError: No save is usable (the message lists each one's
+            reason), or an error that is not damage (an older save would not fix it).
 
     Example:
-        >>> report, warnings = check_resume_contract(  # doctest: +SKIP
-        ...     target, manifest, expect={}, env_policy="refuse", emit=lambda name, **info: None)
+        >>> step, source, manifest, state = load_newest_good(  # doctest: +SKIP
+        ...     mgr._restore_candidates(), load, skipped=[])
     """
-    covers = manifest.get("covers") if isinstance(manifest.get("covers"), list) else []
-    # A state-API save covers the parts it was given; the restore compares them by name.
-    required = () if manifest.get("payload_schema") == PARTS_SCHEMA else BUCKETS
-    missing = [b for b in required if b not in covers]
-    if missing:
-        raise StateMismatchError(
-            f"{target.name}: this save does not cover {missing}; a resume needs every bucket. "
-            "Use warm_start_from() to start a new experiment from its weights."
-        )
-    report = resume_report(manifest, current={**expect, "env": current_env()})
-    log.info("%s", report.format())
-    emit("resume_contract", step=manifest["step"], save_id=manifest.get("save_id"), report=report)
-    return report, check_contract(report, env_policy=env_policy)
+    steps, tried = list(candidates.steps), set()
+    while untried := [s for s in steps if s not in tried]:
+        step = max(untried)  # the newest not tried yet: after a re-listing, possibly newer than the last
+        tried.add(step)
+        try:
+            # Opening is inside: a download that finds a part damaged or gone is damage too.
+            target = candidates.open(step)
+            manifest, state = load(target, step)
+        except (CorruptCheckpointError, IncompleteCheckpointError, OSError) as exc:
+            # An OSError (EIO) reading a part is damage to this copy, like a wrong hash: fall back.
+            # LoadEnvironmentError is not caught: once the hashes match, an older save would fail alike
+            # (and a store that cannot be reached is no reason to pick an older save either).
+            status = "incomplete" if isinstance(exc, IncompleteCheckpointError) else "corrupt"
+            entry = {"step": step, "status": status, "reason": str(exc)}
+            if candidates.relist is not None:
+                # The run may have moved on meanwhile (another process's retention removed this save,
+                # and its next save is newer): follow it rather than only falling back.
+                steps = candidates.relist()
+                newer = sorted(s for s in steps if s > step and s not in tried)
+                entry["relisted"] = steps
+                if newer:
+                    entry["reason"] = (
+                        f"{str(exc).rstrip('.')}. Listed the saves again: newer step(s) {newer} appeared; "
+                        "trying them."
+                    )
+            skipped.append(entry)
+            log.warning("restore: skipping %s (%s): %s", step_dir_name(step), status, entry["reason"])
+            continue
+        if skipped:
+            which = "newer" if all(s["step"] > step for s in skipped) else "other"
+            log.warning("restored step %d after skipping %d %s save(s)", step, len(skipped), which)
+        else:
+            log.info("restored step %d from %s", step, target)
+        return step, target, manifest, state
+    lines = "\n".join(f"  step {s['step']}: {s['status']}: {s['reason']}" for s in skipped)
+    raise CheckpointError(
+        f"{candidates.where}: {len(skipped)} {candidates.noun} found but none is usable:\n{lines}\n"
+        f"Nothing was restored. {candidates.hint}"
+    )

@@ -2,11 +2,13 @@
 
 :meth:`CheckpointManager.save <ckpt_lesson.runs.manager.CheckpointManager.save>`
 reads as the protocol (stage, write parts, manifest, verify, publish, retain);
-the three steps that touch the payload live here as small functions:
+the steps that touch the payload live here, the same for both call forms
+(:func:`stage_save`, :func:`stage_payload_save`), which differ only in their writer
+and in what the manifest says the save covers:
 
-* :func:`write_parts` writes the checkpoint file (or the shards, ``meta.pt`` and
-  ``index.json``) into the staging folder and returns each part's size and
-  digest, taken *while* the bytes were written, never from a re-read;
+* the checkpoint file (or the shards, ``meta.pt`` and ``index.json``) is written
+  into the staging folder, each part's size and digest taken *while* the bytes
+  were written, never from a re-read;
 * :func:`build_manifest` turns those parts into the commit record;
 * :func:`verify_staged` optionally checks every part before publishing.
 """
@@ -37,7 +39,6 @@ __all__ = [
     "stage_payload_save",
     "stage_save",
     "verify_staged",
-    "write_parts",
 ]
 
 #: ``emit(name, **info)``: the manager's event hook, bound to its ``on_event``.
@@ -52,36 +53,6 @@ def refuse_if_already_saved(target: Path, step: int) -> None:
             "Save a later step, or delete that folder by hand if you really mean to replace it. A run "
             "restarted after a crash must call restore_latest first, so it continues after its last save."
         )
-
-
-def write_parts(
-    staging: Path, config: ManagerConfig, step: int, write: Callable[..., Any], *, emit: Emit
-) -> list[dict[str, Any]]:
-    """Write one save's files into ``staging``; returns ``[{"file", "bytes", "algo", "digest"}, ...]``.
-
-    ``write(target, **options)`` is the payload's writer (positional or state API), called with
-    ``staging/checkpoint.pt`` or, sharded, with ``staging`` and ``num_shards`` and ``layout``.
-    """
-    single = config.num_shards is None
-    emit("part_begin", step=step, file="checkpoint.pt" if single else "*")
-    options: dict[str, Any] = {"algo": config.hash_algo, "zip_crc32": config.zip_crc32}
-    if single:
-        parts = [{"file": "checkpoint.pt", **write(staging / "checkpoint.pt", **options).record()}]
-    else:
-        parts = sharded_parts(
-            write(staging, num_shards=config.num_shards, layout=config.shard_layout, **options)
-        )
-    for part in parts:
-        emit("part_written", step=step, **part)
-    return parts
-
-
-def sharded_parts(result: Any) -> list[dict[str, Any]]:
-    """The manifest's part records of a sharded save: every shard, ``meta.pt``, then ``index.json``."""
-    fields = ("bytes", "algo", "digest")
-    parts = [{"file": f["name"], **{k: f[k] for k in fields}} for f in [*result.files, result.meta]]
-    parts.append({"file": INDEX_NAME, **result.index.record()})
-    return parts
 
 
 def build_manifest(
@@ -169,28 +140,7 @@ def stage_save(
             model, optimizer, scheduler, state, target, extras=extras, data=config.data, rng=rng, **options
         )
 
-    parts = write_parts(staging, config, state.step, write, emit=emit)
-    return _finish_stage(staging, config, parts, state.step, emit, build_manifest(config, state, parts))
-
-
-def _finish_stage(
-    staging: Path,
-    config: ManagerConfig,
-    parts: list[dict[str, Any]],
-    step: int,
-    emit: Emit,
-    manifest: dict[str, Any],
-) -> dict[str, Any]:
-    """The end of every staged save: the manifest (written, fsynced), then the optional re-read."""
-    emit("parts_complete", step=step, files=[p["file"] for p in parts])
-    atomic_write_json(manifest, staging / MANIFEST_NAME)
-    fsync_dir(staging)
-    emit("manifest_written", step=step, save_id=manifest["save_id"])
-    mode = verify_mode(config.verify_on_save)
-    if mode is not None:
-        verify_staged(staging, parts, mode)
-        emit("verified", step=step, save_id=manifest["save_id"], mode=mode)
-    return manifest
+    return _stage(staging, config, state.step, write, emit, partial(build_manifest, config, state))
 
 
 def stage_payload_save(
@@ -202,8 +152,44 @@ def stage_payload_save(
         The manifest as written.
     """
     step = payload["step"]
-    parts = write_parts(staging, config, step, partial(write_state_payload, payload), emit=emit)
-    return _finish_stage(staging, config, parts, step, emit, build_manifest(
-        config, {"step": step}, parts, payload_schema=PARTS_SCHEMA,
-        covers=[*payload["kinds"], *(["rng"] if payload["rng"] is not None else [])],
-    ))  # fmt: skip
+    covers = [*payload["kinds"], *(["rng"] if payload["rng"] is not None else [])]
+    manifest_of = partial(build_manifest, config, {"step": step}, payload_schema=PARTS_SCHEMA, covers=covers)
+    return _stage(staging, config, step, partial(write_state_payload, payload), emit, manifest_of)
+
+
+def _stage(
+    staging: Path,
+    config: ManagerConfig,
+    step: int,
+    write: Callable[..., Any],
+    emit: Emit,
+    manifest_of: Callable[[list[dict[str, Any]]], dict[str, Any]],
+) -> dict[str, Any]:
+    """Parts, then the manifest (written, fsynced), then the optional re-read.
+
+    ``write(target, **options)`` is the payload's writer (positional or state API), called with
+    ``staging/checkpoint.pt`` or, sharded, with ``staging`` and ``num_shards`` and ``layout``.
+    """
+    single = config.num_shards is None
+    emit("part_begin", step=step, file="checkpoint.pt" if single else "*")
+    options: dict[str, Any] = {"algo": config.hash_algo, "zip_crc32": config.zip_crc32}
+    if single:
+        parts = [{"file": "checkpoint.pt", **write(staging / "checkpoint.pt", **options).record()}]
+    else:
+        # The manifest's part records of a sharded save: every shard, meta.pt, then index.json.
+        result = write(staging, num_shards=config.num_shards, layout=config.shard_layout, **options)
+        fields = ("bytes", "algo", "digest")
+        parts = [{"file": f["name"], **{k: f[k] for k in fields}} for f in [*result.files, result.meta]]
+        parts.append({"file": INDEX_NAME, **result.index.record()})
+    for part in parts:
+        emit("part_written", step=step, **part)
+    manifest = manifest_of(parts)
+    emit("parts_complete", step=step, files=[p["file"] for p in parts])
+    atomic_write_json(manifest, staging / MANIFEST_NAME)
+    fsync_dir(staging)
+    emit("manifest_written", step=step, save_id=manifest["save_id"])
+    mode = verify_mode(config.verify_on_save)
+    if mode is not None:
+        verify_staged(staging, parts, mode)
+        emit("verified", step=step, save_id=manifest["save_id"], mode=mode)
+    return manifest

@@ -9,7 +9,7 @@ that have not been checked. A restore from a store therefore goes
    size or digest differs is damage;
 3. only then does the ordinary restore load the parts, through the same archive
    check and weights-only load as a local file, without hashing them again
-   (:mod:`ckpt_lesson.runs.save_source`).
+   (:func:`ckpt_lesson.runs.restore.load_save`).
 
 A sharded save is the exception: its loaders read a folder, so its parts are
 written into a fresh local folder (:func:`fetch_verified`) and the local
@@ -31,7 +31,7 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ckpt_lesson.errors import CorruptCheckpointError, IncompleteCheckpointError
 from ckpt_lesson.files.hashing import new_hasher, part_digest
@@ -46,19 +46,17 @@ from ckpt_lesson.runs.layout import (
     check_manifest,
     step_dir_name,
 )
-from ckpt_lesson.runs.save_source import SaveSource, VerifiedSave
+from ckpt_lesson.runs.restore import SaveSource, VerifiedSave
 from ckpt_lesson.runs.store_commit import read_commit
 
 __all__ = ["fetch_verified", "open_verified", "read_committed_manifest", "read_verified", "verify_store_save"]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-#: Ranged GETs this large, several in flight (files/storage_transfer.py): few requests, bounded memory.
-DOWNLOAD_CHUNK_BYTES = RANGE_BYTES
-
-Sink = Callable[[memoryview], None]
 
 
-def _stream_part(storage: Storage, key: str, part: dict[str, Any], sink: Sink) -> None:
+def _stream_part(
+    storage: Storage, key: str, part: dict[str, Any], sink: Callable[[memoryview], None]
+) -> None:
     """Stream one part down, hashing every block in order and handing it to ``sink``; check it all.
 
     ``sink`` sees only bytes within the recorded size; the check comes after the last
@@ -67,7 +65,8 @@ def _stream_part(storage: Storage, key: str, part: dict[str, Any], sink: Sink) -
     algo, want = part_digest(part)
     hasher, size = new_hasher(algo), 0
     try:
-        for chunk in storage.iter_chunks(key, chunk=DOWNLOAD_CHUNK_BYTES, size=part["bytes"]):
+        # Ranged GETs this large, several in flight (files/storage_transfer.py): few requests, bounded memory.
+        for chunk in storage.iter_chunks(key, chunk=RANGE_BYTES, size=part["bytes"]):
             size += len(chunk)
             if size > part["bytes"]:
                 break  # longer than recorded: damage, and no reason to download the rest
@@ -82,39 +81,6 @@ def _stream_part(storage: Storage, key: str, part: dict[str, Any], sink: Sink) -
             f"{storage.where(key)}: {size} bytes that do not match the manifest "
             f"({part['bytes']} bytes, {algo} {want}); it is damaged. Restore an older save."
         )
-
-
-def _fetch_part(storage: Storage, key: str, dest: Path, part: dict[str, Any]) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        _stream_part(storage, key, part, out.write)
-
-
-def _checked_manifest(
-    storage: Storage, step: int, marker: dict[str, Any], raw: bytes, *, multi_rank: bool | None = False
-) -> dict[str, Any]:
-    """The manifest ``raw`` parsed and seal-checked, and matched to the marker.
-
-    ``multi_rank``: ``False`` accepts only a single-process manifest (a multi-rank one is a
-    :class:`~ckpt_lesson.errors.SchemaError` naming the right manager), ``True`` only a
-    multi-rank (DCP) one, ``None`` whichever the record says it is.
-    """
-    where = storage.where(f"{step_dir_name(step)}/{marker['save_id']}/{MANIFEST_NAME}")
-    manifest = parse_json_text(raw, where=where)
-    if multi_rank is None:
-        multi_rank = isinstance(manifest, dict) and manifest.get("schema") == DCP_MANIFEST_SCHEMA
-    if multi_rank:  # seal, then fields (part names plain, .metadata listed): its own module's checks
-        MANIFEST_KINDS[DCP_MANIFEST_SCHEMA].check(manifest, where)
-    else:  # schema, seal, part names that stay inside the folder: exactly as for a local manifest
-        manifest = check_manifest(manifest, where=where)
-    if manifest["step"] != step or manifest["save_id"] != marker["save_id"]:
-        raise CorruptCheckpointError(
-            f"{storage.where(step_dir_name(step))}: the manifest names step {manifest['step']} / save "
-            f"{manifest['save_id']}, the marker step {step} / save {marker['save_id']}; "
-            "restore an older save."
-        )
-    return manifest
 
 
 def read_committed_manifest(
@@ -146,8 +112,22 @@ def read_committed_manifest(
         ('dcp', 'step-00000040/5be0c1...')
     """
     marker, raw = read_commit(storage, step)
-    manifest = _checked_manifest(storage, step, marker, raw, multi_rank=multi_rank)
-    return manifest, raw, f"{step_dir_name(step)}/{marker['save_id']}"
+    attempt = f"{step_dir_name(step)}/{marker['save_id']}"
+    where = storage.where(f"{attempt}/{MANIFEST_NAME}")
+    manifest = parse_json_text(raw, where=where)
+    if multi_rank is None:
+        multi_rank = isinstance(manifest, dict) and manifest.get("schema") == DCP_MANIFEST_SCHEMA
+    if multi_rank:  # seal, then fields (part names plain, .metadata listed): its own module's checks
+        MANIFEST_KINDS[DCP_MANIFEST_SCHEMA].check(manifest, where)
+    else:  # schema, seal, part names that stay inside the folder: exactly as for a local manifest
+        manifest = check_manifest(manifest, where=where)
+    if manifest["step"] != step or manifest["save_id"] != marker["save_id"]:
+        raise CorruptCheckpointError(
+            f"{storage.where(step_dir_name(step))}: the manifest names step {manifest['step']} / save "
+            f"{manifest['save_id']}, the marker step {step} / save {marker['save_id']}; "
+            "restore an older save."
+        )
+    return manifest, raw, attempt
 
 
 def fetch_verified(storage: Storage, step: int, cache: Path) -> dict[str, Any]:
@@ -170,35 +150,35 @@ def fetch_verified(storage: Storage, step: int, cache: Path) -> dict[str, Any]:
     Example:
         >>> manifest = fetch_verified(store, 240, Path("/tmp/cache"))  # doctest: +SKIP
     """
-    marker, raw = read_commit(storage, step)
-    return _fetch_into(storage, step, marker, raw, cache)
+    return _fetch_into(storage, step, cache, *read_committed_manifest(storage, step, multi_rank=False))
 
 
 def _fetch_into(
-    storage: Storage, step: int, marker: dict[str, Any], raw: bytes, cache: Path
+    storage: Storage, step: int, cache: Path, manifest: dict[str, Any], raw: bytes, attempt: str
 ) -> dict[str, Any]:
     target = cache / step_dir_name(step)
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir(parents=True)
     try:
-        fd = os.open(target / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
-        with os.fdopen(fd, "wb") as out:
+        with _create(target / MANIFEST_NAME) as out:
             out.write(raw)
-        manifest = _checked_manifest(storage, step, marker, raw)
-        attempt = f"{step_dir_name(step)}/{marker['save_id']}"
         for part in manifest["parts"]:
-            _fetch_part(storage, f"{attempt}/{part['file']}", target / part["file"], part)
+            with _create(target / part["file"]) as out:
+                _stream_part(storage, f"{attempt}/{part['file']}", part, out.write)
     except BaseException:
         shutil.rmtree(target, ignore_errors=True)
         raise
     return manifest
 
 
-def _read_parts(
-    storage: Storage, step: int, marker: dict[str, Any], manifest: dict[str, Any]
-) -> dict[str, VerifiedBytes]:
+def _create(dest: Path) -> BinaryIO:
+    """A new file to write: created fresh (``O_EXCL``), never through a link planted in the cache."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    return os.fdopen(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600), "wb")
+
+
+def _read_parts(storage: Storage, attempt: str, manifest: dict[str, Any]) -> dict[str, VerifiedBytes]:
     """Every part of the save streamed into memory and verified; each one's bytes joined once."""
-    attempt = f"{step_dir_name(step)}/{marker['save_id']}"
     parts: dict[str, VerifiedBytes] = {}
     for part in manifest["parts"]:
         blocks: list[memoryview] = []
@@ -232,16 +212,15 @@ def read_verified(storage: Storage, step: int) -> tuple[dict[str, Any], dict[str
         >>> manifest, parts = read_verified(store, 240)  # doctest: +SKIP
         >>> torch.load(io.BytesIO(parts["checkpoint.pt"]), weights_only=True)  # doctest: +SKIP
     """
-    marker, raw = read_commit(storage, step)
-    manifest = _checked_manifest(storage, step, marker, raw)
-    return manifest, {name: part.data for name, part in _read_parts(storage, step, marker, manifest).items()}
+    manifest, _, attempt = read_committed_manifest(storage, step, multi_rank=False)
+    return manifest, {name: part.data for name, part in _read_parts(storage, attempt, manifest).items()}
 
 
 def open_verified(storage: Storage, step: int, cache: Path) -> SaveSource:
     """Committed save ``step``, verified, as the restore loaders take it: in memory where they can.
 
     A single-file save (the default layout, positional or state API) comes back
-    as a :class:`~ckpt_lesson.runs.save_source.VerifiedSave`: nothing is written
+    as a :class:`~ckpt_lesson.runs.restore.VerifiedSave`: nothing is written
     locally and nothing is hashed twice. A sharded save's loaders read a folder,
     so it is fetched into ``cache/step-XXXXXXXX`` (:func:`fetch_verified`) and
     that folder is returned; the caller removes it after the restore.
@@ -261,13 +240,12 @@ def open_verified(storage: Storage, step: int, cache: Path) -> SaveSource:
         >>> source = open_verified(store, 240, Path("/tmp/cache"))  # doctest: +SKIP
         >>> manifest, state = load_save(source, 240, (model, opt, sched), ...)  # doctest: +SKIP
     """
-    marker, raw = read_commit(storage, step)
-    manifest = _checked_manifest(storage, step, marker, raw)
+    manifest, raw, attempt = read_committed_manifest(storage, step, multi_rank=False)
     if manifest["layout"] != "single":
-        _fetch_into(storage, step, marker, raw, cache)
+        _fetch_into(storage, step, cache, manifest, raw, attempt)
         return cache / step_dir_name(step)
     name = step_dir_name(step)
-    return VerifiedSave(name, storage.where(name), manifest, _read_parts(storage, step, marker, manifest))
+    return VerifiedSave(name, storage.where(name), manifest, _read_parts(storage, attempt, manifest))
 
 
 def verify_store_save(storage: Storage, step: int) -> dict[str, Any]:

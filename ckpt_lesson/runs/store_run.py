@@ -28,8 +28,8 @@ from ckpt_lesson.files.storage import open_storage
 from ckpt_lesson.files.storage_transfer import check_timeout
 from ckpt_lesson.runs.commit import delete_save, log
 from ckpt_lesson.runs.layout import step_dir_name
+from ckpt_lesson.runs.restore import Candidates, SaveSource
 from ckpt_lesson.runs.retention import RetentionPolicy
-from ckpt_lesson.runs.save_source import Candidates, SaveSource
 from ckpt_lesson.runs.store_commit import (
     COMMIT_NAME,
     CommitConflictError,
