@@ -1,16 +1,12 @@
 """The commit marker of a ``publish="marker"`` save: ``commit.json``, written last, checked by readers.
 
-A marker-mode save has no rename to publish it (see :mod:`ckpt_lesson.runs.commit`
-for the folder and its ``.marker-lock``): every file goes straight into the final
-``step-XXXXXXXX/`` folder, then the manifest, and *last* this small sealed record
-naming the manifest's digest::
+How such a save is written without a rename, and why, is told in :mod:`ckpt_lesson.runs.commit`.
+The marker is a small sealed record naming the manifest's digest::
 
     {"schema": "ckpt.commit.dcp.v1", "step": 40, "save_id": "5c1e...",
      "manifest": {"algo": "xxh3_128", "digest": "..."}, "record_digest": {...}}
 
-A reader counts such a folder only when the marker is there and names exactly
-the manifest beside it (its manifest says ``"publish": "marker"``, so the
-reader knows to ask).
+The manifest says ``"publish": "marker"``, so a reader knows to require it.
 """
 
 from __future__ import annotations
