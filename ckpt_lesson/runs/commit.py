@@ -55,7 +55,6 @@ __all__ = [
     "DELETING_PREFIX",
     "LOCK_NAME",
     "MARKER_LOCK",
-    "PUBLISH_MODES",
     "QUARANTINE_PREFIX",
     "STALE_UNLOCKED_SECONDS",
     "clean_stale",
@@ -81,8 +80,6 @@ STALE_UNLOCKED_SECONDS = 10.0
 COMMIT_MARKER = "commit.json"
 #: Held (flock) by the writer of a marker-mode folder while it writes; free once it is gone.
 MARKER_LOCK = ".marker-lock"
-#: ``DistributedCheckpointManager(publish=...)``: how a finished save becomes visible.
-PUBLISH_MODES = ("rename", "marker")
 
 
 def staging_name(step: int) -> str:

@@ -21,9 +21,11 @@ from ckpt_lesson.files.record_seal import seal_record, verify_record_seal
 from ckpt_lesson.files.safe_read import parse_json_text, read_regular_file
 from ckpt_lesson.runs.commit import COMMIT_MARKER
 
-__all__ = ["MARKER_SCHEMA", "check_commit_marker", "write_commit_marker"]
+__all__ = ["MARKER_SCHEMA", "PUBLISH_MODES", "check_commit_marker", "write_commit_marker"]
 
 MARKER_SCHEMA = "ckpt.commit.dcp.v1"
+#: ``DistributedCheckpointManager(publish=...)``: how a finished save becomes visible.
+PUBLISH_MODES = ("rename", "marker")
 _MAX_MARKER_BYTES = 64 << 10
 
 
