@@ -19,7 +19,7 @@ from ckpt_lesson.distributed import DistributedCheckpointManager
 from ckpt_lesson.faults.rank_chaos import RankKill, run_rank_campaign
 from ckpt_lesson.files.hashing import hash_bytes
 from ckpt_lesson.files.record_seal import seal_record
-from ckpt_lesson.runs.dcp_marker import COMMIT_MARKER, MARKER_LOCK, open_marker_folder
+from ckpt_lesson.runs.commit import COMMIT_MARKER, MARKER_LOCK, open_marker_folder
 from ckpt_lesson.runs.marker_cleanup import clean_unmarked
 from ckpt_lesson.runs.scan import scan_checkpoints
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from _distributed_local import flip_byte, restore_locally, save_locally
 
-from ckpt_lesson.runs.dcp_marker import COMMIT_MARKER, MARKER_LOCK
+from ckpt_lesson.runs.commit import COMMIT_MARKER, MARKER_LOCK
 from ckpt_lesson.runs.marker_cleanup import clean_unmarked, unmarked_save_verifies
 
 STEP2, STEP4 = "step-00000002", "step-00000004"

@@ -16,8 +16,7 @@ import pytest
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.side_files import append_beside, open_beside, replace_beside
-from ckpt_lesson.runs.commit import LOCK_NAME, writer_is_dead
-from ckpt_lesson.runs.dcp_marker import MARKER_LOCK
+from ckpt_lesson.runs.commit import LOCK_NAME, MARKER_LOCK, writer_is_dead
 from ckpt_lesson.runs.marker_cleanup import clean_unmarked
 from ckpt_lesson.runs.report import (
     PROGRESS_NAME,

@@ -33,8 +33,8 @@ from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.atomic import atomic_write_bytes, fsync_dir
 from ckpt_lesson.files.rng import capture_rng_state
 from ckpt_lesson.files.storage import is_store_url
-from ckpt_lesson.runs.commit import QUARANTINE_PREFIX, clean_stale, open_staging, publish
-from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, open_marker_folder, write_commit_marker
+from ckpt_lesson.runs.commit import QUARANTINE_PREFIX, clean_stale, open_marker_folder, open_staging, publish
+from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, write_commit_marker
 from ckpt_lesson.runs.deleter import BackgroundRetention
 from ckpt_lesson.runs.layout import MANIFEST_NAME, published_steps, step_dir_name, step_of
 from ckpt_lesson.runs.marker_cleanup import clean_unmarked

@@ -30,7 +30,7 @@ from ckpt_lesson.distributed import DistributedCheckpointManager
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.storage import is_store_url
-from ckpt_lesson.runs.dcp_marker import COMMIT_MARKER, MARKER_LOCK
+from ckpt_lesson.runs.commit import COMMIT_MARKER, MARKER_LOCK
 from ckpt_lesson.runs.scan import scan_checkpoints
 
 __all__ = [

@@ -37,7 +37,8 @@ from ckpt_lesson.files.storage import open_storage
 from ckpt_lesson.runs.layout import MANIFEST_NAME, step_dir_name
 from ckpt_lesson.runs.report import read_recovery_log
 from ckpt_lesson.runs.scan import scan_checkpoints
-from ckpt_lesson.runs.store_commit import COMMIT_NAME, LEASE_NAME, read_commit
+from ckpt_lesson.runs.store_commit import COMMIT_NAME, read_commit
+from ckpt_lesson.runs.store_lease import LEASE_NAME
 from ckpt_lesson.runs.store_restore import fetch_verified
 
 __all__ = ["StoreTarget"]

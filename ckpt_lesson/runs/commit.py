@@ -22,6 +22,15 @@ Two rules carry the whole design:
   ``flock`` on ``.lock`` for the whole save. The kernel drops it when the
   process dies, even by ``SIGKILL``, so "can I take the lock?" tells exactly
   whether a staging folder's writer is gone (:func:`writer_is_dead`).
+
+Where a folder cannot be renamed atomically (on an object store fsspec's
+``rename`` is a copy and a delete), a multi-rank save publishes by *commit
+marker* instead (``publish="marker"``): its files go straight into the final
+``step-XXXXXXXX/`` under a held ``.marker-lock`` (:func:`open_marker_folder`), then
+the manifest, and *last* a sealed ``commit.json`` naming the manifest's digest
+(:mod:`ckpt_lesson.runs.dcp_marker`). A reader counts the folder only when that
+marker names exactly the manifest beside it; one without it whose lock is free
+lost its writer (:mod:`ckpt_lesson.runs.marker_cleanup`).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
 
 from ckpt_lesson.errors import CheckpointError
@@ -42,12 +51,16 @@ from ckpt_lesson.files.side_files import open_beside, open_existing_lock
 from ckpt_lesson.runs.layout import STAGING_PREFIX, inspect_save, step_of
 
 __all__ = [
+    "COMMIT_MARKER",
     "DELETING_PREFIX",
     "LOCK_NAME",
+    "MARKER_LOCK",
     "QUARANTINE_PREFIX",
     "STALE_UNLOCKED_SECONDS",
     "clean_stale",
     "delete_save",
+    "lock_is_free",
+    "open_marker_folder",
     "open_staging",
     "publish",
     "staging_name",
@@ -63,6 +76,10 @@ DELETING_PREFIX = ".deleting-"
 QUARANTINE_PREFIX = ".quarantine-"
 #: A staging folder with no ``.lock`` this old lost its writer between mkdir and lock creation.
 STALE_UNLOCKED_SECONDS = 10.0
+#: A marker-mode save's commit, written last (see :mod:`ckpt_lesson.runs.dcp_marker`).
+COMMIT_MARKER = "commit.json"
+#: Held (flock) by the writer of a marker-mode folder while it writes; free once it is gone.
+MARKER_LOCK = ".marker-lock"
 
 
 def staging_name(step: int) -> str:
@@ -80,27 +97,40 @@ def _aside_name(prefix: str, name: str) -> str:
     return f"{prefix}{name}-{uuid.uuid4().hex[:8]}"
 
 
-def _make_staging(run_dir: Path, step: int) -> tuple[Path, int]:
-    staging = run_dir / staging_name(step)
-    staging.mkdir()
-    # Create and lock .lock right after mkdir: a staging folder without a lock is
-    # treated as abandoned once it is STALE_UNLOCKED_SECONDS old.
+@contextmanager
+def _locked_folder(
+    folder: Path, lock_name: str, committed: Callable[[], bool], *, durable: bool = False
+) -> Iterator[Path]:
+    folder.mkdir()
+    # Create and lock right after mkdir: a staging folder without a lock is treated as
+    # abandoned once it is STALE_UNLOCKED_SECONDS old.
+    fd = None
     try:
-        fd = open_beside(staging / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    try:
+        fd = open_beside(folder / lock_name, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BaseException:
-        os.close(fd)
-        shutil.rmtree(staging, ignore_errors=True)
+        if fd is not None:
+            os.close(fd)
+        shutil.rmtree(folder, ignore_errors=True)
         raise
-    return staging, fd
+    if durable:  # a marker-mode folder is the save's final name: its entry must survive a crash
+        fsync_dir(folder.parent)
+    try:
+        yield folder
+    except BaseException:
+        if not committed():  # garbage, never a save
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    finally:
+        if committed():
+            # A committed folder needs no lock, and one left behind would make a marker-mode folder
+            # look like an interrupted save to cleanup if commit.json were ever lost.
+            with suppress(OSError):
+                os.unlink(folder / lock_name)
+        os.close(fd)  # releases the flock
 
 
-@contextmanager
-def open_staging(run_dir: Path, step: int) -> Iterator[Path]:
+def open_staging(run_dir: Path, step: int) -> AbstractContextManager[Path]:
     """A fresh staging folder for ``step``, its ``.lock`` held until the block ends.
 
     If the block raises anything (an error, Ctrl-C), the staging folder is
@@ -121,15 +151,24 @@ def open_staging(run_dir: Path, step: int) -> Iterator[Path]:
         ...     write_parts(staging)
         ...     publish(staging, run_dir / "step-00000240")
     """
-    staging, lock_fd = _make_staging(run_dir, step)
-    try:
-        yield staging
-    except BaseException:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
-    finally:
-        os.close(lock_fd)  # releases the flock
+    # Never "committed" here: publish() renames the folder away and removes the .lock itself.
+    return _locked_folder(run_dir / staging_name(step), LOCK_NAME, lambda: False)
+
+
+def open_marker_folder(final: Path) -> AbstractContextManager[Path]:
+    """Create the final folder of a marker-mode save and hold its ``.marker-lock`` while writing.
+
+    If the block raises before the marker exists, the folder is removed (it was
+    never a save); after the marker it is a committed save and is kept.
+
+    Raises:
+        FileExistsError: The folder exists (the caller moves a damaged one aside first).
+
+    Example:
+        >>> with open_marker_folder(run / "step-00000040") as folder:  # doctest: +SKIP
+        ...     write_everything(folder)
+    """
+    return _locked_folder(final, MARKER_LOCK, (final / COMMIT_MARKER).exists, durable=True)
 
 
 def publish(staging: Path, final: Path, *, on_quarantined: Callable[[Path], None] | None = None) -> Path:
@@ -179,7 +218,7 @@ def publish(staging: Path, final: Path, *, on_quarantined: Callable[[Path], None
 
 
 def delete_save(src: Path, *, on_renamed: Callable[[Path], None] | None = None) -> bool:
-    """Remove one published save: rename it out of sight first, then delete the files.
+    """Remove one save (or a dead writer's folder): rename it out of sight first, then delete the files.
 
     The rename is atomic, so a kill during the (slow) ``rmtree`` leaves a
     ``.deleting-`` folder for :func:`clean_stale`, never a half-deleted folder
@@ -250,14 +289,7 @@ def clean_stale(run_dir: Path, *, spare_pid: int | None = None) -> list[str]:
             spare_pid is not None and entry.name.startswith(STAGING_PREFIX) and f"-{spare_pid}-" in entry.name
         ):
             continue  # this process's own save, perhaps between mkdir and flock
-        elif entry.name.startswith(STAGING_PREFIX) and writer_is_dead(entry):
-            doomed = run_dir / f"{DELETING_PREFIX}{entry.name.lstrip('.')}"
-            try:
-                os.replace(entry, doomed)
-                shutil.rmtree(doomed, ignore_errors=True)
-            except OSError as exc:
-                log.warning("could not remove stale %s (%s)", entry.name, exc)
-                continue
+        elif entry.name.startswith(STAGING_PREFIX) and writer_is_dead(entry) and delete_save(entry):
             log.info("removed %s: its writer is gone (an interrupted save)", entry.name)
             removed.append(entry.name)
     return removed
@@ -270,19 +302,29 @@ def writer_is_dead(staging: Path) -> bool:
         >>> writer_is_dead(run_dir / ".staging-step-00000280-4242-0f3a9c1e")  # doctest: +SKIP
         True
     """
-    try:
-        fd = open_existing_lock(staging / LOCK_NAME)
-    except FileNotFoundError:
+    if not os.path.lexists(staging / LOCK_NAME):
         try:
             return time.time() - staging.stat().st_mtime > STALE_UNLOCKED_SECONDS
         except FileNotFoundError:
             return False
-    except (OSError, CheckpointError):  # a FIFO or symlink at .lock: not ours to judge, leave it
+    return lock_is_free(staging / LOCK_NAME)
+
+
+def lock_is_free(path: Path) -> bool:
+    """True when ``path`` is a regular lock file nobody holds (``False`` when missing or odd).
+
+    Example:
+        >>> lock_is_free(run / "step-00000040" / MARKER_LOCK)  # doctest: +SKIP
+        True
+    """
+    try:
+        fd = open_existing_lock(path)
+    except (OSError, CheckpointError):  # gone, or a FIFO or symlink at the lock: not ours to judge
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
     except OSError:  # BlockingIOError: a live process holds it
         return False
     finally:
-        os.close(fd)
-    return True
+        os.close(fd)  # closing releases the lock we may have taken

@@ -2,7 +2,7 @@
 
 A ``publish="marker"`` save writes its files straight into ``step-XXXXXXXX/``
 while holding ``.marker-lock``, then ``manifest.json``, then ``commit.json``
-(see :mod:`ckpt_lesson.runs.dcp_marker`). A folder whose lock is free and
+(see :mod:`ckpt_lesson.runs.commit`). A folder whose lock is free and
 which has no ``commit.json`` has lost its writer. The *expected* such folder
 has no manifest either: the writer died while writing parts, nothing in it is
 a save, and removing it is right.
@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import uuid
 from pathlib import Path
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.atomic import fsync_dir
 from ckpt_lesson.files.safe_read import parse_json_text, read_regular_file
-from ckpt_lesson.runs.commit import QUARANTINE_PREFIX
+from ckpt_lesson.runs.commit import COMMIT_MARKER, MARKER_LOCK, QUARANTINE_PREFIX, delete_save, lock_is_free
 from ckpt_lesson.runs.dcp_manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -36,7 +35,6 @@ from ckpt_lesson.runs.dcp_manifest import (
     check_manifest_seal,
     validate_manifest,
 )
-from ckpt_lesson.runs.dcp_marker import COMMIT_MARKER, MARKER_LOCK, lock_is_free
 
 __all__ = ["clean_unmarked", "unmarked_save_verifies"]
 
@@ -96,15 +94,9 @@ def clean_unmarked(run_dir: Path) -> list[str]:
         if os.path.lexists(entry / MANIFEST_NAME):
             _quarantine(run_dir, entry)
             continue
-        doomed = run_dir / f".deleting-{entry.name}-unmarked-{uuid.uuid4().hex[:8]}"
-        try:
-            os.replace(entry, doomed)
-        except OSError as exc:
-            log.warning("could not remove unfinished %s (%s)", entry.name, exc)
-            continue
-        shutil.rmtree(doomed, ignore_errors=True)
-        log.info("removed %s: its writer is gone before the manifest (an interrupted save)", entry.name)
-        removed.append(entry.name)
+        if delete_save(entry):  # renamed aside first: a kill mid-delete leaves no half folder
+            log.info("removed %s: its writer is gone before the manifest (an interrupted save)", entry.name)
+            removed.append(entry.name)
     return removed
 
 

@@ -53,13 +53,12 @@ from ckpt_lesson.files.safe_read import MAX_RECORD_BYTES, parse_json_text
 from ckpt_lesson.files.storage import Storage
 from ckpt_lesson.runs.layout import MANIFEST_NAME, read_manifest, step_dir_name, step_of
 from ckpt_lesson.runs.retention import RetentionPolicy
-from ckpt_lesson.runs.store_lease import LEASE_NAME, LeaseRenewer, write_lease
+from ckpt_lesson.runs.store_lease import LEASE_NAME, LeaseRenewer
 
 __all__ = [
     "COMMIT_NAME",
     "COMMIT_SCHEMA",
     "CommitConflictError",
-    "LEASE_NAME",
     "apply_store_retention",
     "attempt_of",
     "clean_uncommitted",
@@ -68,7 +67,6 @@ __all__ = [
     "delete_store_save",
     "read_commit",
     "upload_save",
-    "write_lease",
 ]
 
 log = logging.getLogger("ckpt_lesson.runs.manager")

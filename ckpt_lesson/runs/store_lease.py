@@ -36,29 +36,13 @@ import time
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.storage import Storage
 
-__all__ = ["LEASE_NAME", "LeaseRenewer", "write_lease"]
+__all__ = ["LEASE_NAME", "LeaseRenewer"]
 
 log = logging.getLogger("ckpt_lesson.runs.manager")
 
 LEASE_NAME = "LEASE"
 #: Renew when this fraction of the lease has passed: two renewals may fail before it runs out.
 RENEW_FRACTION = 1 / 3
-
-
-def write_lease(storage: Storage, attempt: str, lease_seconds: float) -> float:
-    """Write (or renew) ``attempt/LEASE``: this writer promises to finish within ``lease_seconds``.
-
-    Returns:
-        The expiry the lease records (``time.time()`` seconds): until then no cleaner removes ``attempt``.
-
-    Example:
-        >>> write_lease(store, "step-00000040/5be0c1", 900)  # doctest: +SKIP
-        1790000900.0
-    """
-    expires_at = time.time() + lease_seconds
-    lease = {"writer": f"{socket.gethostname()}:{os.getpid()}", "expires_at": expires_at}
-    storage.put_bytes(f"{attempt}/{LEASE_NAME}", json.dumps(lease).encode())
-    return expires_at
 
 
 class LeaseRenewer:
@@ -81,7 +65,7 @@ class LeaseRenewer:
 
     def __init__(self, storage: Storage, attempt: str, lease_seconds: float) -> None:
         self.storage, self.attempt, self.lease_seconds = storage, attempt, float(lease_seconds)
-        self.expires_at = write_lease(storage, attempt, self.lease_seconds)
+        self.expires_at = self._write()
         #: When the lease was found run out (a renewal came too late); it is never renewed after that.
         self.lapsed_at: float | None = None
         self._stopped = threading.Event()
@@ -90,6 +74,13 @@ class LeaseRenewer:
         self._writing = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"ckpt-lesson-lease-{attempt}", daemon=True)
         self._thread.start()
+
+    def _write(self) -> float:
+        """Write (or renew) ``attempt/LEASE``: alive until the expiry returned (``time.time()`` seconds)."""
+        expires_at = time.time() + self.lease_seconds
+        lease = {"writer": f"{socket.gethostname()}:{os.getpid()}", "expires_at": expires_at}
+        self.storage.put_bytes(f"{self.attempt}/{LEASE_NAME}", json.dumps(lease).encode())
+        return expires_at
 
     def _run(self) -> None:
         while not self._stopped.wait(self.lease_seconds * RENEW_FRACTION):
@@ -100,7 +91,7 @@ class LeaseRenewer:
                     self.lapsed_at = time.time()
                     return
                 try:
-                    renewed = write_lease(self.storage, self.attempt, self.lease_seconds)
+                    renewed = self._write()
                 except Exception as exc:  # a thread has nobody to raise to: check() reports the outcome
                     log.warning(
                         "%s: could not renew %s (%s); it runs until %.0f",

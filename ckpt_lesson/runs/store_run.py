@@ -15,18 +15,43 @@ those differences are this class, which the manager holds as ``self.store``:
   and the ordinary restore loads it from there (the same archive checks and
   weights-only load as a local file, no second hash, no local copy). Only a
   sharded save is downloaded into the cache folder first (its loaders read a folder).
+
+The default cache folder is ``$TMPDIR/ckpt-lesson-cache-XXXXXXXX``
+(:class:`StagingFolder`). A process killed mid-upload (the very case a bucket
+is for) leaves its whole staged save there, and nothing else would remove it.
+So the folder's owner holds an exclusive ``flock`` on ``.owner.lock`` inside it
+for the folder's whole life; the kernel drops it when the owner dies, even by
+``SIGKILL`` (a pid could be reused; a lock cannot lie). Every new cache folder
+first reclaims the ``ckpt-lesson-cache-*`` folders beside it whose lock is free;
+a folder in use is never touched.
+
+* The folder is made under a hidden name, locked, then renamed into place, so
+  no reclaimer ever sees a ``ckpt-lesson-cache-*`` folder without its lock held.
+* A reclaimer renames a dead folder to ``.ckpt-lesson-reclaim-*`` before it
+  deletes it: one killed half-way leaves a name that is garbage by definition,
+  and the next reclaimer finishes the job (a second reclaimer's rename fails).
+* A folder without ``.owner.lock`` (made by an older version) is left alone:
+  nothing proves its owner is gone.
+* :meth:`StagingFolder.remove` (the manager's ``close()``) and interpreter exit
+  remove the current folder; a forked child never removes its parent's.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from ckpt_lesson.files.side_files import open_beside
 from ckpt_lesson.files.storage import open_storage
 from ckpt_lesson.files.storage_transfer import check_timeout
-from ckpt_lesson.runs.commit import delete_save, log
+from ckpt_lesson.runs.commit import delete_save, lock_is_free, log
 from ckpt_lesson.runs.layout import step_dir_name
 from ckpt_lesson.runs.restore import Candidates, SaveSource
 from ckpt_lesson.runs.retention import RetentionPolicy
@@ -40,12 +65,15 @@ from ckpt_lesson.runs.store_commit import (
     upload_save,
 )
 from ckpt_lesson.runs.store_restore import open_verified, verify_store_save
-from ckpt_lesson.runs.store_staging import StagingFolder
 
-__all__ = ["DEFAULT_LEASE_SECONDS", "StoreRun"]
+__all__ = ["DEFAULT_LEASE_SECONDS", "STAGING_PREFIX", "StagingFolder", "StoreRun", "reclaim_dead_staging"]
 
 #: How long a writer that stopped renewing its lease still counts as alive.
 DEFAULT_LEASE_SECONDS = 900.0
+STAGING_PREFIX = "ckpt-lesson-cache-"
+_NEW_PREFIX = ".ckpt-lesson-new-"
+_RECLAIM_PREFIX = ".ckpt-lesson-reclaim-"
+_OWNER_LOCK = ".owner.lock"
 
 
 class StoreRun:
@@ -55,7 +83,7 @@ class StoreRun:
         url: The run's prefix, e.g. ``s3://bucket/runs/exp1``.
         storage_options: fsspec options; ``None`` reads credentials and endpoint from the environment.
         cache_dir: The local scratch folder (``None``: a fresh, locked one in ``$TMPDIR``,
-            see :mod:`~ckpt_lesson.runs.store_staging`).
+            see :class:`StagingFolder`).
         lease_seconds: How long this writer's uploads count as alive after its last sign of life.
         read_only: Refuse every save.
         timeout: Seconds any one store request may wait.
@@ -218,3 +246,79 @@ class StoreRun:
         for folder in self.downloaded:
             delete_save(folder)
         self.downloaded = []
+
+
+def reclaim_dead_staging(parent: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Remove the staging folders in ``parent`` whose owning process is gone; returns what was removed.
+
+    Args:
+        parent: The folder that holds ``ckpt-lesson-cache-*`` folders (default: the temp dir).
+
+    Returns:
+        The folders removed (their names before removal).
+
+    Example:
+        >>> reclaim_dead_staging()  # doctest: +SKIP
+        [PosixPath('/tmp/ckpt-lesson-cache-k2j4x9az')]
+    """
+    parent = Path(tempfile.gettempdir() if parent is None else parent)
+    removed = []
+    try:
+        entries = sorted(parent.iterdir())
+    except OSError:
+        return []
+    for entry in entries:
+        if entry.name.startswith(_RECLAIM_PREFIX) and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)  # a reclaimer died half-way: finish its job
+            continue
+        if not entry.name.startswith(STAGING_PREFIX) or entry.is_symlink() or not entry.is_dir():
+            continue
+        if not lock_is_free(entry / _OWNER_LOCK):  # held (its owner lives), missing, or not a file
+            continue
+        aside = parent / f"{_RECLAIM_PREFIX}{entry.name[len(STAGING_PREFIX) :]}"
+        try:
+            os.rename(entry, aside)
+        except OSError:
+            continue  # another reclaimer took it first
+        shutil.rmtree(aside, ignore_errors=True)
+        log.info("removed %s: staging space of a process that has exited", entry)
+        removed.append(entry)
+    return removed
+
+
+def _remove(path: Path, fd: int, owner: int) -> None:
+    if os.getpid() != owner:  # a forked child (a DataLoader worker) exiting: not its folder
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    os.close(fd)
+
+
+class StagingFolder:
+    """A private ``ckpt-lesson-cache-*`` folder, locked for its life and removed at close or exit.
+
+    Args:
+        parent: Where to make it (default: the temp dir, ``$TMPDIR``). Dead
+            owners' folders there are reclaimed first.
+
+    Example:
+        >>> staging = StagingFolder()  # doctest: +SKIP
+        >>> staging.path.name.startswith("ckpt-lesson-cache-")  # doctest: +SKIP
+        True
+        >>> staging.remove()  # doctest: +SKIP
+    """
+
+    def __init__(self, parent: str | os.PathLike[str] | None = None) -> None:
+        parent = Path(tempfile.gettempdir() if parent is None else parent)
+        reclaim_dead_staging(parent)
+        hidden = Path(tempfile.mkdtemp(prefix=_NEW_PREFIX, dir=parent))
+        fd = open_beside(hidden / _OWNER_LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # nobody else can know this file yet: never waits
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.path = parent / f"{STAGING_PREFIX}{hidden.name[len(_NEW_PREFIX) :]}"
+        os.rename(hidden, self.path)  # appears under its real name already locked
+        # Runs at remove(), when the manager is garbage-collected, or at interpreter exit.
+        self._finalizer = weakref.finalize(self, _remove, self.path, fd, os.getpid())
+
+    def remove(self) -> None:
+        """Delete the folder and release its lock (idempotent)."""
+        self._finalizer()
