@@ -24,8 +24,8 @@ import torch
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.checkpoint import save_checkpoint
-from ckpt_lesson.files.fresh_memory import FreshMemory
 from ckpt_lesson.files.integrity import file_digest, verify_footer
+from ckpt_lesson.files.mapped_restore import FreshMemory
 from ckpt_lesson.files.private_copy import PrivateCopy, private_buffer
 from ckpt_lesson.runs.manager import CheckpointManager
 

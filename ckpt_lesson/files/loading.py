@@ -31,7 +31,7 @@ import re
 import stat
 import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 
@@ -41,11 +41,13 @@ from ckpt_lesson.errors import (
     LoadEnvironmentError,
     UnsafeCheckpointError,
 )
-from ckpt_lesson.files.fresh_memory import FreshMemory
 from ckpt_lesson.files.integrity import FileDigest, verify_footer
 from ckpt_lesson.files.private_copy import PrivateCopy
 from ckpt_lesson.files.schema import SCHEMA_V1
 from ckpt_lesson.files.verified_bytes import VerifiedBytes
+
+if TYPE_CHECKING:  # mapped_restore imports this module; the annotation needs only the name
+    from ckpt_lesson.files.mapped_restore import FreshMemory
 
 __all__ = ["check_archive", "load_verified_file", "require_footer"]
 
@@ -90,7 +92,7 @@ def load_verified_file(
             plain read of the copy, which loads it or reports it as any load would.
             Ignored for bytes in memory: their tensors are private copies already.
         fresh: With ``mmap``, start faulting in memory for the copies the
-            caller will make (:class:`~ckpt_lesson.files.fresh_memory.FreshMemory`)
+            caller will make (:class:`~ckpt_lesson.files.mapped_restore.FreshMemory`)
             before the hash pass, so that the two overlap.
 
     Returns:

@@ -18,7 +18,7 @@ What a byte costs: a read from the page cache is one copy, and so is the
 copy into private memory, whose fresh pages also cost a fault each (about 0.45 s
 per GB of 4 KiB pages here). So the large tensor records do not go into the memfd
 at all: the file is read straight into buffers of their own (the ones
-:class:`~ckpt_lesson.files.fresh_memory.FreshMemory` faulted in on a helper thread,
+:class:`~ckpt_lesson.files.mapped_restore.FreshMemory` faulted in on a helper thread,
 when it got there first), 1 MiB at a time, and each piece is hashed right there
 while it is still in the cache (:meth:`PrivateCopy.read_view`): one copy per
 byte, and the bytes hashed are the very bytes kept. The buffers are
