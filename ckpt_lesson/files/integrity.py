@@ -19,7 +19,6 @@ pass over the data.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 import struct
@@ -54,7 +53,6 @@ __all__ = [
     "part_digest",
     "read_footer_digest",
     "record_fields",
-    "sha256_bytes",
     "verify_footer",
 ]
 
@@ -115,11 +113,6 @@ class FileDigest:
     def record(self) -> dict[str, Any]:
         """``{"bytes", "algo", "digest"}``: this file's fields in a part record."""
         return {"bytes": self.size, **record_fields(self.algo, self.digest)}
-
-
-def sha256_bytes(data: bytes) -> str:
-    """Hex sha256 of ``data``."""
-    return hashlib.sha256(data).hexdigest()
 
 
 class FooterWriter:
