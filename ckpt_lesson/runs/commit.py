@@ -38,7 +38,7 @@ from pathlib import Path
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.atomic import fsync_dir
-from ckpt_lesson.files.side_files import open_beside, open_existing_lock
+from ckpt_lesson.files.side_files import open_beside
 from ckpt_lesson.runs.layout import STAGING_PREFIX, inspect_save, step_of
 
 __all__ = [
@@ -271,7 +271,7 @@ def writer_is_dead(staging: Path) -> bool:
         True
     """
     try:
-        fd = open_existing_lock(staging / LOCK_NAME)
+        fd = open_beside(staging / LOCK_NAME, os.O_RDWR)
     except FileNotFoundError:
         try:
             return time.time() - staging.stat().st_mtime > STALE_UNLOCKED_SECONDS

@@ -35,7 +35,7 @@ from ckpt_lesson.files.atomic import atomic_write_json, fsync_dir
 from ckpt_lesson.files.hashing import hash_bytes
 from ckpt_lesson.files.record_seal import seal_record, verify_record_seal
 from ckpt_lesson.files.safe_read import parse_json_text, read_regular_file
-from ckpt_lesson.files.side_files import open_beside, open_existing_lock
+from ckpt_lesson.files.side_files import open_beside
 
 __all__ = [
     "COMMIT_MARKER",
@@ -172,7 +172,7 @@ def lock_is_free(path: Path) -> bool:
         True
     """
     try:
-        fd = open_existing_lock(path)
+        fd = open_beside(path, os.O_RDWR)
     except (OSError, CheckpointError):
         return False
     try:
