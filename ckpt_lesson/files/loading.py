@@ -312,9 +312,7 @@ def require_footer(obj: Any, digest: FileDigest, path: str | os.PathLike[str]) -
         CorruptCheckpointError: The schema says a footer must be there and it is not.
     """
     schema = obj.get("schema") if isinstance(obj, dict) else None
-    # content_digest where FileDigest knows several algorithms; content_sha256 before that.
-    content = getattr(digest, "content_digest", digest.content_sha256)
-    if content is None and schema is not None and schema != SCHEMA_V1:
+    if digest.content_digest is None and schema is not None and schema != SCHEMA_V1:
         raise CorruptCheckpointError(
             f"{path}: a {schema} checkpoint without its integrity footer; the file's end was "
             "damaged or it was re-written by other code. Restore an older checkpoint."

@@ -290,13 +290,6 @@ class _CopyingReader:
         """Up to ``n`` bytes read into the copy, viewed where they lie (:meth:`PrivateCopy.read_view`)."""
         return self._copy.read_view(self._f, n)
 
-    def readinto(self, view: Any) -> int:
-        at = self._f.tell()
-        got = self._f.readinto(view)
-        if got:
-            self._copy.write_at(memoryview(view)[:got], at)
-        return got or 0
-
     def read(self, n: int = -1) -> bytes:
         at = self._f.tell()
         data = self._f.read(n)
