@@ -33,15 +33,8 @@ from hypothesis import strategies as st
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from ckpt_lesson.files.atomic import atomic_save
 from ckpt_lesson.files.checkpoint import load_checkpoint, load_verified_file
-from ckpt_lesson.files.integrity import (
-    ALGORITHMS,
-    DEFAULT_ALGO,
-    FOOTER_MAGIC,
-    FooterWriter,
-    digest_bytes,
-    file_digest,
-    read_footer_digest,
-)
+from ckpt_lesson.files.hashing import ALGORITHMS, DEFAULT_ALGO, digest_bytes
+from ckpt_lesson.files.integrity import FOOTER_MAGIC, FooterWriter, file_digest, read_footer_digest
 
 FOOTER_LEN = len(FOOTER_MAGIC) + len(DEFAULT_ALGO) + 1 + ALGORITHMS[DEFAULT_ALGO]
 

@@ -10,7 +10,7 @@ import torch
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
-from ckpt_lesson.files.integrity import DEFAULT_ALGO, digest_bytes
+from ckpt_lesson.files.hashing import DEFAULT_ALGO, digest_bytes
 from ckpt_lesson.files.verify import check_written_part, drop_cached_pages, verify_mode
 from ckpt_lesson.runs.manager import CheckpointManager
 

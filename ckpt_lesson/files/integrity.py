@@ -31,28 +31,19 @@ from ckpt_lesson.files.hashing import (
     ALGORITHMS,
     DEFAULT_ALGO,
     check_algo,
-    digest_bytes,
     hash_chunks,
     new_hasher,
-    part_digest,
     record_fields,
 )
 from ckpt_lesson.short_repr import short_repr
 
 __all__ = [
-    "ALGORITHMS",
-    "DEFAULT_ALGO",
     "FOOTER_MAGIC",
     "FileDigest",
     "FooterWriter",
-    "check_algo",
-    "digest_bytes",
     "file_digest",
     "file_sha256",
-    "new_hasher",
-    "part_digest",
     "read_footer_digest",
-    "record_fields",
     "verify_footer",
 ]
 

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
-from ckpt_lesson.files.integrity import file_digest, part_digest
+from ckpt_lesson.files.hashing import part_digest
+from ckpt_lesson.files.integrity import file_digest
 
 __all__ = [
     "VERIFY_MODES",

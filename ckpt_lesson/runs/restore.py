@@ -40,7 +40,7 @@ from ckpt_lesson.files.checkpoint import (
     read_checkpoint,
     read_state_payload,
 )
-from ckpt_lesson.files.integrity import part_digest
+from ckpt_lesson.files.hashing import part_digest
 from ckpt_lesson.files.payload import PARTS_SCHEMA
 from ckpt_lesson.files.schema import current_env
 from ckpt_lesson.files.sharded import load_sharded_checkpoint
