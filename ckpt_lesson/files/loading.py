@@ -91,9 +91,9 @@ def load_verified_file(
             Any failure of the mapped load (a damaged archive) falls back to the
             plain read of the copy, which loads it or reports it as any load would.
             Ignored for bytes in memory: their tensors are private copies already.
-        fresh: With ``mmap``, start faulting in memory for the copies the
-            caller will make (:class:`~ckpt_lesson.files.mapped_restore.FreshMemory`)
-            before the hash pass, so that the two overlap.
+        fresh: With ``mmap`` and a CPU load, the large records' buffers
+            (:class:`~ckpt_lesson.files.mapped_restore.FreshMemory`): faulted in on a
+            helper thread while the hash pass reads the disk, then filled by it.
 
     Returns:
         The loaded object and the file's digest (``has_footer`` is ``False``
@@ -134,12 +134,13 @@ def load_verified_file(
                 f"{path}: {size} bytes on disk but {expected_size} recorded; the file was truncated "
                 "or replaced after it was saved. Restore an older checkpoint."
             )
-        if mmap and fresh is not None:
-            fresh.start(f, size)  # sizes only, from the directory: nothing here is trusted
         # Records go straight into CPU buffers only for a CPU load: tensors that map_location moves
         # elsewhere are read from the mapping while it is loaded, so every byte must be there.
         on_cpu = map_location is None or str(map_location) == "cpu"
-        with PrivateCopy(size, fresh=fresh if mmap and on_cpu else None) as copy:
+        fresh = fresh if mmap and on_cpu else None
+        if fresh is not None:
+            fresh.start(f, size)  # sizes only, from the directory: nothing here is trusted
+        with PrivateCopy(size, fresh=fresh) as copy:
             try:
                 # One read: every byte hashed here is also copied into private memory, and the
                 # load below reads only that copy, so it loads exactly the bytes verified.

@@ -12,9 +12,9 @@ So nothing mapped may outlive the restore:
 * every bucket but ``model`` is copied out at once (the optimizer would
   otherwise keep its moments mapped: ``Optimizer.load_state_dict`` keeps a
   tensor that already has the parameter's dtype and device). A large record is
-  already in a buffer of its own, which the hash pass filled (then nothing is
-  copied); a copy otherwise lands in memory that :class:`FreshMemory` faulted in
-  while the file was being hashed;
+  already in a buffer of its own, which the hash pass filled in memory that
+  :class:`FreshMemory` faulted in ahead of it (then nothing is copied); the small
+  rest is cloned;
 * in ``model``, parameters and buffers are *copied* by ``load_state_dict``
   (``param.copy_(saved)``), but **extra state** (``*._extra_state``) is handed
   to the module's ``set_extra_state`` as it is, and a module may keep it. It is
@@ -25,20 +25,16 @@ or truncate what the tensors map, so the SIGBUS window while ``load_state_dict``
 copies the weights is closed, with ``mmap=True`` and ``mmap=False`` alike
 (``tests/test_mapped_restore.py``).
 
-Why :class:`FreshMemory`: the copy itself is cheap (a memcpy at 10+ GB/s), but
-the destination is fresh memory, and the first write to each fresh 4 KiB page
-costs the kernel a page fault: for 256 MB of AdamW moments that is about 0.1 s
-here, as long as reading them from the disk. ``torch.load`` pays the same
-faults, but while it reads, so the disk and the faults overlap. Our restore
-reads the file first (to hash it: nothing is unpickled before its digest
-checks out) and copies afterwards, so it paid both in a row.
-
-What we can do while the hash runs is prepare the destination. The zip
-archive's directory lists every record's size without any unpickling; a helper
-thread allocates buffers of those sizes and touches every page, last record
-first (``torch.save`` writes the optimizer's records after the model's). After
-verification, each tensor to copy takes a ready buffer of exactly its size, and
-the copy is a plain memcpy; a tensor that finds none is cloned as before.
+Why :class:`FreshMemory`: the first write to each fresh 4 KiB page costs the
+kernel a page fault: for 256 MB of AdamW moments that is about 0.1 s here, as
+long as reading them from the disk. ``torch.load`` pays the same faults, but
+while it reads, so the disk and the faults overlap; our hash pass would pay
+them in a row. So the zip archive's directory (read without any unpickling)
+lists the large records, and a helper thread allocates a buffer for each and
+touches every page, last record first (``torch.save`` writes the optimizer's
+records after the model's), while the hash pass reads the disk. The pass reads
+each record into its buffer when the helper got there first, else into a new one
+(:class:`~ckpt_lesson.files.private_copy.PrivateCopy`).
 
 The sizes come from bytes not yet verified, so they decide nothing but how much
 memory is touched early: never more in total than the file's size (what a plain
@@ -114,7 +110,7 @@ def record_spans(f: BinaryIO, size: int) -> list[tuple[int, int]]:
 
 
 class FreshMemory:
-    """Buffers faulted in by a helper thread, handed out by size; use it as a context manager.
+    """Buffers faulted in by a helper thread, one per large record; use it as a context manager.
 
     Example:
         >>> with FreshMemory() as fresh:  # doctest: +SKIP
@@ -123,17 +119,15 @@ class FreshMemory:
     """
 
     def __init__(self) -> None:
-        self._ready: dict[int, list[torch.Tensor]] = {}
-        self._at: dict[int, torch.Tensor] = {}  # the same buffers, by the offset of their record
+        self._at: dict[int, torch.Tensor] = {}  # faulted-in buffers by the offset of their record
         self._mine: set[int] = set()  # data pointers of buffers a private copy took
         self._claimed: set[int] = set()  # record offsets a private copy took or made
         self.spans: list[tuple[int, int]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        #: Buffers faulted in so far, and copies that found one ready (tests and benchmarks read them).
+        #: Buffers faulted in so far (tests read it).
         self.faulted = 0
-        self.used = 0
 
     def start(self, f: BinaryIO, size: int) -> None:
         """Start faulting in buffers for the records of the open archive ``f`` (``size`` bytes)."""
@@ -160,50 +154,20 @@ class FreshMemory:
             with self._lock:
                 if offset in self._claimed:
                     continue
-                self._ready.setdefault(nbytes, []).append(buf)
                 self._at[offset] = buf
                 self.faulted += 1
         # Keep the buffers until the restore ends, then free the unused ones here: freeing 64-128 MB
         # of them took 15-60 ms on the training thread when it did it (measured at 384 MB).
         self._stop.wait()
         with self._lock:
-            leftovers, self._ready, self._at = self._ready, {}, {}
+            leftovers, self._at = self._at, {}
         del leftovers
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
-        """``t.clone()``, into a ready buffer when one of ``t``'s size is waiting.
-
-        Only plain, contiguous CPU tensors without autograd use a buffer; every
-        other tensor (a view with gaps, a ``Parameter``, a conjugate view) is
-        cloned exactly as before.
-        """
+        """``t`` itself when it lies on a buffer the hash pass filled (private already), else a clone."""
         if t.device.type == "cpu" and t.untyped_storage().data_ptr() in self._mine:
-            return t  # filled by the hash pass itself (a private copy's record): private already
-        if (
-            type(t) is not torch.Tensor
-            or t.device.type != "cpu"
-            or t.requires_grad
-            or not t.is_contiguous()
-            or t.is_conj()
-            or t.is_neg()
-            or t.is_quantized
-            or t.nbytes < MIN_RECORD_BYTES
-        ):
-            return t.clone()
-        with self._lock:
-            waiting = self._ready.get(t.nbytes)
-            buf = waiting.pop() if waiting else None
-            if buf is not None:
-                self._at = {k: v for k, v in self._at.items() if v is not buf}
-        if buf is None:
-            return t.clone()
-        try:
-            out = buf.view(t.dtype).view(t.shape)
-        except RuntimeError:  # a dtype that cannot view bytes: clone it
-            return t.clone()
-        out.copy_(t)
-        self.used += 1
-        return out
+            return t
+        return t.clone()
 
     def take(self, offset: int, nbytes: int) -> torch.Tensor:
         """The buffer for the record of ``nbytes`` whose data starts at ``offset``.
@@ -216,8 +180,6 @@ class FreshMemory:
         with self._lock:
             self._claimed.add(offset)
             buf = self._at.pop(offset, None)
-            if buf is not None:
-                self._ready[buf.nbytes] = [b for b in self._ready.get(buf.nbytes, []) if b is not buf]
         if buf is None or buf.nbytes != nbytes:
             buf = private_buffer(nbytes)
         with self._lock:
@@ -251,8 +213,7 @@ def copy_out(tree: Any, *, fresh: FreshMemory | None = None) -> Any:
     that ``map_location`` already moved to a device are copies; cloning them again
     would only double, for a moment, the device memory they take. A dict keeps its
     type when it is an ``OrderedDict`` (state dicts are). With ``fresh``, a tensor
-    is copied into a buffer that was faulted in while the file was hashed, when
-    one of its size is ready (see :class:`FreshMemory`).
+    on a buffer the hash pass filled is kept as it is (see :class:`FreshMemory`).
 
     Example:
         >>> copy_out({"t": [torch.zeros(2)]})["t"][0].sum().item()

@@ -123,6 +123,8 @@ class PrivateCopy:
             self._buf = bytearray(size)
         # Large records go to FreshMemory's buffers instead (spans: record data offset, size).
         self._fresh = fresh if self.fd is not None else None
+        if fresh is not None and self._fresh is None:
+            fresh.close()  # no memfd, no mapped load: nothing will take its buffers
         self._spans = sorted(fresh.spans) if self._fresh is not None else []
         self._starts = [start for start, _ in self._spans]
         self._sizes = dict(self._spans)
