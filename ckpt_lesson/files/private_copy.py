@@ -142,25 +142,21 @@ class PrivateCopy:
         return _CopyingReader(f, self)
 
     def write_at(self, data: Any, offset: int) -> None:
+        """Write ``data`` into the memfd (or bytearray) at ``offset``; buffers are filled by read_view only.
+
+        A byte of a record that went to a buffer, written here (the footer read of a crafted
+        file), never reaches the buffer: that record then counts as not filled, and
+        :meth:`adopt` refuses it.
+        """
         view = memoryview(data).cast("B")
         if offset + len(view) > self.size:  # the file grew under us: what it became is not ours to load
             view = view[: max(0, self.size - offset)]
+        if self._buf is not None:
+            self._buf[offset : offset + len(view)] = view
+            return
         while len(view):
-            i = bisect.bisect_right(self._starts, offset) - 1
-            start, n = self._spans[i] if i >= 0 else (0, 0)
-            if i >= 0 and offset < start + n:  # inside a large record
-                piece = min(len(view), start + n - offset)
-                taken = self._take(start, offset)
-                if taken is not None:
-                    taken[1][offset - start : offset - start + piece] = view[:piece]
-                    self._filled[start] = self._filled.get(start, 0) + piece
-                else:
-                    self._write_private(view[:piece], offset)
-            else:
-                nxt = self._starts[i + 1] if i + 1 < len(self._starts) else self.size
-                piece = min(len(view), max(1, nxt - offset))
-                self._write_private(view[:piece], offset)
-            view, offset = view[piece:], offset + piece
+            done = os.pwrite(self.fd, view, offset)
+            view, offset = view[done:], offset + done
 
     def read_view(self, f: BinaryIO, n: int) -> memoryview:
         """Read up to ``n`` bytes from ``f``'s position into the copy; the bytes, where they now lie.
@@ -196,14 +192,6 @@ class PrivateCopy:
             buf = self._fresh.take(start, self._sizes[start]) if offset == start else None
             self._taken[start] = None if buf is None else (buf, memoryview(buf.numpy()))
         return self._taken[start]
-
-    def _write_private(self, view: memoryview, offset: int) -> None:
-        if self._buf is not None:
-            self._buf[offset : offset + len(view)] = view
-            return
-        while len(view):
-            done = os.pwrite(self.fd, view, offset)
-            view, offset = view[done:], offset + done
 
     def adopt(self, tree: Any) -> None:
         """Point every tensor of ``tree`` that lies on a record sent to a buffer at that buffer.
