@@ -44,7 +44,7 @@ from ckpt_lesson.errors import (
 from ckpt_lesson.files.integrity import FileDigest, verify_footer
 from ckpt_lesson.files.private_copy import PrivateCopy
 from ckpt_lesson.files.schema import SCHEMA_V1
-from ckpt_lesson.files.verified_bytes import VerifiedBytes
+from ckpt_lesson.files.verify import VerifiedBytes
 
 if TYPE_CHECKING:  # mapped_restore imports this module; the annotation needs only the name
     from ckpt_lesson.files.mapped_restore import FreshMemory
@@ -71,7 +71,7 @@ def load_verified_file(
 
     Args:
         path: The file, or a part already verified in memory
-            (:class:`~ckpt_lesson.files.verified_bytes.VerifiedBytes`): its size,
+            (:class:`~ckpt_lesson.files.verify.VerifiedBytes`): its size,
             digest and footer are compared without hashing it again, and every
             check below from the archive check on runs as for a file.
         map_location: Passed to ``torch.load``.

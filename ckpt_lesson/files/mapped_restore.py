@@ -56,7 +56,7 @@ import torch
 from ckpt_lesson.files.integrity import FileDigest
 from ckpt_lesson.files.loading import load_verified_file
 from ckpt_lesson.files.private_copy import private_buffer
-from ckpt_lesson.files.verified_bytes import VerifiedBytes
+from ckpt_lesson.files.verify import VerifiedBytes
 
 __all__ = [
     "EXTRA_STATE_SUFFIX",

@@ -10,7 +10,7 @@ loaders accept either *source*; the few steps that differ ask this module:
 
 * the manifest: read from the folder, or the one the marker pinned;
 * presence, size and digest of every part: checked on disk, or already checked;
-* a part to load: a path, or :class:`~ckpt_lesson.files.verified_bytes.VerifiedBytes`
+* a part to load: a path, or :class:`~ckpt_lesson.files.verify.VerifiedBytes`
   that go through the same archive check and weights-only load as a file.
 
 :class:`Candidates` tells the restore loop which saves to try, newest first,
@@ -27,8 +27,7 @@ from typing import Any, NamedTuple, Union
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from ckpt_lesson.files.safe_read import read_json_file
 from ckpt_lesson.files.sharded import INDEX_NAME
-from ckpt_lesson.files.verified_bytes import VerifiedBytes
-from ckpt_lesson.files.verify import verify_record
+from ckpt_lesson.files.verify import VerifiedBytes, verify_record
 from ckpt_lesson.runs.layout import read_manifest, step_dir_name
 
 __all__ = [
