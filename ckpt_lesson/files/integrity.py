@@ -43,7 +43,6 @@ __all__ = [
     "FooterWriter",
     "file_digest",
     "file_sha256",
-    "read_footer_digest",
     "verify_footer",
 ]
 
@@ -175,16 +174,6 @@ class FooterWriter:
             self._hash.update(chunk)
             self._raw.write(chunk)
             self._size += len(chunk)
-
-
-def read_footer_digest(f: BinaryIO, size: int) -> str | None:
-    """Return the hex digest recorded in the footer of an open file, or ``None``.
-
-    ``None`` means "no intact footer"; :func:`verify_footer` tells a file that
-    never had one apart from a file whose footer was damaged.
-    """
-    found = _inspect_footer(f, size)[1]
-    return found[1] if found else None
 
 
 def _inspect_footer(f: BinaryIO, size: int) -> tuple[str, tuple[str, str] | None]:
