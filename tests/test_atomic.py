@@ -33,7 +33,7 @@ from ckpt_lesson.files.atomic import (
     is_temp_file,
 )
 from ckpt_lesson.files.checkpoint import load_verified_file
-from ckpt_lesson.files.integrity import DEFAULT_ALGO, digest_bytes
+from ckpt_lesson.files.hashing import DEFAULT_ALGO, digest_bytes
 
 PART = 1 << 20  # float32 elements per part: 4 MB
 PARTS = 16  # 64 MB in all, written part by part so the temp file grows visibly

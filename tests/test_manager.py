@@ -24,7 +24,7 @@ from ckpt_lesson.course.training import (
 )
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
-from ckpt_lesson.files.integrity import DEFAULT_ALGO, digest_bytes
+from ckpt_lesson.files.hashing import DEFAULT_ALGO, digest_bytes
 from ckpt_lesson.runs.layout import read_manifest
 from ckpt_lesson.runs.manager import CheckpointManager
 from ckpt_lesson.runs.manager_config import ManagerConfig

@@ -33,7 +33,7 @@ from ckpt_lesson.errors import (
     UnsafeCheckpointError,
 )
 from ckpt_lesson.files.checkpoint import TrainState
-from ckpt_lesson.files.integrity import DEFAULT_ALGO, digest_bytes
+from ckpt_lesson.files.hashing import DEFAULT_ALGO, digest_bytes
 from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.sharded import (
     load_sharded_checkpoint,

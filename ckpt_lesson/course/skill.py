@@ -26,7 +26,8 @@ from ckpt_lesson.files import sharded
 from ckpt_lesson.files.apply import Restored
 from ckpt_lesson.files.atomic import TEMP_MARKER, atomic_write_bytes
 from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, build_payload
-from ckpt_lesson.files.integrity import DEFAULT_ALGO, FOOTER_MAGIC
+from ckpt_lesson.files.hashing import DEFAULT_ALGO
+from ckpt_lesson.files.integrity import FOOTER_MAGIC
 from ckpt_lesson.files.rng import RNG_SOURCES
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, KNOWN_SCHEMAS, MIGRATIONS
 from ckpt_lesson.runs.data_position import resumable

@@ -40,17 +40,21 @@ from ckpt_lesson.errors import CheckpointError, StateMismatchError
 from ckpt_lesson.files.apply import Restored, apply_payload, apply_state_payload
 from ckpt_lesson.files.atomic import atomic_save
 from ckpt_lesson.files.fit import check_model_state
-from ckpt_lesson.files.fresh_memory import FreshMemory
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.files.integrity import FileDigest
 from ckpt_lesson.files.loading import load_verified_file, require_footer
-from ckpt_lesson.files.mapped_restore import copy_out, keep_no_mapped_extra_state, load_with_private_copies
+from ckpt_lesson.files.mapped_restore import (
+    FreshMemory,
+    copy_out,
+    keep_no_mapped_extra_state,
+    load_with_private_copies,
+)
 from ckpt_lesson.files.payload import build_payload, build_state_payload
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, SCHEMA_V1, migrate_payload
 from ckpt_lesson.files.shard_index import read_sharded_payload
 from ckpt_lesson.files.sharded import ShardedSaveResult, write_state_payload
 from ckpt_lesson.files.train_state import BUCKETS, REQUIRES_KEY, TrainState
-from ckpt_lesson.files.verified_bytes import VerifiedBytes
+from ckpt_lesson.files.verify import VerifiedBytes
 
 __all__ = [
     "BUCKETS",

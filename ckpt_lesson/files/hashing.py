@@ -16,6 +16,7 @@ Also here: :func:`zip_crc32_off`, which switches off the CRC32s that
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import stat
 import threading
@@ -97,21 +98,14 @@ def new_hasher(algo: str = DEFAULT_ALGO) -> Any:
         )
     if algo == "sha256":
         return hashlib.sha256()
-    if algo == "xxh3_128":
-        try:  # imported here: only the algorithms in use need their package
-            import xxhash
-        except ImportError as exc:
-            raise CheckpointError(
-                "xxh3_128 is selected but its package is missing; `pip install xxhash`, or use sha256."
-            ) from exc
-        return xxhash.xxh3_128()
-    try:
-        import blake3
+    package = "xxhash" if algo == "xxh3_128" else "blake3"
+    try:  # imported here: only the algorithms in use need their package
+        module = importlib.import_module(package)
     except ImportError as exc:
         raise CheckpointError(
-            "blake3 is selected but its package is missing; `pip install blake3`, or use sha256."
+            f"{algo} is selected but its package is missing; `pip install {package}`, or use sha256."
         ) from exc
-    return blake3.blake3(max_threads=blake3.blake3.AUTO)
+    return module.xxh3_128() if algo == "xxh3_128" else module.blake3(max_threads=module.blake3.AUTO)
 
 
 def digest_bytes(data: bytes | bytearray | memoryview, algo: str = DEFAULT_ALGO) -> str:

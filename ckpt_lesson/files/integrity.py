@@ -19,7 +19,6 @@ pass over the data.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 import struct
@@ -32,29 +31,18 @@ from ckpt_lesson.files.hashing import (
     ALGORITHMS,
     DEFAULT_ALGO,
     check_algo,
-    digest_bytes,
     hash_chunks,
     new_hasher,
-    part_digest,
     record_fields,
 )
 from ckpt_lesson.short_repr import short_repr
 
 __all__ = [
-    "ALGORITHMS",
-    "DEFAULT_ALGO",
     "FOOTER_MAGIC",
     "FileDigest",
     "FooterWriter",
-    "check_algo",
-    "digest_bytes",
     "file_digest",
     "file_sha256",
-    "new_hasher",
-    "part_digest",
-    "read_footer_digest",
-    "record_fields",
-    "sha256_bytes",
     "verify_footer",
 ]
 
@@ -115,11 +103,6 @@ class FileDigest:
     def record(self) -> dict[str, Any]:
         """``{"bytes", "algo", "digest"}``: this file's fields in a part record."""
         return {"bytes": self.size, **record_fields(self.algo, self.digest)}
-
-
-def sha256_bytes(data: bytes) -> str:
-    """Hex sha256 of ``data``."""
-    return hashlib.sha256(data).hexdigest()
 
 
 class FooterWriter:
@@ -191,16 +174,6 @@ class FooterWriter:
             self._hash.update(chunk)
             self._raw.write(chunk)
             self._size += len(chunk)
-
-
-def read_footer_digest(f: BinaryIO, size: int) -> str | None:
-    """Return the hex digest recorded in the footer of an open file, or ``None``.
-
-    ``None`` means "no intact footer"; :func:`verify_footer` tells a file that
-    never had one apart from a file whose footer was damaged.
-    """
-    found = _inspect_footer(f, size)[1]
-    return found[1] if found else None
 
 
 def _inspect_footer(f: BinaryIO, size: int) -> tuple[str, tuple[str, str] | None]:

@@ -31,7 +31,7 @@ import re
 import stat
 import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 
@@ -41,11 +41,13 @@ from ckpt_lesson.errors import (
     LoadEnvironmentError,
     UnsafeCheckpointError,
 )
-from ckpt_lesson.files.fresh_memory import FreshMemory
 from ckpt_lesson.files.integrity import FileDigest, verify_footer
 from ckpt_lesson.files.private_copy import PrivateCopy
 from ckpt_lesson.files.schema import SCHEMA_V1
-from ckpt_lesson.files.verified_bytes import VerifiedBytes
+from ckpt_lesson.files.verify import VerifiedBytes
+
+if TYPE_CHECKING:  # mapped_restore imports this module; the annotation needs only the name
+    from ckpt_lesson.files.mapped_restore import FreshMemory
 
 __all__ = ["check_archive", "load_verified_file", "require_footer"]
 
@@ -69,7 +71,7 @@ def load_verified_file(
 
     Args:
         path: The file, or a part already verified in memory
-            (:class:`~ckpt_lesson.files.verified_bytes.VerifiedBytes`): its size,
+            (:class:`~ckpt_lesson.files.verify.VerifiedBytes`): its size,
             digest and footer are compared without hashing it again, and every
             check below from the archive check on runs as for a file.
         map_location: Passed to ``torch.load``.
@@ -89,9 +91,9 @@ def load_verified_file(
             Any failure of the mapped load (a damaged archive) falls back to the
             plain read of the copy, which loads it or reports it as any load would.
             Ignored for bytes in memory: their tensors are private copies already.
-        fresh: With ``mmap``, start faulting in memory for the copies the
-            caller will make (:class:`~ckpt_lesson.files.fresh_memory.FreshMemory`)
-            before the hash pass, so that the two overlap.
+        fresh: With ``mmap`` and a CPU load, the large records' buffers
+            (:class:`~ckpt_lesson.files.mapped_restore.FreshMemory`): faulted in on a
+            helper thread while the hash pass reads the disk, then filled by it.
 
     Returns:
         The loaded object and the file's digest (``has_footer`` is ``False``
@@ -132,12 +134,13 @@ def load_verified_file(
                 f"{path}: {size} bytes on disk but {expected_size} recorded; the file was truncated "
                 "or replaced after it was saved. Restore an older checkpoint."
             )
-        if mmap and fresh is not None:
-            fresh.start(f, size)  # sizes only, from the directory: nothing here is trusted
         # Records go straight into CPU buffers only for a CPU load: tensors that map_location moves
         # elsewhere are read from the mapping while it is loaded, so every byte must be there.
         on_cpu = map_location is None or str(map_location) == "cpu"
-        with PrivateCopy(size, fresh=fresh if mmap and on_cpu else None) as copy:
+        fresh = fresh if mmap and on_cpu else None
+        if fresh is not None:
+            fresh.start(f, size)  # sizes only, from the directory: nothing here is trusted
+        with PrivateCopy(size, fresh=fresh) as copy:
             try:
                 # One read: every byte hashed here is also copied into private memory, and the
                 # load below reads only that copy, so it loads exactly the bytes verified.
@@ -310,9 +313,7 @@ def require_footer(obj: Any, digest: FileDigest, path: str | os.PathLike[str]) -
         CorruptCheckpointError: The schema says a footer must be there and it is not.
     """
     schema = obj.get("schema") if isinstance(obj, dict) else None
-    # content_digest where FileDigest knows several algorithms; content_sha256 before that.
-    content = getattr(digest, "content_digest", digest.content_sha256)
-    if content is None and schema is not None and schema != SCHEMA_V1:
+    if digest.content_digest is None and schema is not None and schema != SCHEMA_V1:
         raise CorruptCheckpointError(
             f"{path}: a {schema} checkpoint without its integrity footer; the file's end was "
             "damaged or it was re-written by other code. Restore an older checkpoint."

@@ -18,7 +18,7 @@ What a byte costs: a read from the page cache is one copy, and so is the
 copy into private memory, whose fresh pages also cost a fault each (about 0.45 s
 per GB of 4 KiB pages here). So the large tensor records do not go into the memfd
 at all: the file is read straight into buffers of their own (the ones
-:class:`~ckpt_lesson.files.fresh_memory.FreshMemory` faulted in on a helper thread,
+:class:`~ckpt_lesson.files.mapped_restore.FreshMemory` faulted in on a helper thread,
 when it got there first), 1 MiB at a time, and each piece is hashed right there
 while it is still in the cache (:meth:`PrivateCopy.read_view`): one copy per
 byte, and the bytes hashed are the very bytes kept. The buffers are
@@ -123,6 +123,8 @@ class PrivateCopy:
             self._buf = bytearray(size)
         # Large records go to FreshMemory's buffers instead (spans: record data offset, size).
         self._fresh = fresh if self.fd is not None else None
+        if fresh is not None and self._fresh is None:
+            fresh.close()  # no memfd, no mapped load: nothing will take its buffers
         self._spans = sorted(fresh.spans) if self._fresh is not None else []
         self._starts = [start for start, _ in self._spans]
         self._sizes = dict(self._spans)
@@ -140,25 +142,21 @@ class PrivateCopy:
         return _CopyingReader(f, self)
 
     def write_at(self, data: Any, offset: int) -> None:
+        """Write ``data`` into the memfd (or bytearray) at ``offset``; buffers are filled by read_view only.
+
+        A byte of a record that went to a buffer, written here (the footer read of a crafted
+        file), never reaches the buffer: that record then counts as not filled, and
+        :meth:`adopt` refuses it.
+        """
         view = memoryview(data).cast("B")
         if offset + len(view) > self.size:  # the file grew under us: what it became is not ours to load
             view = view[: max(0, self.size - offset)]
+        if self._buf is not None:
+            self._buf[offset : offset + len(view)] = view
+            return
         while len(view):
-            i = bisect.bisect_right(self._starts, offset) - 1
-            start, n = self._spans[i] if i >= 0 else (0, 0)
-            if i >= 0 and offset < start + n:  # inside a large record
-                piece = min(len(view), start + n - offset)
-                taken = self._take(start, offset)
-                if taken is not None:
-                    taken[1][offset - start : offset - start + piece] = view[:piece]
-                    self._filled[start] = self._filled.get(start, 0) + piece
-                else:
-                    self._write_private(view[:piece], offset)
-            else:
-                nxt = self._starts[i + 1] if i + 1 < len(self._starts) else self.size
-                piece = min(len(view), max(1, nxt - offset))
-                self._write_private(view[:piece], offset)
-            view, offset = view[piece:], offset + piece
+            done = os.pwrite(self.fd, view, offset)
+            view, offset = view[done:], offset + done
 
     def read_view(self, f: BinaryIO, n: int) -> memoryview:
         """Read up to ``n`` bytes from ``f``'s position into the copy; the bytes, where they now lie.
@@ -194,14 +192,6 @@ class PrivateCopy:
             buf = self._fresh.take(start, self._sizes[start]) if offset == start else None
             self._taken[start] = None if buf is None else (buf, memoryview(buf.numpy()))
         return self._taken[start]
-
-    def _write_private(self, view: memoryview, offset: int) -> None:
-        if self._buf is not None:
-            self._buf[offset : offset + len(view)] = view
-            return
-        while len(view):
-            done = os.pwrite(self.fd, view, offset)
-            view, offset = view[done:], offset + done
 
     def adopt(self, tree: Any) -> None:
         """Point every tensor of ``tree`` that lies on a record sent to a buffer at that buffer.
@@ -289,13 +279,6 @@ class _CopyingReader:
     def read_view(self, n: int) -> memoryview:
         """Up to ``n`` bytes read into the copy, viewed where they lie (:meth:`PrivateCopy.read_view`)."""
         return self._copy.read_view(self._f, n)
-
-    def readinto(self, view: Any) -> int:
-        at = self._f.tell()
-        got = self._f.readinto(view)
-        if got:
-            self._copy.write_at(memoryview(view)[:got], at)
-        return got or 0
 
     def read(self, n: int = -1) -> bytes:
         at = self._f.tell()

@@ -27,29 +27,17 @@ with one flipped bit) cannot be legacy: it is damaged.
 
 from __future__ import annotations
 
-import hashlib
 import json
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from typing import Any
 
 from ckpt_lesson.errors import CorruptCheckpointError
+from ckpt_lesson.files.hashing import ALGORITHMS, DEFAULT_ALGO, digest_bytes
 
-__all__ = ["SEAL_KEY", "is_sealed", "seal_record", "verify_record_seal"]
+__all__ = ["SEAL_KEY", "seal_record", "verify_record_seal"]
 
 #: The key under which a record stores its own digest.
 SEAL_KEY = "record_digest"
-
-#: Algorithms a seal may name, by the name written into the record.
-_ALGOS: dict[str, Callable[[bytes], str]] = {"sha256": lambda data: hashlib.sha256(data).hexdigest()}
-#: What new seals use: the package's default digest where files.integrity names one.
-_SEAL_ALGO = "sha256"
-try:  # integrity.py gains several algorithms (issue 11); seals then follow its default
-    from ckpt_lesson.files.integrity import ALGORITHMS, DEFAULT_ALGO, digest_bytes  # type: ignore[attr-defined]
-
-    _ALGOS.update({name: (lambda data, name=name: digest_bytes(data, name)) for name in ALGORITHMS})
-    _SEAL_ALGO = DEFAULT_ALGO
-except ImportError:  # pragma: no cover - depends on which integrity.py is merged
-    pass
 
 
 def _canonical(record: dict[str, Any]) -> bytes:
@@ -67,12 +55,7 @@ def seal_record(record: dict[str, Any]) -> dict[str, Any]:
         ['algo', 'digest']
     """
     body = {k: v for k, v in record.items() if k != SEAL_KEY}
-    return {**body, SEAL_KEY: {"algo": _SEAL_ALGO, "digest": _ALGOS[_SEAL_ALGO](_canonical(body))}}
-
-
-def is_sealed(record: dict[str, Any]) -> bool:
-    """True when ``record`` carries a seal (verified or not)."""
-    return SEAL_KEY in record
+    return {**body, SEAL_KEY: {"algo": DEFAULT_ALGO, "digest": digest_bytes(_canonical(body), DEFAULT_ALGO)}}
 
 
 def verify_record_seal(record: dict[str, Any], *, where: str, legacy_keys: Collection[str]) -> bool:
@@ -107,14 +90,14 @@ def verify_record_seal(record: dict[str, Any], *, where: str, legacy_keys: Colle
         return False
     if not isinstance(seal, dict) or not isinstance(seal.get("digest"), str):
         raise CorruptCheckpointError(f"{where}: its checksum field is damaged; restore an older save.")
-    algo = _ALGOS.get(seal.get("algo"))  # type: ignore[arg-type]
-    if algo is None:
+    algo = seal.get("algo")
+    if not isinstance(algo, str) or algo not in ALGORITHMS:
         raise CorruptCheckpointError(
-            f"{where}: checksum algorithm {seal.get('algo')!r} is unknown here; the record is damaged "
+            f"{where}: checksum algorithm {algo!r} is unknown here; the record is damaged "
             "or a newer ckpt_lesson wrote it. Restore an older save or upgrade."
         )
     try:
-        found = algo(_canonical(record))
+        found = digest_bytes(_canonical(record), algo)
     except (TypeError, ValueError):  # NaN or odd values cannot come from our writer
         found = ""
     if found != seal["digest"].lower():

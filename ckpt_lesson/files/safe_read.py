@@ -39,7 +39,6 @@ from ckpt_lesson.errors import CorruptCheckpointError
 
 __all__ = [
     "MAX_RECORD_BYTES",
-    "check_regular_file",
     "file_kind",
     "open_regular_file",
     "parse_json_text",
@@ -55,33 +54,6 @@ MAX_RECORD_BYTES = 64 << 20
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-
-
-def check_regular_file(path: str | os.PathLike[str], *, what: str = "file") -> os.stat_result:
-    """``lstat`` ``path`` and refuse anything that is not a plain regular file.
-
-    Args:
-        path: The name to check; a symlink is refused, not followed.
-        what: How messages call the file (``"manifest"``, ``"checkpoint"``).
-
-    Returns:
-        The ``lstat`` result.
-
-    Raises:
-        FileNotFoundError: Nothing is there (callers decide what absence means).
-        CorruptCheckpointError: A symlink, directory, FIFO, socket or device.
-
-    Example:
-        >>> check_regular_file("run/step-00000240/manifest.json").st_size  # doctest: +SKIP
-        1342
-    """
-    st = os.lstat(path)
-    if not stat.S_ISREG(st.st_mode):
-        raise CorruptCheckpointError(
-            f"{path}: the {what} is {file_kind(st.st_mode)}, not a regular file; it was replaced by "
-            "something else and is not read. Restore an older save or remove it."
-        )
-    return st
 
 
 def open_regular_file(path: str | os.PathLike[str], *, what: str = "file") -> BinaryIO:
@@ -207,8 +179,16 @@ def read_regular_file(
 
 
 def _open_checked(path: str | os.PathLike[str], what: str) -> tuple[int, os.stat_result]:
-    """The one way a record is opened: lstat, open without following or blocking, fstat."""
-    check_regular_file(path, what=what)
+    """The one way a record is opened: lstat, open without following or blocking, fstat.
+
+    Raises FileNotFoundError when nothing is there (callers decide what absence means).
+    """
+    st = os.lstat(path)  # the name itself, never what a symlink points to
+    if not stat.S_ISREG(st.st_mode):
+        raise CorruptCheckpointError(
+            f"{path}: the {what} is {file_kind(st.st_mode)}, not a regular file; it was replaced by "
+            "something else and is not read. Restore an older save or remove it."
+        )
     try:
         fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC)
     except FileNotFoundError:

@@ -36,7 +36,8 @@ from ckpt_lesson.errors import (
     StateMismatchError,
     UnsafeCheckpointError,
 )
-from ckpt_lesson.files.integrity import FileDigest, part_digest, verify_footer
+from ckpt_lesson.files.hashing import part_digest
+from ckpt_lesson.files.integrity import FileDigest, verify_footer
 from ckpt_lesson.files.loading import load_verified_file
 from ckpt_lesson.files.payload import PARTS_SCHEMA
 from ckpt_lesson.files.record_seal import verify_record_seal

@@ -34,13 +34,9 @@ import uuid
 from pathlib import Path
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.safe_read import file_kind
+from ckpt_lesson.files.safe_read import _CLOEXEC, _NOFOLLOW, _NONBLOCK, file_kind
 
-__all__ = ["append_beside", "open_beside", "open_existing_lock", "replace_beside"]
-
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+__all__ = ["append_beside", "open_beside", "replace_beside"]
 
 
 def _refused(path: Path, what: str) -> CheckpointError:
@@ -94,22 +90,6 @@ def open_beside(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> 
         os.close(fd)
         raise
     return fd
-
-
-def open_existing_lock(path: str | os.PathLike[str]) -> int:
-    """Open an existing lock file read-write to try ``flock`` on it (see :func:`open_beside`).
-
-    Returns:
-        An open file descriptor.
-
-    Raises:
-        CheckpointError: Something other than a regular file sits at ``path``.
-        OSError: ``FileNotFoundError`` and the like, unchanged.
-
-    Example:
-        >>> fd = open_existing_lock(staging / ".lock")  # doctest: +SKIP
-    """
-    return open_beside(path, os.O_RDWR)
 
 
 def append_beside(path: str | os.PathLike[str], data: bytes, *, durable: bool = True) -> None:

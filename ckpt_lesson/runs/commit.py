@@ -47,7 +47,7 @@ from pathlib import Path
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.atomic import fsync_dir
-from ckpt_lesson.files.side_files import open_beside, open_existing_lock
+from ckpt_lesson.files.side_files import open_beside
 from ckpt_lesson.runs.layout import STAGING_PREFIX, inspect_save, step_of
 
 __all__ = [
@@ -318,7 +318,7 @@ def lock_is_free(path: Path) -> bool:
         True
     """
     try:
-        fd = open_existing_lock(path)
+        fd = open_beside(path, os.O_RDWR)
     except (OSError, CheckpointError):  # gone, or a FIFO or symlink at the lock: not ours to judge
         return False
     try:

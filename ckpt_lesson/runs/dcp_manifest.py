@@ -35,7 +35,7 @@ from ckpt_lesson.errors import (
     SchemaError,
 )
 from ckpt_lesson.files.hashing import check_hash_record, hash_file
-from ckpt_lesson.files.record_seal import SEAL_KEY, is_sealed, verify_record_seal
+from ckpt_lesson.files.record_seal import SEAL_KEY, verify_record_seal
 from ckpt_lesson.files.safe_read import parse_json_text, read_regular_file
 from ckpt_lesson.files.schema import MANIFEST_NAME
 from ckpt_lesson.files.step_names import check_recorded_step
@@ -200,7 +200,7 @@ def check_manifest_seal(manifest: Any, *, where: str) -> None:
     """
     if not isinstance(manifest, dict):
         return  # validate_manifest says what is wrong with it
-    if is_sealed(manifest):
+    if SEAL_KEY in manifest:
         # A flipped bit anywhere in the record, the seal's own name included, fails here.
         verify_record_seal(manifest, where=where, legacy_keys=())
     elif manifest.get("schema") == MANIFEST_SCHEMA:

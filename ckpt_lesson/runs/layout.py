@@ -39,7 +39,7 @@ from ckpt_lesson.errors import (
     SchemaError,
     UnsafeCheckpointError,
 )
-from ckpt_lesson.files.integrity import part_digest
+from ckpt_lesson.files.hashing import part_digest
 from ckpt_lesson.files.record_seal import verify_record_seal
 from ckpt_lesson.files.safe_read import read_json_file
 from ckpt_lesson.files.schema import MANIFEST_NAME, MANIFEST_SCHEMA

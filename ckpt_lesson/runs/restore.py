@@ -18,7 +18,7 @@ A save is read from one of two *sources* (:data:`SaveSource`): its local
 every part was hashed against the manifest while it streamed down
 (:mod:`ckpt_lesson.runs.store_restore`). For those, steps 3 and 4's hashing is
 already done and only the weights-only load remains, through the same archive
-check as a file (:class:`~ckpt_lesson.files.verified_bytes.VerifiedBytes`): one
+check as a file (:class:`~ckpt_lesson.files.verify.VerifiedBytes`): one
 restore for both, not a second copy of it.
 
 Damage (``CorruptCheckpointError``, ``IncompleteCheckpointError``) makes the
@@ -43,12 +43,11 @@ from ckpt_lesson.errors import (
 )
 from ckpt_lesson.files.apply import apply_state_payload, parts_view
 from ckpt_lesson.files.checkpoint import TrainState, apply_payload, read_checkpoint, read_state_payload
-from ckpt_lesson.files.integrity import part_digest
+from ckpt_lesson.files.hashing import part_digest
 from ckpt_lesson.files.payload import PARTS_SCHEMA
 from ckpt_lesson.files.safe_read import read_json_file
 from ckpt_lesson.files.sharded import INDEX_NAME, load_sharded_checkpoint
-from ckpt_lesson.files.verified_bytes import VerifiedBytes
-from ckpt_lesson.files.verify import verify_record
+from ckpt_lesson.files.verify import VerifiedBytes, verify_record
 from ckpt_lesson.runs.layout import read_manifest, step_dir_name
 
 __all__ = ["Candidates", "SaveSource", "VerifiedSave", "load_newest_good", "load_save"]

@@ -38,7 +38,7 @@ from ckpt_lesson.files.hashing import new_hasher, part_digest
 from ckpt_lesson.files.safe_read import parse_json_text
 from ckpt_lesson.files.storage import Storage
 from ckpt_lesson.files.storage_transfer import RANGE_BYTES
-from ckpt_lesson.files.verified_bytes import VerifiedBytes
+from ckpt_lesson.files.verify import VerifiedBytes
 from ckpt_lesson.runs.layout import (
     DCP_MANIFEST_SCHEMA,
     MANIFEST_KINDS,

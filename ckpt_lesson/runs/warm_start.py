@@ -36,7 +36,7 @@ import torch
 from ckpt_lesson.errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
 from ckpt_lesson.files.atomic import atomic_write_json
 from ckpt_lesson.files.checkpoint import check_model_state, load_verified_file, require_footer
-from ckpt_lesson.files.integrity import part_digest
+from ckpt_lesson.files.hashing import part_digest
 from ckpt_lesson.runs.contract import model_fingerprint
 from ckpt_lesson.runs.layout import MANIFEST_NAME, read_manifest
 from ckpt_lesson.short_repr import short_repr
