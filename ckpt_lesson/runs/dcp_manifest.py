@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,20 +34,14 @@ from ckpt_lesson.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     SchemaError,
+    UnsafeCheckpointError,
 )
 from ckpt_lesson.files.hashing import check_hash_record, hash_file
 from ckpt_lesson.files.record_seal import SEAL_KEY, is_sealed, verify_record_seal
 from ckpt_lesson.files.safe_read import parse_json_text, read_regular_file
 from ckpt_lesson.files.schema import MANIFEST_NAME
 from ckpt_lesson.files.step_names import check_recorded_step
-from ckpt_lesson.runs.dcp_marker import COMMIT_MARKER, PUBLISH_MODES, check_commit_marker
-from ckpt_lesson.runs.layout import (
-    DCP_MANIFEST_SCHEMA,
-    ManifestKind,
-    check_part_file,
-    check_parts_list,
-    register_manifest_kind,
-)
+from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, check_commit_marker
 
 __all__ = [
     "LAYOUT",
@@ -55,14 +50,16 @@ __all__ = [
     "MAX_MANIFEST_BYTES",
     "METADATA_FILE",
     "build_manifest",
+    "check_dcp_manifest",
     "check_dcp_part",
-    "check_manifest_seal",
+    "check_part_file",
     "check_parts_list",
     "read_dcp_manifest",
     "validate_manifest",
 ]
 
-MANIFEST_SCHEMA = DCP_MANIFEST_SCHEMA
+#: The multi-rank manifest's schema (runs/layout.py sends a save that has it here).
+MANIFEST_SCHEMA = "ckpt.manifest.dcp.v1"
 LAYOUT = "dcp"
 #: DCP's own index of the save (pickled by DCP; read here only through a restricted unpickler).
 METADATA_FILE = ".metadata"
@@ -170,17 +167,15 @@ def read_dcp_manifest(folder: str | os.PathLike[str]) -> tuple[dict[str, Any], b
         raw = read_regular_file(path, limit=MAX_MANIFEST_BYTES, what="manifest")
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{folder.name}: {MANIFEST_NAME} vanished while read.") from None
-    manifest = parse_json_text(raw, where=where)
-    check_manifest_seal(manifest, where=where)
-    validate_manifest(manifest, where=where)
+    manifest = check_dcp_manifest(parse_json_text(raw, where=where), where=where)
     check_recorded_step(manifest["step"], folder, record=MANIFEST_NAME)
     if manifest.get("publish") == "marker":
         check_commit_marker(folder, manifest, raw)  # written last: without it the save never finished
     return manifest, raw
 
 
-def check_manifest_seal(manifest: Any, *, where: str) -> None:
-    """Refuse a multi-rank manifest whose seal is missing or does not match its contents.
+def check_dcp_manifest(manifest: Any, *, where: str) -> dict[str, Any]:
+    """Check a multi-rank manifest read back (from a folder or a store): its seal first, then every field.
 
     Every multi-rank manifest is written sealed (see ``files/record_seal.py``), and
     there are no older unsealed ones to accept: a record without its seal, or with a
@@ -188,26 +183,30 @@ def check_manifest_seal(manifest: Any, *, where: str) -> None:
     may be trusted, however well-formed its fields look. A record of another schema
     is left to :func:`validate_manifest`, which names the right manager.
 
+    Returns:
+        ``manifest``, checked.
+
     Raises:
-        CorruptCheckpointError: No seal, a damaged seal, or contents that do not match it.
+        CorruptCheckpointError: No seal, a damaged seal, contents that do not match it, or a bad field.
+        SchemaError, UnsafeCheckpointError: As :func:`read_dcp_manifest`.
 
     Example:
-        >>> check_manifest_seal({"schema": MANIFEST_SCHEMA, "step": 4}, where="m")
+        >>> check_dcp_manifest({"schema": MANIFEST_SCHEMA, "step": 4}, where="m")
         Traceback (most recent call last):
         ...
         ckpt_lesson.errors.CorruptCheckpointError: m: a multi-rank manifest without its checksum ...
     """
-    if not isinstance(manifest, dict):
-        return  # validate_manifest says what is wrong with it
-    if is_sealed(manifest):
+    if isinstance(manifest, dict) and is_sealed(manifest):
         # A flipped bit anywhere in the record, the seal's own name included, fails here.
         verify_record_seal(manifest, where=where, legacy_keys=())
-    elif manifest.get("schema") == MANIFEST_SCHEMA:
+    elif isinstance(manifest, dict) and manifest.get("schema") == MANIFEST_SCHEMA:
         raise CorruptCheckpointError(
             f"{where}: a multi-rank manifest without its checksum ({SEAL_KEY!r}); every one is written "
             "sealed, so this one was damaged or edited after it was written and nothing in it can be "
             "trusted. Restore an older save (restore_latest falls back on its own)."
         )
+    validate_manifest(manifest, where=where)  # part names are plain names, .metadata listed
+    return manifest
 
 
 def validate_manifest(manifest: Any, *, where: str) -> None:
@@ -252,6 +251,55 @@ def validate_manifest(manifest: Any, *, where: str) -> None:
     seen = check_parts_list(manifest.get("parts"), where, _check_part)
     if METADATA_FILE not in seen:
         raise CorruptCheckpointError(f"{where}: no {METADATA_FILE} part; a DCP save always has one.")
+
+
+def check_part_file(part: Any, where: str) -> str:
+    """Check a manifest part's ``file`` (a plain name in the save folder) and ``bytes``; returns the name.
+
+    Shared by both manifest kinds; each checks its digest fields after this.
+
+    Raises:
+        CorruptCheckpointError: Not an object, no name, or no valid size.
+        UnsafeCheckpointError: A name that would leave the save folder.
+
+    Example:
+        >>> check_part_file({"file": "checkpoint.pt", "bytes": 10}, "m")
+        'checkpoint.pt'
+    """
+    if not isinstance(part, dict):
+        raise CorruptCheckpointError(f"{where}: every part must be an object with file, bytes, algo, digest.")
+    name = part.get("file")
+    if not isinstance(name, str) or not name:
+        raise CorruptCheckpointError(f"{where}: a part has no 'file' name.")
+    # A manifest is data, and data can be hostile: a part name may only name a file in this folder.
+    if "/" in name or "\\" in name or name in (".", "..") or name == MANIFEST_NAME or "\x00" in name:
+        raise UnsafeCheckpointError(
+            f"{where}: part name {name!r} is not a plain file name in the save folder."
+        )
+    size = part.get("bytes")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise CorruptCheckpointError(f"{where}: part {name!r} has no valid 'bytes' count.")
+    return name
+
+
+def check_parts_list(parts: Any, where: str, check_part: Callable[[Any, str], None]) -> set[str]:
+    """Check a manifest's ``parts``: a non-empty list, each entry valid, no file twice.
+
+    Shared by both manifest kinds (single-process, runs/layout.py, and multi-rank); ``check_part``
+    checks one entry of the kind at hand. Returns the set of listed file names.
+
+    Raises:
+        CorruptCheckpointError: Not a non-empty list, a bad entry, or a file listed twice.
+    """
+    if not isinstance(parts, list) or not parts:
+        raise CorruptCheckpointError(f"{where}: 'parts' must be a non-empty list.")
+    seen: set[str] = set()
+    for part in parts:
+        check_part(part, where)
+        if part["file"] in seen:
+            raise CorruptCheckpointError(f"{where}: part {part['file']!r} is listed twice.")
+        seen.add(part["file"])
+    return seen
 
 
 def _check_part(part: Any, where: str) -> None:
@@ -300,21 +348,3 @@ def check_dcp_part(folder: Path, part: dict[str, Any], *, hash_it: bool = True) 
         found, recorded = record["digest"][:12], part["digest"][:12]
         return f"{name}: {record['algo']} {found}... != recorded {recorded}..."
     return None
-
-
-def _check_parsed(manifest: Any, where: str) -> None:
-    check_manifest_seal(manifest, where=where)  # the seal first: an unverifiable record is damage
-    validate_manifest(manifest, where=where)  # part names are plain names, .metadata listed
-
-
-# How the single-process code reads a multi-rank save (scan, publish, a restore from a store)
-# without importing this module: runs/layout.py looks the schema up.
-register_manifest_kind(
-    MANIFEST_SCHEMA,
-    ManifestKind(
-        read=lambda folder: read_dcp_manifest(folder)[0],
-        check=_check_parsed,
-        check_part=check_dcp_part,
-        marker=COMMIT_MARKER,
-    ),
-)

@@ -30,7 +30,6 @@ from ckpt_lesson.errors import (
     UnsafeCheckpointError,
 )
 from ckpt_lesson.files.storage import is_store_url, open_storage
-from ckpt_lesson.runs import dcp_manifest  # noqa: F401 - a scan reads multi-rank saves too: registers their reader
 from ckpt_lesson.runs.folder_manifest import FOLDER_MANIFEST_NAME, checkpoint_folder_step, verify_folder
 from ckpt_lesson.runs.layout import STAGING_RE, ScanResult, inspect_save, step_dir_name, step_of
 from ckpt_lesson.runs.lightning_files import LIGHTNING_SUFFIX, inspect_lightning_file, is_lightning_temp_file
