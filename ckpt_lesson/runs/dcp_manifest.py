@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import stat
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +33,20 @@ from ckpt_lesson.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     SchemaError,
-    UnsafeCheckpointError,
 )
 from ckpt_lesson.files.hashing import check_hash_record, hash_file
 from ckpt_lesson.files.record_seal import SEAL_KEY, is_sealed, verify_record_seal
 from ckpt_lesson.files.safe_read import parse_json_text, read_regular_file
 from ckpt_lesson.files.schema import MANIFEST_NAME
 from ckpt_lesson.files.step_names import check_recorded_step
-from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, check_commit_marker
+from ckpt_lesson.runs.dcp_marker import COMMIT_MARKER, PUBLISH_MODES, check_commit_marker
+from ckpt_lesson.runs.layout import (
+    DCP_MANIFEST_SCHEMA,
+    ManifestKind,
+    check_part_file,
+    check_parts_list,
+    register_manifest_kind,
+)
 
 __all__ = [
     "LAYOUT",
@@ -52,14 +57,12 @@ __all__ = [
     "build_manifest",
     "check_dcp_manifest",
     "check_dcp_part",
-    "check_part_file",
     "check_parts_list",
     "read_dcp_manifest",
     "validate_manifest",
 ]
 
-#: The multi-rank manifest's schema (runs/layout.py sends a save that has it here).
-MANIFEST_SCHEMA = "ckpt.manifest.dcp.v1"
+MANIFEST_SCHEMA = DCP_MANIFEST_SCHEMA
 LAYOUT = "dcp"
 #: DCP's own index of the save (pickled by DCP; read here only through a restricted unpickler).
 METADATA_FILE = ".metadata"
@@ -244,55 +247,6 @@ def validate_manifest(manifest: Any, *, where: str) -> None:
         raise CorruptCheckpointError(f"{where}: no {METADATA_FILE} part; a DCP save always has one.")
 
 
-def check_part_file(part: Any, where: str) -> str:
-    """Check a manifest part's ``file`` (a plain name in the save folder) and ``bytes``; returns the name.
-
-    Shared by both manifest kinds; each checks its digest fields after this.
-
-    Raises:
-        CorruptCheckpointError: Not an object, no name, or no valid size.
-        UnsafeCheckpointError: A name that would leave the save folder.
-
-    Example:
-        >>> check_part_file({"file": "checkpoint.pt", "bytes": 10}, "m")
-        'checkpoint.pt'
-    """
-    if not isinstance(part, dict):
-        raise CorruptCheckpointError(f"{where}: every part must be an object with file, bytes, algo, digest.")
-    name = part.get("file")
-    if not isinstance(name, str) or not name:
-        raise CorruptCheckpointError(f"{where}: a part has no 'file' name.")
-    # A manifest is data, and data can be hostile: a part name may only name a file in this folder.
-    if "/" in name or "\\" in name or name in (".", "..") or name == MANIFEST_NAME or "\x00" in name:
-        raise UnsafeCheckpointError(
-            f"{where}: part name {name!r} is not a plain file name in the save folder."
-        )
-    size = part.get("bytes")
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise CorruptCheckpointError(f"{where}: part {name!r} has no valid 'bytes' count.")
-    return name
-
-
-def check_parts_list(parts: Any, where: str, check_part: Callable[[Any, str], None]) -> set[str]:
-    """Check a manifest's ``parts``: a non-empty list, each entry valid, no file twice.
-
-    Shared by both manifest kinds (single-process, runs/layout.py, and multi-rank); ``check_part``
-    checks one entry of the kind at hand. Returns the set of listed file names.
-
-    Raises:
-        CorruptCheckpointError: Not a non-empty list, a bad entry, or a file listed twice.
-    """
-    if not isinstance(parts, list) or not parts:
-        raise CorruptCheckpointError(f"{where}: 'parts' must be a non-empty list.")
-    seen: set[str] = set()
-    for part in parts:
-        check_part(part, where)
-        if part["file"] in seen:
-            raise CorruptCheckpointError(f"{where}: part {part['file']!r} is listed twice.")
-        seen.add(part["file"])
-    return seen
-
-
 def _check_part(part: Any, where: str) -> None:
     if not isinstance(part, dict) or set(part) != {"file", "bytes", "algo", "digest"}:
         raise CorruptCheckpointError(f"{where}: every part must be an object with file, bytes, algo, digest.")
@@ -339,3 +293,16 @@ def check_dcp_part(folder: Path, part: dict[str, Any], *, hash_it: bool = True) 
         found, recorded = record["digest"][:12], part["digest"][:12]
         return f"{name}: {record['algo']} {found}... != recorded {recorded}..."
     return None
+
+
+# How the single-process code reads a multi-rank save (scan, publish, a restore from a store)
+# without importing this module: runs/layout.py looks the schema up.
+register_manifest_kind(
+    MANIFEST_SCHEMA,
+    ManifestKind(
+        read=lambda folder: read_dcp_manifest(folder)[0],
+        check=lambda manifest, where: check_dcp_manifest(manifest, where=where),
+        check_part=check_dcp_part,
+        marker=COMMIT_MARKER,
+    ),
+)

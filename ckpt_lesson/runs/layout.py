@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ckpt_lesson.errors import (
     CheckpointError,
@@ -42,9 +43,6 @@ from ckpt_lesson.files.record_seal import verify_record_seal
 from ckpt_lesson.files.safe_read import read_json_file
 from ckpt_lesson.files.schema import MANIFEST_NAME, MANIFEST_SCHEMA
 from ckpt_lesson.files.verify import verify_part, verify_record
-from ckpt_lesson.runs.dcp_manifest import MANIFEST_SCHEMA as DCP_MANIFEST_SCHEMA
-from ckpt_lesson.runs.dcp_manifest import check_dcp_part, check_part_file, check_parts_list, read_dcp_manifest
-from ckpt_lesson.runs.dcp_marker import COMMIT_MARKER
 from ckpt_lesson.short_repr import short_repr
 
 __all__ = [
@@ -54,6 +52,7 @@ __all__ = [
     "STAGING_PREFIX",
     "ScanResult",
     "check_manifest",
+    "check_part_file",
     "inspect_save",
     "published_steps",
     "read_manifest",
@@ -64,6 +63,8 @@ __all__ = [
 ]
 
 LAYOUTS = ("single", "sharded")
+#: The multi-rank manifest's schema (its reader, runs/dcp_manifest.py, registers itself below).
+DCP_MANIFEST_SCHEMA = "ckpt.manifest.dcp.v1"
 #: Prefix of a save in progress: ``.staging-step-00000280-<pid>-<hex8>``.
 STAGING_PREFIX = ".staging-step-"
 # [0-9], not \d: \d also matches other scripts' digits ("step-٣٣٣٣٣٣٣٣"), which int() accepts but
@@ -99,6 +100,48 @@ def step_of(name: str) -> int | None:
     """The step of a published save folder's name, or ``None`` for any other name."""
     found = _STEP_RE.match(name)
     return int(found.group(1)) if found else None
+
+
+class ManifestKind(NamedTuple):
+    """How to read a save whose manifest another module owns (the multi-rank one).
+
+    A single-process save never needs that module: :func:`inspect_save` and the store's
+    restore look a manifest's schema up in :data:`MANIFEST_KINDS` only when it is not theirs.
+    """
+
+    read: Callable[[Path], dict[str, Any]]  # a folder's manifest, read and validated
+    check: Callable[[Any, str], None]  # a parsed manifest (from a store): seal and fields
+    check_part: Callable[..., str | None]  # (folder, part, *, hash_it) -> a problem, or None
+    marker: str  # written after the manifest; without it the save never finished
+
+
+#: Manifest kinds by schema, filled in by the module that owns each (on import).
+MANIFEST_KINDS: dict[str, ManifestKind] = {}
+
+
+def register_manifest_kind(schema: str, kind: ManifestKind) -> None:
+    """Let :func:`inspect_save` and the store's restore read saves whose manifest has ``schema``."""
+    MANIFEST_KINDS[schema] = kind
+
+
+def check_parts_list(parts: Any, where: str, check_part: Callable[[Any, str], None]) -> set[str]:
+    """Check a manifest's ``parts``: a non-empty list, each entry valid, no file twice.
+
+    Shared by both manifest kinds (single-process and multi-rank); ``check_part``
+    checks one entry of the kind at hand. Returns the set of listed file names.
+
+    Raises:
+        CorruptCheckpointError: Not a non-empty list, a bad entry, or a file listed twice.
+    """
+    if not isinstance(parts, list) or not parts:
+        raise CorruptCheckpointError(f"{where}: 'parts' must be a non-empty list.")
+    seen: set[str] = set()
+    for part in parts:
+        check_part(part, where)
+        if part["file"] in seen:
+            raise CorruptCheckpointError(f"{where}: part {part['file']!r} is listed twice.")
+        seen.add(part["file"])
+    return seen
 
 
 @dataclass(frozen=True)
@@ -199,6 +242,35 @@ def check_manifest(manifest: Any, *, where: str) -> dict[str, Any]:
     return manifest
 
 
+def check_part_file(part: Any, where: str) -> str:
+    """Check a manifest part's ``file`` (a plain name in the save folder) and ``bytes``; returns the name.
+
+    Shared by both manifest kinds; each checks its digest fields after this.
+
+    Raises:
+        CorruptCheckpointError: Not an object, no name, or no valid size.
+        UnsafeCheckpointError: A name that would leave the save folder.
+
+    Example:
+        >>> check_part_file({"file": "checkpoint.pt", "bytes": 10}, "m")
+        'checkpoint.pt'
+    """
+    if not isinstance(part, dict):
+        raise CorruptCheckpointError(f"{where}: every part must be an object with file, bytes, algo, digest.")
+    name = part.get("file")
+    if not isinstance(name, str) or not name:
+        raise CorruptCheckpointError(f"{where}: a part has no 'file' name.")
+    # A manifest is data, and data can be hostile: a part name may only name a file in this folder.
+    if "/" in name or "\\" in name or name in (".", "..") or name == MANIFEST_NAME or "\x00" in name:
+        raise UnsafeCheckpointError(
+            f"{where}: part name {name!r} is not a plain file name in the save folder."
+        )
+    size = part.get("bytes")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise CorruptCheckpointError(f"{where}: part {name!r} has no valid 'bytes' count.")
+    return name
+
+
 def _check_part_entry(part: Any, where: str) -> None:
     name = check_part_file(part, where)
     try:
@@ -232,10 +304,11 @@ def inspect_save(
     if step is None:
         raise CheckpointError(f"{step_dir.name}: not a save folder name (expected step-XXXXXXXX).")
     try:
-        manifest, multi_rank = _read_any_manifest(step_dir)
+        manifest, kind = _read_any_manifest(step_dir)
     except IncompleteCheckpointError:
         # With a manifest present, what is missing is a multi-rank save's commit marker (written last).
-        missing = COMMIT_MARKER if (step_dir / MANIFEST_NAME).exists() else MANIFEST_NAME
+        markers = [k.marker for k in MANIFEST_KINDS.values()]
+        missing = markers[0] if markers and (step_dir / MANIFEST_NAME).exists() else MANIFEST_NAME
         return ScanResult(step_dir, step, "incomplete", f"no {missing} (save never finished)"), None
     except (CorruptCheckpointError, UnsafeCheckpointError) as exc:
         return ScanResult(step_dir, step, "corrupt", str(exc)), None
@@ -245,8 +318,8 @@ def inspect_save(
     problems = []
     for part in manifest["parts"]:
         path = step_dir / part["file"]
-        if multi_rank:  # DCP's files carry no footer: size, then the tagged digest (never unpickled)
-            problem = check_dcp_part(step_dir, part, hash_it=hash_parts)
+        if kind is not None:  # DCP's files carry no footer: size, then the tagged digest (never unpickled)
+            problem = kind.check_part(step_dir, part, hash_it=hash_parts)
         elif hash_parts:
             problem = verify_record(path, part)
         elif not path.is_file() or path.is_symlink():
@@ -264,13 +337,14 @@ def inspect_save(
     return ScanResult(step_dir, step, "ok", ""), manifest
 
 
-def _read_any_manifest(step_dir: Path) -> tuple[dict[str, Any], bool]:
-    """``(manifest, multi_rank)``: a single-process manifest, else a multi-rank (DCP) one."""
+def _read_any_manifest(step_dir: Path) -> tuple[dict[str, Any], ManifestKind | None]:
+    """``(manifest, kind)``: a single-process manifest (kind ``None``), else one of a registered kind."""
     try:
-        return read_manifest(step_dir), False
+        return read_manifest(step_dir), None
     except SchemaError as unknown:
-        try:
-            # Its own reader: seal, fields, and the commit marker of a marker-mode save.
-            return read_dcp_manifest(step_dir)[0], True
-        except SchemaError:
-            raise unknown from None  # neither reader knows it: keep the first reader's message
+        for kind in MANIFEST_KINDS.values():
+            try:
+                return kind.read(step_dir), kind
+            except SchemaError:
+                continue
+        raise unknown from None  # no reader knows it: keep the first reader's message

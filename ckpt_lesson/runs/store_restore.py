@@ -39,9 +39,9 @@ from ckpt_lesson.files.safe_read import parse_json_text
 from ckpt_lesson.files.storage import Storage
 from ckpt_lesson.files.storage_transfer import RANGE_BYTES
 from ckpt_lesson.files.verified_bytes import VerifiedBytes
-from ckpt_lesson.runs.dcp_manifest import check_dcp_manifest
 from ckpt_lesson.runs.layout import (
     DCP_MANIFEST_SCHEMA,
+    MANIFEST_KINDS,
     MANIFEST_NAME,
     check_manifest,
     step_dir_name,
@@ -105,7 +105,7 @@ def _checked_manifest(
     if multi_rank is None:
         multi_rank = isinstance(manifest, dict) and manifest.get("schema") == DCP_MANIFEST_SCHEMA
     if multi_rank:  # seal, then fields (part names plain, .metadata listed): its own module's checks
-        check_dcp_manifest(manifest, where=where)
+        MANIFEST_KINDS[DCP_MANIFEST_SCHEMA].check(manifest, where)
     else:  # schema, seal, part names that stay inside the folder: exactly as for a local manifest
         manifest = check_manifest(manifest, where=where)
     if manifest["step"] != step or manifest["save_id"] != marker["save_id"]:
