@@ -262,13 +262,9 @@ def _is_record(rec: Any) -> bool:
     """A recovery record: a JSON object whose numeric fields are numbers (finite) or null."""
     if not isinstance(rec, dict):
         return False
-    for key in (*_NUMERIC_FIELDS, "incomplete_saves"):
-        value = rec.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return False
-    return True
+    values = [rec.get(key) for key in (*_NUMERIC_FIELDS, "incomplete_saves")]
+    # type(), not isinstance(): True is an int to isinstance, and JSON never yields a subclass.
+    return all(v is None or (type(v) in (int, float) and math.isfinite(v)) for v in values)
 
 
 class RecoveryRecorder:
