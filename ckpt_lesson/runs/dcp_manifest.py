@@ -57,7 +57,6 @@ __all__ = [
     "build_manifest",
     "check_dcp_manifest",
     "check_dcp_part",
-    "check_parts_list",
     "read_dcp_manifest",
     "validate_manifest",
 ]

@@ -42,13 +42,12 @@ from ckpt_lesson.files.integrity import part_digest
 from ckpt_lesson.files.record_seal import verify_record_seal
 from ckpt_lesson.files.safe_read import read_json_file
 from ckpt_lesson.files.schema import MANIFEST_NAME, MANIFEST_SCHEMA
-from ckpt_lesson.files.verify import verify_part, verify_record
+from ckpt_lesson.files.verify import verify_record
 from ckpt_lesson.short_repr import short_repr
 
 __all__ = [
     "LAYOUTS",
     "MANIFEST_NAME",
-    "MANIFEST_SCHEMA",
     "STAGING_PREFIX",
     "ScanResult",
     "check_manifest",
@@ -58,8 +57,6 @@ __all__ = [
     "read_manifest",
     "step_dir_name",
     "step_of",
-    "verify_part",
-    "verify_record",
 ]
 
 LAYOUTS = ("single", "sharded")
