@@ -42,10 +42,10 @@ from ckpt_lesson.files.step_names import check_recorded_step
 from ckpt_lesson.runs.dcp_marker import COMMIT_MARKER, PUBLISH_MODES, check_commit_marker
 from ckpt_lesson.runs.layout import (
     DCP_MANIFEST_SCHEMA,
+    MANIFEST_KINDS,
     ManifestKind,
     check_part_file,
     check_parts_list,
-    register_manifest_kind,
 )
 
 __all__ = [
@@ -296,12 +296,9 @@ def check_dcp_part(folder: Path, part: dict[str, Any], *, hash_it: bool = True) 
 
 # How the single-process code reads a multi-rank save (scan, publish, a restore from a store)
 # without importing this module: runs/layout.py looks the schema up.
-register_manifest_kind(
-    MANIFEST_SCHEMA,
-    ManifestKind(
-        read=lambda folder: read_dcp_manifest(folder)[0],
-        check=lambda manifest, where: check_dcp_manifest(manifest, where=where),
-        check_part=check_dcp_part,
-        marker=COMMIT_MARKER,
-    ),
+MANIFEST_KINDS[MANIFEST_SCHEMA] = ManifestKind(
+    read=lambda folder: read_dcp_manifest(folder)[0],
+    check=lambda manifest, where: check_dcp_manifest(manifest, where=where),
+    check_part=check_dcp_part,
+    marker=COMMIT_MARKER,
 )

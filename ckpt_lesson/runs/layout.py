@@ -112,13 +112,9 @@ class ManifestKind(NamedTuple):
     marker: str  # written after the manifest; without it the save never finished
 
 
-#: Manifest kinds by schema, filled in by the module that owns each (on import).
+#: Manifest kinds by schema, filled in by the module that owns each (on import), so that
+#: :func:`inspect_save` and the store's restore can read saves whose manifest is not theirs.
 MANIFEST_KINDS: dict[str, ManifestKind] = {}
-
-
-def register_manifest_kind(schema: str, kind: ManifestKind) -> None:
-    """Let :func:`inspect_save` and the store's restore read saves whose manifest has ``schema``."""
-    MANIFEST_KINDS[schema] = kind
 
 
 def check_parts_list(parts: Any, where: str, check_part: Callable[[Any, str], None]) -> set[str]:
