@@ -18,7 +18,8 @@ from ckpt_lesson.errors import (
 )
 from ckpt_lesson.files.atomic import atomic_write_json
 from ckpt_lesson.files.checkpoint import TrainState, save_checkpoint
-from ckpt_lesson.runs.layout import ScanResult, read_manifest, step_dir_name, verify_part, verify_record
+from ckpt_lesson.files.verify import verify_part, verify_record
+from ckpt_lesson.runs.layout import ScanResult, read_manifest, step_dir_name
 from ckpt_lesson.runs.scan import scan_checkpoints
 
 

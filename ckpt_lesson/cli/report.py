@@ -8,7 +8,8 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
-from ckpt_lesson.runs.report import RECOVERY_LOG, read_recovery_log, summarize_recoveries
+from ckpt_lesson.runs.recovery_summary import summarize_recoveries
+from ckpt_lesson.runs.report import RECOVERY_LOG, read_recovery_log
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -19,7 +19,7 @@ conditional creates that really refuse a second writer (S3 since August 2024;
 see :mod:`ckpt_lesson.files.storage_fsspec`).
 
 Each restore that found a save is also recorded, by rank 0, in the bucket's
-``recovery.jsonl`` (:class:`~ckpt_lesson.runs.report.StoreRecoveryRecorder`,
+``recovery.jsonl`` (:class:`~ckpt_lesson.runs.report.RecoveryRecorder` with ``store=``,
 as the single-process training loop does), once the first step after it is
 done; ``python -m ckpt_lesson report URL`` summarises them.
 """
@@ -44,7 +44,7 @@ from ckpt_lesson.errors import (
 )
 from ckpt_lesson.files.storage import Storage, open_storage
 from ckpt_lesson.runs.layout import MANIFEST_NAME, step_dir_name
-from ckpt_lesson.runs.report import StoreRecoveryRecorder
+from ckpt_lesson.runs.report import RecoveryRecorder
 from ckpt_lesson.runs.retention import RetentionPolicy
 from ckpt_lesson.runs.store_commit import (
     COMMIT_NAME,
@@ -150,7 +150,7 @@ class StoreSaves(Saves):
         self.storage = open_storage(self.url, self.storage_options)  # no request yet: rank 0 checks it
         self.lease_seconds, self.policy, self.emit = float(lease_seconds), policy, emit
         self.run_dir = self.where = url  # for the manager's messages
-        self._recorder: StoreRecoveryRecorder | None = None  # rank 0, from a restore to the next step
+        self._recorder: RecoveryRecorder | None = None  # rank 0, from a restore to the next step
         self._writing = False  # rank 0: probe and cleanup wait for the first save (readers write nothing)
 
     def open_run(self) -> None:  # rank 0, once: reach the bucket (a read; a restore-only job writes nothing)
@@ -256,7 +256,7 @@ class StoreSaves(Saves):
         self.close()
         folder = Path(tempfile.mkdtemp(prefix="ckpt-lesson-recovery-"))  # scratch: it dies with the machine
         try:
-            self._recorder = StoreRecoveryRecorder(self.url, folder, storage_options=self.storage_options)
+            self._recorder = RecoveryRecorder(folder, store=self.url, storage_options=self.storage_options)
         except CheckpointError as exc:  # a report, never a reason to stop training
             shutil.rmtree(folder, ignore_errors=True)
             log.warning("%s: this restore is not recorded (%s)", self.url, exc)

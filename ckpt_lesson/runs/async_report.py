@@ -77,7 +77,7 @@ def note_failure(
             _unreported[key] = line
 
 
-def forget_failure(key: object | None) -> None:
+def forget_failure(key: object) -> None:
     """The failure of ``key``'s save was raised on the training thread: nothing left to report.
 
     Args:
@@ -86,8 +86,6 @@ def forget_failure(key: object | None) -> None:
     Example:
         >>> forget_failure(writer_thread)  # doctest: +SKIP
     """
-    if key is None:
-        return
     with _guard:
         _unreported.pop(key, None)
         _raised.add(key)

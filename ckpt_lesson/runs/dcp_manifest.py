@@ -43,10 +43,10 @@ from ckpt_lesson.runs.commit import COMMIT_MARKER
 from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, check_commit_marker
 from ckpt_lesson.runs.layout import (
     DCP_MANIFEST_SCHEMA,
+    MANIFEST_KINDS,
     ManifestKind,
     check_part_file,
     check_parts_list,
-    register_manifest_kind,
 )
 
 __all__ = [
@@ -56,9 +56,8 @@ __all__ = [
     "MAX_MANIFEST_BYTES",
     "METADATA_FILE",
     "build_manifest",
+    "check_dcp_manifest",
     "check_dcp_part",
-    "check_manifest_seal",
-    "check_parts_list",
     "read_dcp_manifest",
     "validate_manifest",
 ]
@@ -153,35 +152,24 @@ def read_dcp_manifest(folder: str | os.PathLike[str]) -> tuple[dict[str, Any], b
         >>> manifest, raw = read_dcp_manifest("run/step-00000040")  # doctest: +SKIP
     """
     folder = Path(folder)
-    path = folder / MANIFEST_NAME
     where = f"{folder.name}/{MANIFEST_NAME}"
     try:
-        info = os.lstat(path)
+        # The one bounded reader: a symlink, a FIFO, an oversize file and EIO all come out as damage.
+        raw = read_regular_file(folder / MANIFEST_NAME, limit=MAX_MANIFEST_BYTES, what="manifest")
     except FileNotFoundError:
         raise IncompleteCheckpointError(
             f"{folder.name}: no {MANIFEST_NAME}; the save never finished (it is written last). "
             "Restore an older save."
         ) from None
-    if not stat.S_ISREG(info.st_mode):
-        raise CorruptCheckpointError(f"{where}: not a regular file; restore an older save.")
-    if info.st_size > MAX_MANIFEST_BYTES:
-        raise CorruptCheckpointError(f"{where}: {info.st_size} bytes, over the {MAX_MANIFEST_BYTES} cap.")
-    # The one bounded reader: EIO, a swapped-in FIFO and deep nesting all come out as damage.
-    try:
-        raw = read_regular_file(path, limit=MAX_MANIFEST_BYTES, what="manifest")
-    except FileNotFoundError:
-        raise IncompleteCheckpointError(f"{folder.name}: {MANIFEST_NAME} vanished while read.") from None
-    manifest = parse_json_text(raw, where=where)
-    check_manifest_seal(manifest, where=where)
-    validate_manifest(manifest, where=where)
+    manifest = check_dcp_manifest(parse_json_text(raw, where=where), where=where)
     check_recorded_step(manifest["step"], folder, record=MANIFEST_NAME)
     if manifest.get("publish") == "marker":
         check_commit_marker(folder, manifest, raw)  # written last: without it the save never finished
     return manifest, raw
 
 
-def check_manifest_seal(manifest: Any, *, where: str) -> None:
-    """Refuse a multi-rank manifest whose seal is missing or does not match its contents.
+def check_dcp_manifest(manifest: Any, *, where: str) -> dict[str, Any]:
+    """Check a multi-rank manifest read back (from a folder or a store): its seal first, then every field.
 
     Every multi-rank manifest is written sealed (see ``files/record_seal.py``), and
     there are no older unsealed ones to accept: a record without its seal, or with a
@@ -189,26 +177,30 @@ def check_manifest_seal(manifest: Any, *, where: str) -> None:
     may be trusted, however well-formed its fields look. A record of another schema
     is left to :func:`validate_manifest`, which names the right manager.
 
+    Returns:
+        ``manifest``, checked.
+
     Raises:
-        CorruptCheckpointError: No seal, a damaged seal, or contents that do not match it.
+        CorruptCheckpointError: No seal, a damaged seal, contents that do not match it, or a bad field.
+        SchemaError, UnsafeCheckpointError: As :func:`read_dcp_manifest`.
 
     Example:
-        >>> check_manifest_seal({"schema": MANIFEST_SCHEMA, "step": 4}, where="m")
+        >>> check_dcp_manifest({"schema": MANIFEST_SCHEMA, "step": 4}, where="m")
         Traceback (most recent call last):
         ...
         ckpt_lesson.errors.CorruptCheckpointError: m: a multi-rank manifest without its checksum ...
     """
-    if not isinstance(manifest, dict):
-        return  # validate_manifest says what is wrong with it
-    if SEAL_KEY in manifest:
+    if isinstance(manifest, dict) and SEAL_KEY in manifest:
         # A flipped bit anywhere in the record, the seal's own name included, fails here.
         verify_record_seal(manifest, where=where, legacy_keys=())
-    elif manifest.get("schema") == MANIFEST_SCHEMA:
+    elif isinstance(manifest, dict) and manifest.get("schema") == MANIFEST_SCHEMA:
         raise CorruptCheckpointError(
             f"{where}: a multi-rank manifest without its checksum ({SEAL_KEY!r}); every one is written "
             "sealed, so this one was damaged or edited after it was written and nothing in it can be "
             "trusted. Restore an older save (restore_latest falls back on its own)."
         )
+    validate_manifest(manifest, where=where)  # part names are plain names, .metadata listed
+    return manifest
 
 
 def validate_manifest(manifest: Any, *, where: str) -> None:
@@ -303,19 +295,11 @@ def check_dcp_part(folder: Path, part: dict[str, Any], *, hash_it: bool = True) 
     return None
 
 
-def _check_parsed(manifest: Any, where: str) -> None:
-    check_manifest_seal(manifest, where=where)  # the seal first: an unverifiable record is damage
-    validate_manifest(manifest, where=where)  # part names are plain names, .metadata listed
-
-
 # How the single-process code reads a multi-rank save (scan, publish, a restore from a store)
 # without importing this module: runs/layout.py looks the schema up.
-register_manifest_kind(
-    MANIFEST_SCHEMA,
-    ManifestKind(
-        read=lambda folder: read_dcp_manifest(folder)[0],
-        check=_check_parsed,
-        check_part=check_dcp_part,
-        marker=COMMIT_MARKER,
-    ),
+MANIFEST_KINDS[MANIFEST_SCHEMA] = ManifestKind(
+    read=lambda folder: read_dcp_manifest(folder)[0],
+    check=lambda manifest, where: check_dcp_manifest(manifest, where=where),
+    check_part=check_dcp_part,
+    marker=COMMIT_MARKER,
 )

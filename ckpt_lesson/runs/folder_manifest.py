@@ -30,7 +30,7 @@ from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 from ckpt_lesson.files.atomic import atomic_write_json, fsync_dir, is_temp_file
-from ckpt_lesson.files.hashing import DEFAULT_ALGO, new_hasher, part_digest, record_fields
+from ckpt_lesson.files.hashing import DEFAULT_ALGO, hash_chunks, hash_file, part_digest, record_fields
 from ckpt_lesson.files.safe_read import parse_json_text, read_regular_file
 from ckpt_lesson.files.step_names import check_recorded_step
 
@@ -72,13 +72,11 @@ def _files_in(folder: Path) -> list[Path]:
 
 
 def _sync_and_hash(path: Path, algo: str) -> tuple[int, str]:
-    h = new_hasher(algo)
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
-            h.update(chunk)
+        size, digest = hash_chunks(iter(lambda: f.read(_CHUNK), b""), algo)
         # fsync through a read-only descriptor flushes the file's dirty pages all the same on Linux.
         os.fsync(f.fileno())
-        return os.fstat(f.fileno()).st_size, h.hexdigest()
+    return size, digest
 
 
 def write_folder_manifest(
@@ -127,10 +125,9 @@ def _read(folder: Path) -> tuple[dict[str, Any] | None, str]:
     path = folder / FOLDER_MANIFEST_NAME
     if path.is_symlink() or not path.is_file():
         return None, f"no {FOLDER_MANIFEST_NAME} (the save never finished, or no callback recorded it)"
-    if path.stat().st_size > _MAX_MANIFEST_BYTES:
-        return None, f"{FOLDER_MANIFEST_NAME}: larger than {_MAX_MANIFEST_BYTES} bytes; not ours"
     try:
-        # The one bounded reader (safe_read.py): EIO, deep nesting, a swapped-in FIFO are all damage.
+        # The one bounded reader (safe_read.py): over the cap, EIO, deep nesting, a swapped-in FIFO
+        # are all damage.
         raw = read_regular_file(path, limit=_MAX_MANIFEST_BYTES, what="folder manifest")
         manifest = parse_json_text(raw, where=f"{folder.name}/{FOLDER_MANIFEST_NAME}")
     except (OSError, CheckpointError) as exc:
@@ -198,15 +195,14 @@ def verify_folder(folder: str | os.PathLike[str]) -> str | None:
             return f"{name}: size {path.stat().st_size} != recorded {entry['bytes']}"
     for name, entry in listed.items():
         algo, want = part_digest(entry)
-        h = new_hasher(algo)
         try:
-            with open(folder / name, "rb") as f:
-                for chunk in iter(lambda f=f: f.read(_CHUNK), b""):
-                    h.update(chunk)
+            found = hash_file(folder / name, algo)[1]["digest"]
         except OSError as exc:  # EIO on a bad sector: this copy is damaged, not a crash
             return f"{name}: unreadable ({exc.strerror or type(exc).__name__})"
-        if h.hexdigest() != want:
-            return f"{name}: {algo} {h.hexdigest()[:12]}... != recorded {want[:12]}..."
+        except CheckpointError as exc:  # swapped for a symlink or a FIFO since it was listed
+            return str(exc)
+        if found != want:
+            return f"{name}: {algo} {found[:12]}... != recorded {want[:12]}..."
     return None
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import re
-import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,13 +42,12 @@ from ckpt_lesson.files.hashing import part_digest
 from ckpt_lesson.files.record_seal import verify_record_seal
 from ckpt_lesson.files.safe_read import read_json_file
 from ckpt_lesson.files.schema import MANIFEST_NAME, MANIFEST_SCHEMA
-from ckpt_lesson.files.verify import verify_part, verify_record
+from ckpt_lesson.files.verify import verify_record
 from ckpt_lesson.short_repr import short_repr
 
 __all__ = [
     "LAYOUTS",
     "MANIFEST_NAME",
-    "MANIFEST_SCHEMA",
     "STAGING_PREFIX",
     "ScanResult",
     "check_manifest",
@@ -59,8 +57,6 @@ __all__ = [
     "read_manifest",
     "step_dir_name",
     "step_of",
-    "verify_part",
-    "verify_record",
 ]
 
 LAYOUTS = ("single", "sharded")
@@ -72,7 +68,6 @@ STAGING_PREFIX = ".staging-step-"
 # step_dir_name() never writes, so scan would list a save that restore can never find.
 _STEP_RE = re.compile(r"^step-([0-9]{8,})$")
 STAGING_RE = re.compile(r"^\.staging-step-([0-9]{8,})-")
-_HEX = set(string.hexdigits.lower())
 #: Every top-level key a manifest had before manifests carried their own checksum.
 LEGACY_MANIFEST_KEYS = frozenset(
     {"schema", "save_id", "step", "payload_schema", "layout", "parts", "covers", "state", "env", "data"}
@@ -117,13 +112,9 @@ class ManifestKind(NamedTuple):
     marker: str  # written after the manifest; without it the save never finished
 
 
-#: Manifest kinds by schema, filled in by the module that owns each (on import).
+#: Manifest kinds by schema, filled in by the module that owns each (on import), so that
+#: :func:`inspect_save` and the store's restore can read saves whose manifest is not theirs.
 MANIFEST_KINDS: dict[str, ManifestKind] = {}
-
-
-def register_manifest_kind(schema: str, kind: ManifestKind) -> None:
-    """Let :func:`inspect_save` and the store's restore read saves whose manifest has ``schema``."""
-    MANIFEST_KINDS[schema] = kind
 
 
 def check_parts_list(parts: Any, where: str, check_part: Callable[[Any, str], None]) -> set[str]:

@@ -31,9 +31,8 @@ from ckpt_lesson.runs.commit import COMMIT_MARKER, MARKER_LOCK, QUARANTINE_PREFI
 from ckpt_lesson.runs.dcp_manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
+    check_dcp_manifest,
     check_dcp_part,
-    check_manifest_seal,
-    validate_manifest,
 )
 
 __all__ = ["clean_unmarked", "unmarked_save_verifies"]
@@ -57,9 +56,7 @@ def unmarked_save_verifies(folder: Path) -> str | None:
     where = f"{folder.name}/{MANIFEST_NAME}"
     try:
         raw = read_regular_file(folder / MANIFEST_NAME, limit=MAX_MANIFEST_BYTES, what="manifest")
-        manifest = parse_json_text(raw, where=where)
-        check_manifest_seal(manifest, where=where)
-        validate_manifest(manifest, where=where)
+        manifest = check_dcp_manifest(parse_json_text(raw, where=where), where=where)
     except (OSError, CheckpointError) as exc:
         return str(exc)
     for part in manifest["parts"]:

@@ -36,6 +36,7 @@ import os
 import subprocess
 import time
 from collections.abc import Mapping
+from contextlib import suppress
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -43,15 +44,12 @@ from typing import Any
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 from ckpt_lesson.files.safe_read import MAX_RECORD_BYTES, parse_json_text, read_json_file, read_regular_file
 from ckpt_lesson.files.side_files import append_beside, replace_beside
-from ckpt_lesson.files.storage import Storage, is_store_url, open_storage
-from ckpt_lesson.runs.recovery_summary import RecoverySummary, summarize_recoveries
+from ckpt_lesson.files.storage import is_store_url, open_storage
 
 __all__ = [
     "PROGRESS_NAME",
     "RECOVERY_LOG",
     "RecoveryRecorder",
-    "RecoverySummary",
-    "StoreRecoveryRecorder",
     "append_recovery_record",
     "build_recovery_record",
     "code_version",
@@ -59,7 +57,6 @@ __all__ = [
     "read_progress",
     "read_recovery_log",
     "record_progress",
-    "summarize_recoveries",
 ]
 
 log = logging.getLogger(__name__)
@@ -192,16 +189,6 @@ def append_recovery_record(run_dir: str | os.PathLike[str], record: dict[str, An
     append_beside(Path(run_dir) / RECOVERY_LOG, line.encode("utf-8"))
 
 
-def _fetch_log(storage: Storage, folder: Path) -> bool:
-    """Copy the store's ``recovery.jsonl`` into ``folder``; False when the store holds none."""
-    try:
-        data = storage.read_bytes(RECOVERY_LOG, limit=MAX_RECORD_BYTES)
-    except FileNotFoundError:
-        return False
-    (folder / RECOVERY_LOG).write_bytes(data)
-    return True
-
-
 def read_recovery_log(
     run_dir: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
 ) -> list[dict[str, Any]]:
@@ -275,13 +262,9 @@ def _is_record(rec: Any) -> bool:
     """A recovery record: a JSON object whose numeric fields are numbers (finite) or null."""
     if not isinstance(rec, dict):
         return False
-    for key in (*_NUMERIC_FIELDS, "incomplete_saves"):
-        value = rec.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return False
-    return True
+    values = [rec.get(key) for key in (*_NUMERIC_FIELDS, "incomplete_saves")]
+    # type(), not isinstance(): True is an int to isinstance, and JSON never yields a subclass.
+    return all(v is None or (type(v) in (int, float) and math.isfinite(v)) for v in values)
 
 
 class RecoveryRecorder:
@@ -312,7 +295,9 @@ class RecoveryRecorder:
         self.run_dir = Path(run_dir)
         self.storage = None if store is None else open_storage(store, storage_options)
         if self.storage is not None:
-            _fetch_log(self.storage, self.run_dir)
+            with suppress(FileNotFoundError):  # a store that holds no log yet: the first record starts it
+                log_bytes = self.storage.read_bytes(RECOVERY_LOG, limit=MAX_RECORD_BYTES)
+                (self.run_dir / RECOVERY_LOG).write_bytes(log_bytes)
         self.started_at = process_start_time() if started_at is None else started_at
         # Read before this process overwrites it: the crashed process's last step.
         self.last_executed_step = read_progress(self.run_dir)
@@ -348,8 +333,3 @@ class RecoveryRecorder:
         if self.storage is not None:
             self.storage.put_bytes(RECOVERY_LOG, (self.run_dir / RECOVERY_LOG).read_bytes())
         return self.record
-
-
-def StoreRecoveryRecorder(url: str, folder: Path, **kwargs: Any) -> RecoveryRecorder:  # noqa: N802
-    """The name the store's recorder had: ``RecoveryRecorder(folder, store=url, **kwargs)``."""
-    return RecoveryRecorder(folder, store=url, **kwargs)

@@ -40,25 +40,6 @@ from ckpt_lesson.runs.store_restore import verify_store_save
 __all__ = ["scan_checkpoints"]
 
 
-def _check_run_dir(run_dir: Path) -> None:
-    if not run_dir.exists():
-        raise CheckpointError(f"{run_dir}: no such run directory; check the path.")
-    if not run_dir.is_dir():
-        raise CheckpointError(
-            f"{run_dir}: not a directory; pass the run directory that holds the step-XXXXXXXX folders."
-        )
-
-
-def _inspect_checkpoint_folder(folder: Path) -> ScanResult:
-    """A Hugging Face ``checkpoint-N`` folder, judged by its folder manifest (runs/folder_manifest.py)."""
-    step = checkpoint_folder_step(folder.name) or 0
-    reason = verify_folder(folder)
-    if reason is None:
-        return ScanResult(folder, step, "ok", "")
-    missing = not (folder / FOLDER_MANIFEST_NAME).exists() or reason.endswith(": missing")
-    return ScanResult(folder, step, "incomplete" if missing else "corrupt", reason)
-
-
 def scan_checkpoints(
     run_dir: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
 ) -> list[ScanResult]:
@@ -86,7 +67,12 @@ def scan_checkpoints(
     if is_store_url(run_dir):
         return _scan_store(str(run_dir), storage_options)
     run_dir = Path(run_dir)
-    _check_run_dir(run_dir)
+    if not run_dir.exists():
+        raise CheckpointError(f"{run_dir}: no such run directory; check the path.")
+    if not run_dir.is_dir():
+        raise CheckpointError(
+            f"{run_dir}: not a directory; pass the run directory that holds the step-XXXXXXXX folders."
+        )
     results = []
     for entry in run_dir.iterdir():
         if entry.is_symlink():
@@ -108,8 +94,12 @@ def scan_checkpoints(
                 results.append(inspect_save(entry)[0])
             except SchemaError as exc:
                 results.append(ScanResult(entry, step_of(entry.name) or 0, "corrupt", str(exc)))
-        elif checkpoint_folder_step(entry.name) is not None:
-            results.append(_inspect_checkpoint_folder(entry))
+        elif (step := checkpoint_folder_step(entry.name)) is not None:
+            # A Hugging Face folder, judged by its folder manifest (runs/folder_manifest.py).
+            reason = verify_folder(entry)
+            missing = not (entry / FOLDER_MANIFEST_NAME).exists() or (reason or "").endswith(": missing")
+            status = "ok" if reason is None else "incomplete" if missing else "corrupt"
+            results.append(ScanResult(entry, step, status, reason or ""))
     unknown = -1  # a Lightning file whose step cannot be read sorts first
     return sorted(
         results,
@@ -118,28 +108,12 @@ def scan_checkpoints(
 
 
 def _scan_store(url: str, storage_options: Mapping[str, Any] | None) -> list[ScanResult]:
-    """Verify every committed save under ``url`` (streaming and hashing it) and list uncommitted uploads.
+    """Verify every committed save under ``url`` and list the uploads no commit marker names.
 
-    The rows are those of a folder: one per committed step (``ok``, ``corrupt`` or
-    ``incomplete`` with the reason), a single-process or a multi-rank save alike, each
-    object hashed as it streams by and nothing unpickled; then one per upload that no
-    marker names (a writer that died, or one still running).
-
-    Args:
-        url: The run's prefix, e.g. ``s3://bucket/runs/exp1``.
-        storage_options: fsspec options (default: credentials from the environment).
-
-    Returns:
-        One :class:`ScanResult` per committed step (ascending; single-process and
-        multi-rank saves alike), then one
-        ``incomplete`` row per upload no marker names (path ``.uncommitted-...``).
-
-    Raises:
-        CheckpointError: The client is missing. ``LoadEnvironmentError``: the bucket cannot be reached.
-
-    Example:
-        >>> [r.status for r in scan_checkpoints("s3://my-bucket/runs/exp1")]  # doctest: +SKIP
-        ['ok', 'ok']
+    The rows are those of a folder: one per committed step, a single-process or a multi-rank
+    save alike, each object hashed as it streams by and nothing unpickled; then one
+    ``incomplete`` row (path ``.uncommitted-...``) per upload that no marker names (a writer
+    that died, or one still running).
     """
     storage = open_storage(url, storage_options)
     keys = storage.list_keys()

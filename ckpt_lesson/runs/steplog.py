@@ -145,9 +145,9 @@ def _fail(message: str) -> None:
 def _as_step(step: Any) -> int:
     try:
         value = operator.index(step.item() if hasattr(step, "item") else step)
+        if isinstance(step, bool) or value < 0:
+            raise ValueError
     except (TypeError, ValueError):
-        _fail(f"log_step: step must be an int >= 0, got {step!r}; pass the training step counter.")
-    if isinstance(step, bool) or value < 0:
         _fail(f"log_step: step must be an int >= 0, got {step!r}; pass the training step counter.")
     return value
 
@@ -173,13 +173,10 @@ def _as_ids(ids: Any) -> list[Any]:
         _fail(f"log_step: sample_ids must be a list of ints or strings, got {type(ids).__name__}.")
     out: list[Any] = []
     for item in items:
-        if isinstance(item, str):
-            out.append(item)
-            continue
         try:
             if isinstance(item, bool):
                 raise TypeError
-            out.append(operator.index(item))
+            out.append(item if isinstance(item, str) else operator.index(item))
         except TypeError:
             _fail(f"log_step: sample ids must be ints or strings, got {item!r}.")
     return out
