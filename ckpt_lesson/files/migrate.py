@@ -66,6 +66,9 @@ DEFAULT_BACKUP_SUFFIX = ".v1.bak"
 class MigrationResult:
     """What :func:`migrate_file` did.
 
+    Also what :func:`~ckpt_lesson.files.store_migrate.migrate_store_object`
+    did to an object in a bucket: then ``path`` and ``backup`` are URLs.
+
     Attributes:
         path: The checkpoint file (now in ``to_schema``).
         backup: Where the original bytes were kept, or ``None`` when nothing
@@ -76,8 +79,8 @@ class MigrationResult:
 
     __repr__ = short_repr  # one short line: see ckpt_lesson/short_repr.py
 
-    path: Path
-    backup: Path | None
+    path: Path | str
+    backup: Path | str | None
     from_schema: str
     to_schema: str
 
@@ -174,10 +177,7 @@ def migrate_file(
     """
     path = Path(path)
     _check_target(path)
-    if not backup_suffix or "/" in backup_suffix or os.sep in backup_suffix:
-        raise CheckpointError(
-            f"backup suffix {backup_suffix!r} must be a non-empty file-name suffix like '.v1.bak'."
-        )
+    check_backup_suffix(backup_suffix)
     backup = path.with_name(path.name + backup_suffix)
 
     # Step 1: everything that can fail is checked before anything on disk changes.
@@ -212,6 +212,14 @@ def migrate_file(
     # Step 3: one atomic replace; the footer is the integrity record v1 lacked.
     atomic_save(migrated, path)
     return MigrationResult(path, backup, str(original), current)
+
+
+def check_backup_suffix(suffix: str) -> None:
+    """Refuse a backup suffix that is empty or would put the backup in another folder."""
+    if not suffix or "/" in suffix or os.sep in suffix:
+        raise CheckpointError(
+            f"backup suffix {suffix!r} must be a non-empty file-name suffix like '.v1.bak'."
+        )
 
 
 def _is_backup_of(backup: Path, digest: FileDigest) -> bool:
