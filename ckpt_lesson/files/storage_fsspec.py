@@ -31,7 +31,7 @@ from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.hashing import DEFAULT_ALGO, digest_bytes, hash_chunks
-from ckpt_lesson.files.storage import CHUNK_BYTES, Storage, check_key, is_plain_key
+from ckpt_lesson.files.storage_base import CHUNK_BYTES, Storage, check_key, is_plain_key
 from ckpt_lesson.files.storage_transfer import (
     DEFAULT_TIMEOUT,
     DOWNLOAD_CONCURRENCY,
