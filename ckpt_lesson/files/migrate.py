@@ -48,7 +48,7 @@ from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, load_verified_file
 from ckpt_lesson.files.integrity import FileDigest, file_digest
 from ckpt_lesson.files.rng import capture_rng_state
 from ckpt_lesson.files.schema import MANIFEST_NAME
-from ckpt_lesson.files.sharded import INDEX_NAME
+from ckpt_lesson.files.shard_index import INDEX_NAME
 from ckpt_lesson.short_repr import short_repr
 
 __all__ = [

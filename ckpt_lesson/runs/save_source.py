@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, Union
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from ckpt_lesson.files.safe_read import read_json_file
-from ckpt_lesson.files.sharded import INDEX_NAME
+from ckpt_lesson.files.shard_index import INDEX_NAME
 from ckpt_lesson.files.verified_bytes import VerifiedBytes
 from ckpt_lesson.files.verify import verify_record
 from ckpt_lesson.runs.layout import read_manifest, step_dir_name
