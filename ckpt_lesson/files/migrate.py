@@ -35,6 +35,7 @@ import shutil
 import stat
 import time
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -193,7 +194,7 @@ def migrate_file(
                 "so migrate refuses; restore an older checkpoint."
             )
         return MigrationResult(path, None, str(original), current)
-    _refuse_recorded_part(path)
+    refuse_recorded_part(path, (MANIFEST_NAME, INDEX_NAME), lambda record: (path.parent / record).exists())
     missing = [b for b in BUCKETS if b not in migrated]
     if missing:
         raise StateMismatchError(
@@ -207,7 +208,12 @@ def migrate_file(
         if backup.exists() or backup.is_symlink():
             raise _backup_exists(path, backup)
         _make_backup(path, backup)
-        _check_backup(path, backup, digest)
+        if not _is_backup_of(backup, digest):
+            backup.unlink(missing_ok=True)
+            raise CheckpointError(
+                f"{path}: the file changed while it was being migrated (another process is writing "
+                "it?); nothing was migrated. Stop the writer and run migrate again."
+            )
 
     # Step 3: one atomic replace; the footer is the integrity record v1 lacked.
     atomic_save(migrated, path)
@@ -232,25 +238,16 @@ def _is_backup_of(backup: Path, digest: FileDigest) -> bool:
         return False
 
 
-def _check_backup(path: Path, backup: Path, digest: FileDigest) -> None:
-    if file_digest(backup, algo=digest.algo).digest != digest.digest:
-        backup.unlink(missing_ok=True)
-        raise CheckpointError(
-            f"{path}: the file changed while it was being migrated (another process is writing "
-            "it?); nothing was migrated. Stop the writer and run migrate again."
-        )
-
-
-def _refuse_recorded_part(path: Path) -> None:
-    """Refuse a file that a manifest or shard index beside it records by digest.
+def refuse_recorded_part(where: Any, records: tuple[str, ...], exists: Callable[[str], bool]) -> None:
+    """Refuse a file (or object) that a record beside it (manifest, shard index, commit marker) pins.
 
     Rewriting such a file changes its bytes, so the record would no longer
     match and every scan and restore would call the whole save corrupt.
     """
-    for record in (MANIFEST_NAME, INDEX_NAME):
-        if (path.parent / record).exists():
+    for record in records:
+        if exists(record):
             raise CheckpointError(
-                f"{path}: is one part of a save recorded in {record}, which pins its digest; "
+                f"{where}: is one part of a save recorded in {record}, which pins its digest; "
                 "rewriting it would make that save fail verification. Nothing was changed. Such "
                 "files are migrated in memory on every load; to upgrade them on disk, restore "
                 "and save again through the CheckpointManager."

@@ -72,7 +72,6 @@ TENSOR_REF = "__shard_tensor__"
 LAYOUTS = ("round_robin", "param_group")
 # The names sharded._shard_name gives; one present but not listed means the folder is not what was saved.
 _SHARD_RE = re.compile(r"^model\.shard-\d{3,}\.pt$")
-_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 def _bad(ckpt_dir: Path, what: str) -> CorruptCheckpointError:

@@ -37,6 +37,7 @@ from ckpt_lesson.files.migrate import (
     MigrationResult,
     check_backup_suffix,
     migrate_file,
+    refuse_recorded_part,
 )
 from ckpt_lesson.files.schema import MANIFEST_NAME
 from ckpt_lesson.files.storage import is_store_url, open_storage
@@ -108,12 +109,7 @@ def migrate_store_object(
         size, etag = storage.stat(name)  # type: ignore[attr-defined]
     except FileNotFoundError:
         raise CheckpointError(f"{url}: no such object; check the URL.") from None
-    for record in (MANIFEST_NAME, _MARKER_NAME):
-        if storage.exists(record):  # type: ignore[attr-defined]
-            raise CheckpointError(
-                f"{url}: is one part of a save recorded by the {record} beside it, which pins its digest; "
-                "nothing was changed. Restore and save again through the CheckpointManager instead."
-            )
+    refuse_recorded_part(url, (MANIFEST_NAME, _MARKER_NAME), storage.exists)  # type: ignore[attr-defined]
     if size > MAX_MIGRATE_BYTES:
         raise CheckpointError(
             f"{url}: {size} bytes, over the {MAX_MIGRATE_BYTES}-byte cap for one checkpoint."
