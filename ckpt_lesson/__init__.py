@@ -69,15 +69,13 @@ from .files.schema import (  # noqa: E402
     SCHEMA_V2,
     migrate_v1_to_v2,
 )
+from .files.shard_index import read_shard_index, verify_sharded_checkpoint  # noqa: E402
+from .files.shard_plan import plan_shards, shard_keys_by_prefix  # noqa: E402
 from .files.sharded import (  # noqa: E402
     SHARD_SCHEMA,
     ShardedSaveResult,
     load_sharded_checkpoint,
-    plan_shards,
-    read_shard_index,
     save_sharded_checkpoint,
-    shard_keys_by_prefix,
-    verify_sharded_checkpoint,
 )
 from .files.storage import open_storage  # noqa: E402
 from .files.verify import verify_part  # noqa: E402

@@ -24,8 +24,7 @@ from ckpt_lesson.course.demo import demo_failures, run_resume_demo
 from ckpt_lesson.course.demo_artifacts import DEMO_SCHEMA, write_demo_artifacts
 from ckpt_lesson.course.skill import render_skill_markdown, write_skill_markdown
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files import atomic, checkpoint, integrity, rng, schema
-from ckpt_lesson.files import sharded as sharded_mod
+from ckpt_lesson.files import atomic, checkpoint, integrity, rng, schema, shard_index
 
 STEPS, KILL_AT, SEED = 20, 7, 5
 ARTIFACTS = ("resume-demo.json", "loss-curves.png", "skill-checkpoint-save-resume.md")
@@ -139,7 +138,7 @@ def test_the_json_records_the_sharded_resume_as_it_happened(cli_run: dict, shard
 def test_sharded_demo_checkpoint_is_a_real_sharded_directory(sharded: dict, cli_run: dict) -> None:
     shard_dir = Path(sharded["checkpoint"])
     assert shard_dir == cli_run["ckpt_dir"]  # straight into ckpt_dir, as in the lesson
-    index = sharded_mod.read_shard_index(shard_dir)
+    index = shard_index.read_shard_index(shard_dir)
     assert [e["file"] for e in index["shards"]] == [f"model.shard-00{i}.pt" for i in range(3)]
 
 
@@ -279,8 +278,6 @@ def test_cli_demo_help_lists_its_options(capsys) -> None:
 
 
 def _rendered_constants() -> list[str]:
-    from ckpt_lesson.files import sharded
-
     payload_keys = list(
         checkpoint.build_payload(torch.nn.Module(), _tiny_opt(), None, checkpoint.TrainState())
     )
@@ -294,10 +291,10 @@ def _rendered_constants() -> list[str]:
         *rng.RNG_SOURCES,
         atomic.TEMP_MARKER,
         integrity.FOOTER_MAGIC.decode(),
-        sharded.SHARDED_SCHEMA,
-        sharded.INDEX_NAME,
-        sharded.META_NAME,
-        *sharded.LAYOUTS,
+        shard_index.SHARDED_SCHEMA,
+        shard_index.INDEX_NAME,
+        shard_index.META_NAME,
+        *shard_index.LAYOUTS,
         *errors.__all__,
     ]
 

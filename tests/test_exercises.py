@@ -27,7 +27,7 @@ from ckpt_lesson.course.grading import FAIL_MARK, PASS_MARK
 from ckpt_lesson.course.training import next_batch_ids
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.schema import migrate_v1_to_v2
-from ckpt_lesson.files.sharded import plan_shards
+from ckpt_lesson.files.shard_plan import plan_shards
 from ckpt_lesson.files.verify import verify_part
 from ckpt_lesson.runs.cadence import should_save
 from ckpt_lesson.runs.retention import keep_last_k

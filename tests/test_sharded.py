@@ -35,14 +35,9 @@ from ckpt_lesson.errors import (
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.hashing import DEFAULT_ALGO, digest_bytes
 from ckpt_lesson.files.record_seal import seal_record
-from ckpt_lesson.files.sharded import (
-    load_sharded_checkpoint,
-    plan_shards,
-    read_shard_index,
-    save_sharded_checkpoint,
-    shard_keys_by_prefix,
-    verify_sharded_checkpoint,
-)
+from ckpt_lesson.files.shard_index import read_shard_index, verify_sharded_checkpoint
+from ckpt_lesson.files.shard_plan import plan_shards, shard_keys_by_prefix
+from ckpt_lesson.files.sharded import load_sharded_checkpoint, save_sharded_checkpoint
 
 SEED = 7
 N_SAMPLES = 64  # 4 batches of 16 per epoch, so a 10-step run crosses epochs

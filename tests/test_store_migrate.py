@@ -99,6 +99,6 @@ def test_an_object_rewritten_during_the_migration_is_not_replaced(s3_bucket, old
 def test_a_part_of_a_committed_save_is_refused(s3_bucket, old_object):
     url, original = old_object
     s3_bucket.fs().pipe_file(f"{s3_bucket.name}/old/manifest.json", b"{}")
-    with pytest.raises(CheckpointError, match="one part of a save recorded by the manifest.json"):
+    with pytest.raises(CheckpointError, match="one part of a save recorded in manifest.json"):
         migrate_store_object(url, storage_options=s3_bucket.options)
     assert _get(s3_bucket, "old/last.pt") == original

@@ -33,9 +33,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``migrate``; returns 0 (migrated or already current). Errors raise CheckpointError."""
-    if is_store_url(args.path):
-        return _run_store(args)
-    result = migrate_file(args.path, backup_suffix=args.backup_suffix)
+    migrate = migrate_store_object if is_store_url(args.path) else migrate_file
+    result = migrate(args.path, backup_suffix=args.backup_suffix)
     if result.changed:
         print(
             f"migrated {result.path}: {result.from_schema} -> {result.to_schema}, "
@@ -43,16 +42,4 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         print(f"already current: {result.path} is {result.to_schema}; nothing changed")
-    return 0
-
-
-def _run_store(args: argparse.Namespace) -> int:
-    result = migrate_store_object(args.path, backup_suffix=args.backup_suffix)
-    if result.changed:
-        print(
-            f"migrated {result.url}: {result.from_schema} -> {result.to_schema}, integrity footer added; "
-            f"original kept as {result.backup}"
-        )
-    else:
-        print(f"already current: {result.url} is {result.to_schema}; nothing changed")
     return 0

@@ -25,7 +25,7 @@ from ckpt_lesson.course.graders_rng import Untouched
 from ckpt_lesson.course.grading import GradeResult, _Case, _grade, _short
 from ckpt_lesson.course.training import SyntheticRegression, next_batch_ids
 from ckpt_lesson.files.checkpoint import TrainState
-from ckpt_lesson.files.sharded import plan_shards
+from ckpt_lesson.files.shard_plan import plan_shards
 
 __all__ = ["check_next_batch", "check_plan_param_group"]
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 import ckpt_lesson.errors as errors
-from ckpt_lesson.files import sharded
+from ckpt_lesson.files import shard_index, sharded
 from ckpt_lesson.files.apply import Restored
 from ckpt_lesson.files.atomic import TEMP_MARKER, atomic_write_bytes
 from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, build_payload
@@ -70,13 +70,13 @@ def _sharded_section() -> list[str]:
     example = _example_index()
     return [
         "A sharded checkpoint is a directory: model weights spread over shard files, each with the "
-        f"optimizer state of its own parameters, every other bucket in `{sharded.META_NAME}`, and "
-        f"`{sharded.INDEX_NAME}` (schema `{sharded.SHARDED_SCHEMA}`) listing each file's keys, "
+        f"optimizer state of its own parameters, every other bucket in `{shard_index.META_NAME}`, and "
+        f"`{shard_index.INDEX_NAME}` (schema `{shard_index.SHARDED_SCHEMA}`) listing each file's keys, "
         "optimizer-state ids, size, hash algorithm and digest.",
         "",
-        f"- Layouts: {_codes(sharded.LAYOUTS)}.",
-        f"- Write every shard and `{sharded.META_NAME}` atomically first (in parallel threads: the "
-        f"writes and hashes release the GIL), `{sharded.INDEX_NAME}` last: "
+        f"- Layouts: {_codes(shard_index.LAYOUTS)}.",
+        f"- Write every shard and `{shard_index.META_NAME}` atomically first (in parallel threads: the "
+        f"writes and hashes release the GIL), `{shard_index.INDEX_NAME}` last: "
         "**its presence is the commit**. A directory without it is a save that never finished.",
         "- Never rewrite a finished checkpoint in place; save each step into a new directory.",
         "- On load, check every file's size and digest against the index, every shard's keys against "
@@ -145,7 +145,7 @@ def _example_index() -> str:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with tempfile.TemporaryDirectory(prefix="ckpt-skill-") as tmp:
         sharded.save_sharded_checkpoint(model, opt, None, TrainState(), Path(tmp) / "ckpt", num_shards=2)
-        index = json.loads((Path(tmp) / "ckpt" / sharded.INDEX_NAME).read_text(encoding="utf-8"))
+        index = json.loads((Path(tmp) / "ckpt" / shard_index.INDEX_NAME).read_text(encoding="utf-8"))
     for entry in [*index.get("shards", []), index.get("meta", {})]:
         entry.update({k: f"<{k}>" for k in ("bytes", "digest", "sha256") if k in entry})
     seal = index.get("record_digest")

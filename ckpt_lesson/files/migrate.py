@@ -35,6 +35,7 @@ import shutil
 import stat
 import time
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, load_verified_file
 from ckpt_lesson.files.integrity import FileDigest, file_digest
 from ckpt_lesson.files.rng import capture_rng_state
 from ckpt_lesson.files.schema import MANIFEST_NAME
-from ckpt_lesson.files.sharded import INDEX_NAME
+from ckpt_lesson.files.shard_index import INDEX_NAME
 from ckpt_lesson.short_repr import short_repr
 
 __all__ = [
@@ -66,6 +67,9 @@ DEFAULT_BACKUP_SUFFIX = ".v1.bak"
 class MigrationResult:
     """What :func:`migrate_file` did.
 
+    Also what :func:`~ckpt_lesson.files.store_migrate.migrate_store_object`
+    did to an object in a bucket: then ``path`` and ``backup`` are URLs.
+
     Attributes:
         path: The checkpoint file (now in ``to_schema``).
         backup: Where the original bytes were kept, or ``None`` when nothing
@@ -76,8 +80,8 @@ class MigrationResult:
 
     __repr__ = short_repr  # one short line: see ckpt_lesson/short_repr.py
 
-    path: Path
-    backup: Path | None
+    path: Path | str
+    backup: Path | str | None
     from_schema: str
     to_schema: str
 
@@ -174,10 +178,7 @@ def migrate_file(
     """
     path = Path(path)
     _check_target(path)
-    if not backup_suffix or "/" in backup_suffix or os.sep in backup_suffix:
-        raise CheckpointError(
-            f"backup suffix {backup_suffix!r} must be a non-empty file-name suffix like '.v1.bak'."
-        )
+    check_backup_suffix(backup_suffix)
     backup = path.with_name(path.name + backup_suffix)
 
     # Step 1: everything that can fail is checked before anything on disk changes.
@@ -193,7 +194,7 @@ def migrate_file(
                 "so migrate refuses; restore an older checkpoint."
             )
         return MigrationResult(path, None, str(original), current)
-    _refuse_recorded_part(path)
+    refuse_recorded_part(path, (MANIFEST_NAME, INDEX_NAME), lambda record: (path.parent / record).exists())
     missing = [b for b in BUCKETS if b not in migrated]
     if missing:
         raise StateMismatchError(
@@ -207,11 +208,24 @@ def migrate_file(
         if backup.exists() or backup.is_symlink():
             raise _backup_exists(path, backup)
         _make_backup(path, backup)
-        _check_backup(path, backup, digest)
+        if not _is_backup_of(backup, digest):
+            backup.unlink(missing_ok=True)
+            raise CheckpointError(
+                f"{path}: the file changed while it was being migrated (another process is writing "
+                "it?); nothing was migrated. Stop the writer and run migrate again."
+            )
 
     # Step 3: one atomic replace; the footer is the integrity record v1 lacked.
     atomic_save(migrated, path)
     return MigrationResult(path, backup, str(original), current)
+
+
+def check_backup_suffix(suffix: str) -> None:
+    """Refuse a backup suffix that is empty or would put the backup in another folder."""
+    if not suffix or "/" in suffix or os.sep in suffix:
+        raise CheckpointError(
+            f"backup suffix {suffix!r} must be a non-empty file-name suffix like '.v1.bak'."
+        )
 
 
 def _is_backup_of(backup: Path, digest: FileDigest) -> bool:
@@ -224,25 +238,16 @@ def _is_backup_of(backup: Path, digest: FileDigest) -> bool:
         return False
 
 
-def _check_backup(path: Path, backup: Path, digest: FileDigest) -> None:
-    if file_digest(backup, algo=digest.algo).digest != digest.digest:
-        backup.unlink(missing_ok=True)
-        raise CheckpointError(
-            f"{path}: the file changed while it was being migrated (another process is writing "
-            "it?); nothing was migrated. Stop the writer and run migrate again."
-        )
-
-
-def _refuse_recorded_part(path: Path) -> None:
-    """Refuse a file that a manifest or shard index beside it records by digest.
+def refuse_recorded_part(where: Any, records: tuple[str, ...], exists: Callable[[str], bool]) -> None:
+    """Refuse a file (or object) that a record beside it (manifest, shard index, commit marker) pins.
 
     Rewriting such a file changes its bytes, so the record would no longer
     match and every scan and restore would call the whole save corrupt.
     """
-    for record in (MANIFEST_NAME, INDEX_NAME):
-        if (path.parent / record).exists():
+    for record in records:
+        if exists(record):
             raise CheckpointError(
-                f"{path}: is one part of a save recorded in {record}, which pins its digest; "
+                f"{where}: is one part of a save recorded in {record}, which pins its digest; "
                 "rewriting it would make that save fail verification. Nothing was changed. Such "
                 "files are migrated in memory on every load; to upgrade them on disk, restore "
                 "and save again through the CheckpointManager."

@@ -73,7 +73,6 @@ TENSOR_REF = "__shard_tensor__"
 LAYOUTS = ("round_robin", "param_group")
 # The names sharded._shard_name gives; one present but not listed means the folder is not what was saved.
 _SHARD_RE = re.compile(r"^model\.shard-\d{3,}\.pt$")
-_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 def _bad(ckpt_dir: Path, what: str) -> CorruptCheckpointError:
@@ -210,18 +209,13 @@ def read_shard_index(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
             if not isinstance(pids, list) or not all(type(p) is int for p in pids):
                 raise _bad(root, f"shard {i} has no 'optimizer_state' list of parameter ids")
     _check_entry(root, index.get("meta"), "'meta'", with_keys=False)
-    seen: dict[str, int] = {}
-    for i, entry in enumerate(shards):
-        for key in entry["keys"]:
-            if key in seen:
-                raise _bad(root, f"key {key!r} is listed in shard {seen[key]} and shard {i}")
-            seen[key] = i
-    owner: dict[int, int] = {}
-    for i, entry in enumerate(shards):
-        for pid in entry.get("optimizer_state", []):
-            if pid in owner:
-                raise _bad(root, f"optimizer state {pid} is listed in shard {owner[pid]} and shard {i}")
-            owner[pid] = i
+    for field, what in (("keys", "key"), ("optimizer_state", "optimizer state")):
+        owner: dict[Any, int] = {}
+        for i, entry in enumerate(shards):
+            for item in entry.get(field, []):
+                if item in owner:
+                    raise _bad(root, f"{what} {item!r} is listed in shard {owner[item]} and shard {i}")
+                owner[item] = i
     _files(root, index)
     listed = {e["file"] for e in shards}
     unlisted = sorted(p.name for p in root.iterdir() if _SHARD_RE.match(p.name) and p.name not in listed)

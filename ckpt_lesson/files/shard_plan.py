@@ -107,9 +107,7 @@ def shard_keys_by_prefix(state_dict: dict[str, Any], num_shards: int) -> dict[in
         >>> shard_keys_by_prefix({"c": 0, "a": 0, "b": 0}, 2)
         {0: ['a', 'c'], 1: ['b']}
     """
-    _check_plan_args(num_shards, "round_robin")
-    keys = sorted(state_dict)
-    return {i: keys[i::num_shards] for i in range(num_shards)}
+    return dict(enumerate(plan_shards(dict.fromkeys(sorted(state_dict)), num_shards)))  # round robin
 
 
 def plan_optimizer_shards(optimizer_sd: dict[str, Any], plan: list[list[str]]) -> list[list[int]]:

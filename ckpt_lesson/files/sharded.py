@@ -48,47 +48,22 @@ from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.files.integrity import FileDigest
 from ckpt_lesson.files.payload import build_payload
 from ckpt_lesson.files.record_seal import seal_record
-
-# The read side (index validation, path safety, hashing against the index) lives in
-# shard_index; its names are re-exported here, where callers have always imported them.
-from ckpt_lesson.files.shard_index import (
-    INDEX_NAME,
-    LAYOUTS,
-    META_NAME,
-    SHARDED_SCHEMA,
-    SHARDED_SCHEMAS,
-    read_shard_index,
-    read_sharded_payload,
-    verify_sharded_checkpoint,
-)
+from ckpt_lesson.files.shard_index import INDEX_NAME, META_NAME, SHARDED_SCHEMA, read_sharded_payload
 from ckpt_lesson.files.shard_plan import (
     _check_plan_args,
     _nbytes,
     plan_optimizer_shards,
     plan_shards,
     pull_tensors,
-    shard_keys_by_prefix,
 )
 from ckpt_lesson.files.train_state import TrainState
 from ckpt_lesson.short_repr import short_repr
 
 __all__ = [
-    "INDEX_NAME",
-    "LAYOUTS",
-    "META_NAME",
-    "SHARDED_SCHEMA",
-    "SHARDED_SCHEMAS",
     "SHARD_SCHEMA",
     "ShardedSaveResult",
     "load_sharded_checkpoint",
-    "plan_optimizer_shards",
-    "plan_shards",
-    "read_shard_index",
-    "read_sharded_payload",
     "save_sharded_checkpoint",
-    "shard_keys_by_prefix",
-    "verify_sharded_checkpoint",
-    "write_sharded_payload",
     "write_state_payload",
 ]
 
@@ -135,13 +110,6 @@ def _own_storage(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > _nbytes(value):
         return value.clone()
     return value
-
-
-def _default_workers(jobs: int) -> int:
-    # Writers spend their time in calls that release the GIL (the file write,
-    # the xxh3 update, fsync), so threads overlap for real. One per core is
-    # enough to keep the disk and the hashing busy without oversubscribing.
-    return max(1, min(jobs, os.cpu_count() or 1))
 
 
 def _write_all(
@@ -193,7 +161,7 @@ def save_sharded_checkpoint(
             holds an ``index.json`` is refused: a checkpoint is never rewritten
             in place. Leftover shards of an unfinished save (no index) are removed.
         num_shards: Number of shard files for the model's weights.
-        layout: How keys are assigned; see :func:`plan_shards`.
+        layout: How keys are assigned; see :func:`~ckpt_lesson.files.shard_plan.plan_shards`.
         algo: Integrity hash of every file and index entry.
         zip_crc32: Keep the zip CRC32s in every file (see ``atomic_save``).
         workers: Writer threads (default: one per CPU core, at most one per
@@ -238,35 +206,21 @@ def write_state_payload(
     algo: str = DEFAULT_ALGO,
     zip_crc32: bool = False,
 ) -> FileDigest | ShardedSaveResult:
-    """Write a payload from ``build_state_payload`` (or an async snapshot of one) as a file or shards."""
-    if num_shards is None:
-        return atomic_save(payload, path, algo=algo, zip_crc32=zip_crc32)
-    return write_sharded_payload(
-        payload, path, num_shards=num_shards, layout=layout, algo=algo, zip_crc32=zip_crc32
-    )
+    """Write a payload from ``build_state_payload`` (or an async snapshot of one) as a file or shards.
 
-
-def write_sharded_payload(
-    payload: dict[str, Any],
-    out_dir: str | os.PathLike[str],
-    *,
-    num_shards: int,
-    layout: str = "param_group",
-    algo: str = DEFAULT_ALGO,
-    zip_crc32: bool = False,
-) -> ShardedSaveResult:
-    """Write a state-API payload in the same layout: every tensor of every part goes to a shard.
-
-    The shards are balanced by bytes, and ``meta.pt`` holds the rest of the
-    payload with a small ``{"__shard_tensor__": key}`` placeholder where each
-    tensor was. ``index.json`` is written last and is the commit, exactly as
-    for :func:`save_sharded_checkpoint`, so ``scan`` and the verifiers read both.
+    Sharded, every tensor of every part goes to a shard, balanced by bytes,
+    and ``meta.pt`` holds the rest of the payload with a small
+    ``{"__shard_tensor__": key}`` placeholder where each tensor was.
+    ``index.json`` is written last and is the commit, exactly as for
+    :func:`save_sharded_checkpoint`, so ``scan`` and the verifiers read both.
 
     Raises:
-        CheckpointError: Bad ``num_shards``/``layout``, or ``out_dir`` already holds a finished save.
+        CheckpointError: Bad ``num_shards``/``layout``, or ``path`` already holds a finished sharded save.
     """
+    if num_shards is None:
+        return atomic_save(payload, path, algo=algo, zip_crc32=zip_crc32)
     _check_plan_args(num_shards, layout)
-    out_dir = _unfinished_dir(out_dir)
+    out_dir = _unfinished_dir(path)
     tensors: dict[str, torch.Tensor] = {}
     meta = pull_tensors(payload, tensors)
     plan = plan_shards(tensors, num_shards, layout)
@@ -307,7 +261,9 @@ def _write_sharded(
     for name, (tensors, opt_state) in zip(names, shards, strict=True):
         body = {"model": {k: _own_storage(v) for k, v in tensors.items()}, "optimizer_state": opt_state}
         jobs.append((body, out_dir / name))
-    workers = workers or _default_workers(len(jobs))
+    # Writers spend their time in calls that release the GIL (the file write, the xxh3 update,
+    # fsync), so threads overlap for real. One per core keeps the disk and the hashing busy.
+    workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
     meta_digest, *digests = _write_all(jobs, workers=workers, algo=algo, zip_crc32=zip_crc32)
     files = [
         {"name": name, "keys": list(tensors), "optimizer_state": list(opt_state), **d.record()}

@@ -14,10 +14,9 @@ What this code assumes of the store, and checks where it can:
 
 Renames are *not* assumed: on S3 a rename is a copy and a delete, never atomic.
 
-Every failure that is about reaching the store (wrong credentials, a missing
-bucket, a dropped connection) becomes a :class:`LoadEnvironmentError` naming
-the bucket: an older save would fail the same way, so it is never "damaged".
-A missing *object* stays a ``FileNotFoundError`` for the caller to judge.
+Every failure that is about reaching the store becomes a
+:class:`LoadEnvironmentError` naming the bucket (see
+:func:`~ckpt_lesson.files.storage_transfer.reaching`).
 """
 
 from __future__ import annotations
@@ -27,14 +26,12 @@ import logging
 import os
 import uuid
 from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from ckpt_lesson.errors import CheckpointError, LoadEnvironmentError
+from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.hashing import DEFAULT_ALGO, digest_bytes, hash_chunks
 from ckpt_lesson.files.storage_base import CHUNK_BYTES, Storage, check_key, is_plain_key
-from ckpt_lesson.files.storage_reach import INSTALL_HINT, no_bucket, open_filesystem, reaching
 from ckpt_lesson.files.storage_transfer import (
     DEFAULT_TIMEOUT,
     DOWNLOAD_CONCURRENCY,
@@ -44,6 +41,8 @@ from ckpt_lesson.files.storage_transfer import (
     is_async,
     iter_ranges,
     multipart_upload,
+    no_bucket,
+    reaching,
 )
 
 __all__ = ["FsspecStorage", "INSTALL_HINT"]
@@ -53,6 +52,29 @@ log = logging.getLogger("ckpt_lesson.files.storage")
 #: Parts below this size go up in one PUT, as s3fs's own put_file does (below 2 x 50 MiB);
 #: larger ones as a parallel multipart upload (files/storage_transfer.py).
 SINGLE_PUT_BYTES = 100 << 20
+INSTALL_HINT = "pip install ckpt_lesson[s3]"
+
+
+def open_filesystem(url: str, options: Mapping[str, Any]) -> tuple[Any, str]:
+    """``(filesystem, root path)`` for ``url``, or a one-line error naming the extra to install."""
+    protocol = url.split("://", 1)[0].lower()
+    try:
+        import fsspec
+
+        fs = fsspec.filesystem(protocol, **dict(options))
+    except ImportError as exc:
+        raise CheckpointError(
+            f"{url}: the {protocol}:// client is not installed ({exc}); `{INSTALL_HINT}` "
+            "(s3fs; gcsfs or adlfs for gs:// and az://)."
+        ) from None
+    except ValueError as exc:  # fsspec: "Protocol not known"
+        raise CheckpointError(
+            f"{url}: fsspec does not know {protocol}:// ({exc}); use s3://, gs:// or az://."
+        ) from None
+    root = fs._strip_protocol(url).rstrip("/")
+    if not root:
+        raise CheckpointError(f"{url}: no bucket in the URL; write it as {protocol}://BUCKET/PREFIX.")
+    return fs, root
 
 
 class FsspecStorage(Storage):
@@ -94,28 +116,18 @@ class FsspecStorage(Storage):
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}"
 
-    def _no_bucket(self) -> LoadEnvironmentError:
-        return no_bucket(self.url, self.bucket)
-
-    def _reaching(self, what: str, *, writing: bool = False) -> AbstractContextManager[None]:
-        """Turn "cannot reach the store" into one LoadEnvironmentError naming the bucket."""
-        return reaching(self, what, writing=writing)
-
     def _io(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``self.fs.<method>(...)`` under our deadline (fsspec's sync layer cancels the request)."""
         if is_async(self.fs):
             kwargs["timeout"] = self.timeout
         return getattr(self.fs, method)(*args, **kwargs)
 
-    def put_file(self, key: str, local: Path, *, algo: str = DEFAULT_ALGO) -> tuple[int, str]:
-        return self._put_file(key, local, algo=algo)
-
-    def _put_file(
+    def put_file(
         self, key: str, local: Path, *, algo: str = DEFAULT_ALGO, condition: dict[str, str] | None = None
     ) -> tuple[int, str]:
         """Upload ``local``; ``condition`` (``IfMatch``/``IfNoneMatch``) rides on the publishing request."""
         path = self._path(key)
-        with self._reaching(f"uploading {key}", writing=True), open(local, "rb") as src:
+        with reaching(self, f"uploading {key}", writing=True), open(local, "rb") as src:
             size = os.fstat(src.fileno()).st_size
             if size >= SINGLE_PUT_BYTES and getattr(self.fs, "call_s3", None) and is_async(self.fs):
                 # Large: a parallel multipart upload, hashed block by block in order; the object
@@ -146,14 +158,14 @@ class FsspecStorage(Storage):
         """
         if not self.exists(key):
             raise FileExistsError(f"{self.where(key)}: vanished")
-        return self._put_file(key, local, algo=algo, condition={"IfMatch": etag})
+        return self.put_file(key, local, algo=algo, condition={"IfMatch": etag})
 
     def create_file_if_absent(
         self, key: str, local: Path, *, algo: str = DEFAULT_ALGO
     ) -> tuple[int, str] | None:
         """Upload ``local`` to ``key`` only if nothing is there (``If-None-Match: *``); ``None`` if it was."""
         try:
-            return self._put_file(key, local, algo=algo, condition={"IfNoneMatch": "*"})
+            return self.put_file(key, local, algo=algo, condition={"IfNoneMatch": "*"})
         except FileExistsError:
             return None
 
@@ -167,13 +179,13 @@ class FsspecStorage(Storage):
 
     def stat(self, key: str) -> tuple[int, str]:
         """``(size, etag)`` of ``key``, fresh from the store. ``FileNotFoundError`` if missing."""
-        with self._reaching(f"reading {key}"):
+        with reaching(self, f"reading {key}"):
             self.fs.invalidate_cache(self._path(key))
             info = self._io("info", self._path(key))
         return int(info["size"]), str(info.get("ETag") or info.get("etag") or "").strip('"')
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        with self._reaching(f"writing {key}", writing=True):
+        with reaching(self, f"writing {key}", writing=True):
             self._io("pipe_file", self._path(key), data)
 
     def create_if_absent(self, key: str, data: bytes) -> bool:
@@ -184,7 +196,7 @@ class FsspecStorage(Storage):
                 "(s3fs >= 2024.10) or use a store that supports If-None-Match."
             )
         try:
-            with self._reaching(f"creating {key}", writing=True):
+            with reaching(self, f"creating {key}", writing=True):
                 self._io("pipe_file", self._path(key), data, mode="create")
         except FileExistsError:
             return False
@@ -204,13 +216,8 @@ class FsspecStorage(Storage):
                 "store with conditional writes."
             )
 
-    def _size(self, key: str) -> int:
-        with self._reaching(f"reading {key}"):
-            self.fs.invalidate_cache(self._path(key))
-            return int(self._io("info", self._path(key))["size"])
-
     def read_bytes(self, key: str, *, limit: int) -> bytes:
-        with self._reaching(f"reading {key}"):
+        with reaching(self, f"reading {key}"):
             # One ranged GET for at most limit + 1 bytes: a larger object shows itself without a HEAD.
             data = self._io("cat_file", self._path(key), start=0, end=limit + 1)
         if len(data) > limit:
@@ -218,7 +225,7 @@ class FsspecStorage(Storage):
         return data
 
     def iter_chunks(self, key: str, *, chunk: int = CHUNK_BYTES, size: int | None = None) -> Iterator[bytes]:
-        size = self._size(key) if size is None else size
+        size = self.stat(key)[0] if size is None else size
         if is_async(self.fs):
             # Concurrent ranged GETs, handed over in order: the caller hashes block i while
             # the next ones are on the wire. A deletion mid-way is a FileNotFoundError.
@@ -228,7 +235,7 @@ class FsspecStorage(Storage):
             )  # fmt: skip
             try:
                 while True:
-                    with self._reaching(f"reading {key}"):
+                    with reaching(self, f"reading {key}"):
                         block = next(blocks, None)
                     if block is None:
                         return
@@ -237,7 +244,7 @@ class FsspecStorage(Storage):
                 blocks.close()  # a caller that stops early cancels the GETs still in flight
         end = size + 1  # + 1: a longer object shows itself
         for start in range(0, end, chunk):
-            with self._reaching(f"reading {key}"):
+            with reaching(self, f"reading {key}"):
                 block = self._io("cat_file", self._path(key), start=start, end=min(start + chunk, end))
             if not block:
                 return
@@ -248,14 +255,14 @@ class FsspecStorage(Storage):
     def list_keys(self, prefix: str = "") -> list[str]:
         base = f"{self.root}/{prefix}".rstrip("/")
         try:
-            with self._reaching("listing the run"):
+            with reaching(self, "listing the run"):
                 # Other writers (other processes) change the store: never answer from a cached listing.
                 self.fs.invalidate_cache()
                 found = self._io("find", base)
         except FileNotFoundError:
             if prefix:
                 return []
-            raise self._no_bucket() from None
+            raise no_bucket(self.url, self.bucket) from None
         if not prefix and not found:
             self._check_bucket()
         cut = len(self.root) + 1
@@ -280,7 +287,7 @@ class FsspecStorage(Storage):
         # (HeadBucket, what fs.exists asks, needs rights on the whole bucket).
         prefix = self.root.partition("/")[2]
         try:
-            with self._reaching("listing the run"):
+            with reaching(self, "listing the run"):
                 self._io(
                     "call_s3",
                     "list_objects_v2",
@@ -289,20 +296,20 @@ class FsspecStorage(Storage):
                     MaxKeys=1,
                 )
         except FileNotFoundError:  # NoSuchBucket
-            raise self._no_bucket() from None
+            raise no_bucket(self.url, self.bucket) from None
 
     def _check_bucket(self) -> None:
         """An empty listing from a missing bucket must not read as "no saves yet"."""
-        with self._reaching("checking the bucket"):
+        with reaching(self, "checking the bucket"):
             exists = self._io("exists", self.bucket)
         if not exists:
-            raise self._no_bucket()
+            raise no_bucket(self.url, self.bucket)
 
     def delete(self, keys: list[str]) -> None:
         if not keys:
             return
         paths = [self._path(k) for k in keys]
-        with self._reaching("deleting"):
+        with reaching(self, "deleting"):
             try:
                 self._io("rm", paths)
             except FileNotFoundError:
@@ -317,7 +324,7 @@ class FsspecStorage(Storage):
             self.delete([key])
             return True
         try:
-            with self._reaching(f"deleting {key}"):
+            with reaching(self, f"deleting {key}"):
                 self._io(
                     "call_s3",
                     "delete_object",
@@ -334,7 +341,7 @@ class FsspecStorage(Storage):
         if getattr(self.fs, "call_s3", None) is None:  # not S3: the backend cleans its own unfinished uploads
             return 0
         key_prefix = f"{self.root}/{prefix}".split("/", 1)[1]
-        with self._reaching("listing unfinished uploads"):
+        with reaching(self, "listing unfinished uploads"):
             listed = self._io("call_s3", "list_multipart_uploads", Bucket=self.bucket, Prefix=key_prefix)
             root_key = self.root.partition("/")[2]
             uploads = [  # an upload whose key we cannot name safely is someone else's: never aborted

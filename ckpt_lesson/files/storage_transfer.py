@@ -1,7 +1,16 @@
-"""Moving large objects to and from S3 through s3fs: parallel multipart uploads, concurrent ranged reads.
+"""How the object-store backend talks to its store: deadlines, errors that are not damage, large transfers.
 
-:class:`~ckpt_lesson.files.storage_fsspec.FsspecStorage` calls in here for the
-bytes of large parts; the rules of the package stay the same on both paths:
+:class:`~ckpt_lesson.files.storage_fsspec.FsspecStorage` runs every request
+under :func:`reaching`: a failure that is about reaching the store (wrong
+credentials, a missing bucket, a dropped connection, a store that stopped
+answering within our own deadline) becomes a :class:`LoadEnvironmentError`
+naming the bucket, because an older save would fail the same way, so it is
+never "damaged". A missing *object* stays a ``FileNotFoundError`` for the
+caller to judge, and S3's 412 (a conditional write refused) a
+``FileExistsError``.
+
+The bytes of large parts go through s3fs here too, and the rules of the
+package stay the same on both paths:
 
 * **up**: the local file is read once, in order; each block is hashed *before*
   it is handed to the network, so the digest returned is the digest of the
@@ -29,10 +38,11 @@ import concurrent.futures
 import math
 from collections import deque
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.errors import CheckpointError, LoadEnvironmentError
 from ckpt_lesson.files.hashing import new_hasher
 
 __all__ = [
@@ -46,6 +56,8 @@ __all__ = [
     "check_timeout",
     "iter_ranges",
     "multipart_upload",
+    "no_bucket",
+    "reaching",
 ]
 
 #: Multipart block (s3fs's default is 50 MiB too); grown for huge files so they fit in 10,000 parts.
@@ -79,6 +91,74 @@ def check_timeout(timeout: object) -> float:
             f"timeout must be a number of seconds > 0 (how long one store request may wait), got {timeout!r}."
         )
     return float(timeout)
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """True when s3fs's error came from S3's 412 PreconditionFailed (it arrives as a plain OSError)."""
+    response = getattr(exc.__cause__, "response", None) or {}
+    return response.get("Error", {}).get("Code") in ("PreconditionFailed", "412")
+
+
+def no_bucket(url: str, bucket: str) -> LoadEnvironmentError:
+    """The error for a bucket that is not there (or not visible with these credentials)."""
+    return LoadEnvironmentError(
+        f"{url}: bucket '{bucket}' does not exist (or is not visible with these "
+        "credentials); create it or fix the URL."
+    )
+
+
+def _unreachable(url: str, bucket: str, what: str, exc: BaseException) -> LoadEnvironmentError:
+    return LoadEnvironmentError(
+        f"{url}: could not reach bucket '{bucket}' while {what} "
+        f"({type(exc).__name__}: {exc}); check AWS_ENDPOINT_URL, the network and the bucket name."
+    )
+
+
+@contextmanager
+def reaching(storage: Any, what: str, *, writing: bool = False) -> Iterator[None]:
+    """Turn "cannot reach the store" into one LoadEnvironmentError naming the bucket.
+
+    Args:
+        storage: The :class:`~ckpt_lesson.files.storage_fsspec.FsspecStorage` (its
+            ``url``, ``bucket`` and ``timeout`` go into the messages).
+        what: What was being done, for the message ("reading step-00000010/COMMIT").
+        writing: A missing object then means a missing bucket.
+
+    Raises:
+        LoadEnvironmentError: The store could not be reached, refused the
+            credentials, or gave no answer within ``storage.timeout`` seconds.
+        FileNotFoundError: A read missed its object. FileExistsError: a condition failed.
+
+    Example:
+        >>> with reaching(store, "listing the run"):  # doctest: +SKIP
+        ...     keys = store.fs.find(store.root)
+    """
+    url, bucket = storage.url, storage.bucket
+    try:
+        yield
+    except FileNotFoundError:
+        if writing:  # a write cannot miss its object: what is missing is the bucket
+            raise no_bucket(url, bucket) from None
+        raise
+    except (FileExistsError, CheckpointError):
+        raise
+    except TIMEOUTS:  # our own deadline (before OSError: a TimeoutError is one)
+        raise LoadEnvironmentError(
+            f"{url}: bucket '{bucket}' gave no answer within {storage.timeout:g} s while {what}; "
+            "the store is stalled or unreachable. Check AWS_ENDPOINT_URL and the network, or raise "
+            "timeout= (seconds) if it is only slow."
+        ) from None
+    except PermissionError as exc:
+        raise LoadEnvironmentError(
+            f"{url}: access to bucket '{bucket}' denied while {what} ({exc}); check the "
+            "credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or storage_options)."
+        ) from None
+    except OSError as exc:
+        if _precondition_failed(exc):  # If-Match / If-None-Match refused: the object is not as expected
+            raise FileExistsError(f"{url}/: precondition failed while {what}") from None
+        raise _unreachable(url, bucket, what, exc) from None
+    except Exception as exc:  # botocore / aiohttp: the network or the service, not the save
+        raise _unreachable(url, bucket, what, exc) from None
 
 
 def block_size_for(size: int, block: int = UPLOAD_BLOCK_BYTES) -> int:

@@ -27,37 +27,27 @@ backup); after 4, the new file at ``KEY`` and the original in the backup.
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 from ckpt_lesson.files.hashing import DEFAULT_ALGO, hash_chunks
-from ckpt_lesson.files.migrate import DEFAULT_BACKUP_SUFFIX, migrate_file
+from ckpt_lesson.files.migrate import (
+    DEFAULT_BACKUP_SUFFIX,
+    MigrationResult,
+    check_backup_suffix,
+    migrate_file,
+    refuse_recorded_part,
+)
 from ckpt_lesson.files.schema import MANIFEST_NAME
 from ckpt_lesson.files.storage import is_store_url, open_storage
 
-__all__ = ["StoreMigrationResult", "migrate_store_object"]
+__all__ = ["migrate_store_object"]
 
 #: The commit marker of a store save (runs/store_commit.py); files/ cannot import runs/.
 _MARKER_NAME = "COMMIT"
 #: The biggest object migrate downloads (a checkpoint file, not a data set).
 MAX_MIGRATE_BYTES = 64 << 30
-
-
-@dataclass(frozen=True)
-class StoreMigrationResult:
-    """What :func:`migrate_store_object` did: ``backup`` is ``None`` when nothing changed."""
-
-    url: str
-    backup: str | None
-    from_schema: str
-    to_schema: str
-
-    @property
-    def changed(self) -> bool:
-        """True when the object was rewritten."""
-        return self.backup is not None
 
 
 def _split(url: str) -> tuple[str, str]:
@@ -85,7 +75,7 @@ def _hash_object(storage: Any, key: str, size: int) -> str:
 
 def migrate_store_object(
     url: str, *, backup_suffix: str = DEFAULT_BACKUP_SUFFIX, storage_options: dict[str, Any] | None = None
-) -> StoreMigrationResult:
+) -> MigrationResult:
     """Rewrite an old checkpoint object in the current schema, keeping the original as ``URL + SUFFIX``.
 
     Args:
@@ -94,8 +84,9 @@ def migrate_store_object(
         storage_options: fsspec options (default: credentials and endpoint from the environment).
 
     Returns:
-        A :class:`StoreMigrationResult`; nothing in the bucket changed when
-        the object was already current.
+        A :class:`~ckpt_lesson.files.migrate.MigrationResult` whose ``path``
+        and ``backup`` are URLs; nothing in the bucket changed when the object
+        was already current.
 
     Raises:
         CheckpointError: Not an object URL, a part of a committed save, a backup
@@ -110,8 +101,7 @@ def migrate_store_object(
     """
     if not is_store_url(url):
         raise CheckpointError(f"{url}: not a bucket URL; migrate_file handles local files.")
-    if not backup_suffix or "/" in backup_suffix:
-        raise CheckpointError(f"backup suffix {backup_suffix!r} must be a non-empty suffix like '.v1.bak'.")
+    check_backup_suffix(backup_suffix)
     folder_url, name = _split(url)
     storage = open_storage(folder_url, storage_options)
     backup_key = name + backup_suffix
@@ -119,12 +109,7 @@ def migrate_store_object(
         size, etag = storage.stat(name)  # type: ignore[attr-defined]
     except FileNotFoundError:
         raise CheckpointError(f"{url}: no such object; check the URL.") from None
-    for record in (MANIFEST_NAME, _MARKER_NAME):
-        if storage.exists(record):  # type: ignore[attr-defined]
-            raise CheckpointError(
-                f"{url}: is one part of a save recorded by the {record} beside it, which pins its digest; "
-                "nothing was changed. Restore and save again through the CheckpointManager instead."
-            )
+    refuse_recorded_part(url, (MANIFEST_NAME, _MARKER_NAME), storage.exists)  # type: ignore[attr-defined]
     if size > MAX_MIGRATE_BYTES:
         raise CheckpointError(
             f"{url}: {size} bytes, over the {MAX_MIGRATE_BYTES}-byte cap for one checkpoint."
@@ -134,7 +119,7 @@ def migrate_store_object(
         original = _download(storage, name, size, local)
         result = migrate_file(local, backup_suffix=backup_suffix)  # verified, migrated, footer added
         if not result.changed:
-            return StoreMigrationResult(url, None, result.from_schema, result.to_schema)
+            return MigrationResult(url, None, result.from_schema, result.to_schema)
         _keep_backup(storage, backup_key, Path(str(local) + backup_suffix), size, original, url)
         try:
             new_size, new_digest = storage.replace_if_match(name, local, etag)  # type: ignore[attr-defined]
@@ -148,7 +133,7 @@ def migrate_store_object(
                 f"{url}: the migrated bytes read back differ from those uploaded; the original is kept "
                 f"in {storage.where(backup_key)}. Copy it back over {name} and run migrate again."
             )
-    return StoreMigrationResult(url, storage.where(backup_key), result.from_schema, result.to_schema)
+    return MigrationResult(url, storage.where(backup_key), result.from_schema, result.to_schema)
 
 
 def _keep_backup(storage: Any, key: str, local: Path, size: int, digest: str, url: str) -> None:

@@ -46,7 +46,8 @@ from ckpt_lesson.files.checkpoint import TrainState, apply_payload, read_checkpo
 from ckpt_lesson.files.hashing import part_digest
 from ckpt_lesson.files.payload import PARTS_SCHEMA
 from ckpt_lesson.files.safe_read import read_json_file
-from ckpt_lesson.files.sharded import INDEX_NAME, load_sharded_checkpoint
+from ckpt_lesson.files.shard_index import INDEX_NAME
+from ckpt_lesson.files.sharded import load_sharded_checkpoint
 from ckpt_lesson.files.verify import VerifiedBytes, verify_record
 from ckpt_lesson.runs.layout import read_manifest, step_dir_name
 

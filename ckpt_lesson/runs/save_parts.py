@@ -28,7 +28,8 @@ from ckpt_lesson.files.checkpoint import BUCKETS, TrainState, save_checkpoint, w
 from ckpt_lesson.files.payload import PARTS_SCHEMA
 from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, MANIFEST_SCHEMA, current_env
-from ckpt_lesson.files.sharded import INDEX_NAME, save_sharded_checkpoint
+from ckpt_lesson.files.shard_index import INDEX_NAME
+from ckpt_lesson.files.sharded import save_sharded_checkpoint
 from ckpt_lesson.files.verify import check_written_part, verify_mode
 from ckpt_lesson.runs.layout import MANIFEST_NAME, inspect_save, read_manifest
 from ckpt_lesson.runs.manager_config import ManagerConfig
