@@ -46,7 +46,7 @@ from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
 from .comm import Comm, failure_summary, new_checkpoint_group, quiet_single_process, release_groups
 from .restore import WORLD_SIZE_POLICIES, DistributedRestore, listed, restore_newest
 from .saving import SaveJob, fail_save, open_save, open_saves
-from .state_api import apply_rank_parts, as_restored, check_rank_parts, restore_args, save_args
+from .state import apply_rank_parts, as_restored, check_rank_parts, restore_args, save_args
 from .store_saves import DEFAULT_LEASE_SECONDS
 
 __all__ = ["DistributedCheckpointManager", "StoreDistributedCheckpointManager"]
@@ -232,7 +232,7 @@ class DistributedCheckpointManager(LoopMethods):
         """Save one step from every rank and commit it; collective.
 
         Two forms, as :class:`~ckpt_lesson.CheckpointManager`: ``save(step, state, *, rng=True)``
-        (the state API, see :mod:`.state_api`) and ``save(model, optimizer, scheduler, state, *,
+        (the state API, see :mod:`.state`) and ``save(model, optimizer, scheduler, state, *,
         data_state=None)`` (``data_state``: this rank's data position, plain values/tensors).
         ``rng`` may be this rank's generators captured earlier (before a prefetch).
 

@@ -49,8 +49,14 @@ from ckpt_lesson.short_repr import short_repr
 
 from .comm import Comm, quiet_single_process, raise_from_checkpoint_exception
 from .reader import VerifiedSave, VerifyingReader, WeightsOnlyLoadPlanner, verify_save
-from .state import apply_shared_state, build_load_template, decode_rank_state, rank_key, reseed_generators
-from .state_api import has_rank_parts
+from .state import (
+    apply_shared_state,
+    build_load_template,
+    decode_rank_state,
+    has_rank_parts,
+    rank_key,
+    reseed_generators,
+)
 
 __all__ = ["WORLD_SIZE_POLICIES", "DistributedRestore", "Saves", "listed", "restore_newest", "restore_save"]
 

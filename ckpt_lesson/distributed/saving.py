@@ -134,7 +134,7 @@ def open_save(
         saves: The run's backend; rank 0 opens the attempt through it (a staging folder,
             or a ``save_id`` under a lease) and tells the other ranks its name.
         ctl: The control group.
-        args: ``(model, optimizer, scheduler, state, data_state, rng)`` (see :func:`.state_api.save_args`).
+        args: ``(model, optimizer, scheduler, state, data_state, rng)`` (see :func:`.state.save_args`).
         metadata, algo, thread_count: The manager's settings for the manifest and the writer.
         emit: The manager's event hook.
 
