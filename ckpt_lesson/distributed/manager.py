@@ -49,7 +49,7 @@ from .saving import SaveJob, fail_save, open_save, open_saves
 from .state import apply_rank_parts, as_restored, check_rank_parts, restore_args, save_args
 from .store_saves import DEFAULT_LEASE_SECONDS
 
-__all__ = ["DistributedCheckpointManager", "StoreDistributedCheckpointManager"]
+__all__ = ["DistributedCheckpointManager"]
 
 log = logging.getLogger("ckpt_lesson.distributed")
 
@@ -379,7 +379,3 @@ class DistributedCheckpointManager(LoopMethods):
             return restored
         values = apply_rank_parts(restored.data_state, state, source=str(restored.path), strict=strict)
         return as_restored(restored, values, restored.rng)
-
-
-#: The name of the object-store manager before the merge; a URL makes any manager one.
-StoreDistributedCheckpointManager = DistributedCheckpointManager
