@@ -88,14 +88,6 @@ class Saves:
         """What :func:`~.reader.verify_save` reads for ``step``: a folder, or a ``StoreSave``."""
         raise NotImplementedError
 
-    def verify(self, step: int, comm: Comm) -> VerifiedSave:
-        """Verify ``step`` on every rank together; collective."""
-        return verify_save(self.source(step), comm)
-
-    def reader(self, verified: VerifiedSave) -> VerifyingReader:
-        """DCP's storage reader for a verified save."""
-        return VerifyingReader(verified, self.storage_options)
-
     def mark_good(self, step: int) -> None:
         """``step`` was verified in full just now (a restore read and hashed it)."""
 
@@ -173,8 +165,7 @@ def restore_save(
 
     Args:
         step: The step to restore.
-        saves: The run's backend: it verifies the save on every rank together and
-            builds DCP's storage reader for the verified save.
+        saves: The run's backend: where the save is read from (its ``source``).
         ctl: The control group (training thread).
         io_group: The group DCP's own collectives use.
         model, optimizer, scheduler: Restored in place; ``scheduler`` may be ``None``.
@@ -195,7 +186,7 @@ def restore_save(
         >>> restored = restore_save(40, saves=mgr.saves, ctl=Comm(), io_group=None,  # doctest: +SKIP
         ...     model=m, optimizer=opt, scheduler=None, on_world_size_change="refuse", reseed_base=0)
     """
-    verified = saves.verify(step, ctl)
+    verified = verify_save(saves.source(step), ctl)
     name = step_dir_name(step)
     manifest = verified.manifest
     saved_world, now = manifest["world_size"], ctl.world_size
@@ -262,7 +253,7 @@ def _load(template: dict[str, Any], *, saves: Saves, verified: VerifiedSave, ctl
         with quiet_single_process(not ctl.enabled):
             dcp.load(
                 template,
-                storage_reader=saves.reader(verified),
+                storage_reader=VerifyingReader(verified, saves.storage_options),
                 planner=WeightsOnlyLoadPlanner(),
                 process_group=io_group,
                 no_dist=not ctl.enabled,
