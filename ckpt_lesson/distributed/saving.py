@@ -286,7 +286,6 @@ class FolderSaves(Saves):
         policy: ``to_delete(steps, verified)``, e.g. ``KeepLastK(3)``.
         emit: Event hook (``retention_delete`` before each delete, ``quarantined``).
         publish: ``"rename"`` (a staging folder renamed) or ``"marker"`` (see :mod:`.writer`).
-        background: ``False`` runs each pass inside ``after_publish``.
 
     Example:
         >>> saves = FolderSaves(run, KeepLastK(2), emit=lambda name, **info: None)  # doctest: +SKIP
@@ -295,17 +294,11 @@ class FolderSaves(Saves):
     """
 
     def __init__(
-        self,
-        run_dir: Path,
-        policy: RetentionPolicy,
-        emit: Emit,
-        *,
-        publish: str = "rename",
-        background: bool = True,
+        self, run_dir: Path, policy: RetentionPolicy, emit: Emit, *, publish: str = "rename"
     ) -> None:
         self.run_dir, self.policy, self.emit, self.publish = run_dir, policy, emit, publish
         self.where = str(run_dir)
-        self.worker = BackgroundRetention(run_dir, policy, emit=emit, background=background)
+        self.worker = BackgroundRetention(run_dir, policy, emit=emit)
 
     def open_run(self) -> None:  # rank 0, once
         if self.run_dir.exists() and not self.run_dir.is_dir():
