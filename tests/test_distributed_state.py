@@ -25,8 +25,7 @@ from ckpt_lesson import (
 )
 from ckpt_lesson.distributed import DistributedCheckpointManager
 from ckpt_lesson.distributed.state import (
-    build_load_template,
-    build_save_state,
+    dcp_state_dict,
     decode_rank_state,
     encode_rank_state,
     rank_key,
@@ -87,9 +86,9 @@ def test_reseeding_is_reproducible_distinct_per_rank_and_reaches_every_generator
 
 def test_the_save_state_holds_this_ranks_key_and_the_template_has_a_slot_for_the_key_to_load() -> None:
     model, opt, sched, _ = make_run("plain", 1, 0)
-    saved = build_save_state(model, opt, sched, rank=3, blob=b"x")
-    assert set(saved) == {"model", "optim", "scheduler", rank_key(3)}
-    template = build_load_template(model, opt, None, blob_keys=[rank_key(0)])
+    saved = dcp_state_dict(model, opt, sched, {rank_key(3): b"x"})
+    assert set(saved) == {"model", "optim", "scheduler", rank_key(3)} and saved[rank_key(3)] == b"x"
+    template = dcp_state_dict(model, opt, None, {rank_key(0): b""})
     assert set(template) == {"model", "optim", "rank0_local"} and template["rank0_local"] == b""
 
 

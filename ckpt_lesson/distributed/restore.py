@@ -51,7 +51,7 @@ from .comm import Comm, quiet_single_process, raise_from_checkpoint_exception
 from .reader import VerifiedSave, VerifyingReader, WeightsOnlyLoadPlanner, verify_save
 from .state import (
     apply_shared_state,
-    build_load_template,
+    dcp_state_dict,
     decode_rank_state,
     has_rank_parts,
     rank_key,
@@ -210,7 +210,7 @@ def restore_save(
         blob = _load({blob_key: b""}, **load)[blob_key]
         source = str(saves.step_dir(step))
         _agreed(ctl, lambda: check(decode_rank_state(blob, where=where)["data"], source=source))
-    template = _load(build_load_template(model, optimizer, scheduler, blob_keys=[blob_key]), **load)
+    template = _load(dcp_state_dict(model, optimizer, scheduler, {blob_key: b""}), **load)
     rank_state = _agreed(ctl, lambda: decode_rank_state(template[blob_key], where=where))
     apply_shared_state(model, optimizer, scheduler, template)
     seed = None

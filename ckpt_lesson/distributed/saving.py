@@ -43,7 +43,7 @@ from ckpt_lesson.runs.retention import RetentionPolicy
 from .comm import Comm, raise_from_checkpoint_exception
 from .reader import verify_save
 from .restore import Saves
-from .state import build_save_state, encode_rank_state, rank_key
+from .state import dcp_state_dict, encode_rank_state, rank_key
 from .store_saves import StoreSaves
 from .writer import CommitWriter, Emit, HashingFileSystem
 
@@ -153,7 +153,7 @@ def open_save(
     error, state_dict, step = None, {}, getattr(state, "step", None)
     try:  # everything local first; a rank that fails must not leave the others inside a collective
         blob = encode_rank_state(state, capture_rng_state() if rng is None else rng, data_state)
-        state_dict = build_save_state(model, optimizer, scheduler, rank=ctl.rank, blob=blob)
+        state_dict = dcp_state_dict(model, optimizer, scheduler, {rank_key(ctl.rank): blob})
     except CheckpointError as exc:
         error = str(exc)
     views = ctl.all_gather((step, scheduler is not None, error))

@@ -62,9 +62,8 @@ __all__ = [
     "apply_rank_parts",
     "apply_shared_state",
     "as_restored",
-    "build_load_template",
-    "build_save_state",
     "check_rank_parts",
+    "dcp_state_dict",
     "decode_rank_state",
     "encode_rank_state",
     "has_rank_parts",
@@ -169,40 +168,29 @@ def decode_rank_state(blob: Any, *, where: str) -> dict[str, Any]:
     return {"train": train, "rng": payload["rng"], "data": payload["data"]}
 
 
-def _model_and_optim(model: Any, optimizer: Any) -> dict[str, Any]:
-    """``{"model": ..., "optim": ...}`` from torch's helpers; no ``optim`` entry without an optimizer."""
-    if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd}
+def dcp_state_dict(model: Any, optimizer: Any, scheduler: Any, blobs: dict[str, bytes]) -> dict[str, Any]:
+    """The state dict this rank hands to ``dcp.save``, or the template ``dcp.load`` fills in place.
 
+    Model and optimizer entries are this run's own (sharded) tensors, so on load DCP
+    reads exactly the slices each rank holds, whatever the saved world size; there is
+    no ``optim`` entry without an optimizer. ``get_state_dict`` on an optimizer that
+    never stepped runs one zero-lr step to create its state: harmless, and needed so
+    the moments have somewhere to go.
 
-def build_save_state(model: Any, optimizer: Any, scheduler: Any, *, rank: int, blob: bytes) -> dict[str, Any]:
-    """The state dict this rank hands to ``dcp.save``.
+    Args:
+        blobs: Per-rank blobs by key: ``{rank_key(rank): blob}`` to save, ``{key: b""}`` to load.
 
     Example:
-        >>> sd = build_save_state(model, opt, None, rank=0, blob=blob)  # doctest: +SKIP
+        >>> sd = dcp_state_dict(model, opt, None, {rank_key(0): blob})  # doctest: +SKIP
         >>> sorted(sd)  # doctest: +SKIP
         ['model', 'optim', 'rank0_local']
     """
-    out: dict[str, Any] = {**_model_and_optim(model, optimizer), rank_key(rank): blob}
-    if scheduler is not None:
-        out["scheduler"] = scheduler.state_dict()
-    return out
-
-
-def build_load_template(
-    model: Any, optimizer: Any, scheduler: Any, *, blob_keys: list[str]
-) -> dict[str, Any]:
-    """A state dict of the right shape for ``dcp.load`` to fill in place.
-
-    Model and optimizer entries are this run's own (sharded) tensors, so DCP
-    reads exactly the slices each rank holds, whatever the saved world size.
-    ``get_state_dict`` on an optimizer that never stepped runs one zero-lr step
-    to create its state: harmless, and needed so the moments have somewhere to go.
-    """
-    out: dict[str, Any] = _model_and_optim(model, optimizer)
-    out.update({key: b"" for key in blob_keys})
+    if optimizer is None:
+        out: dict[str, Any] = {"model": get_model_state_dict(model)}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        out = {"model": model_sd, "optim": optim_sd}
+    out.update(blobs)
     if scheduler is not None:
         out["scheduler"] = scheduler.state_dict()
     return out
