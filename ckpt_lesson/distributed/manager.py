@@ -44,7 +44,7 @@ from ckpt_lesson.runs.loop_api import LoopMethods, default_run_dir
 from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
 
 from .comm import Comm, failure_summary, new_checkpoint_group, quiet_single_process, release_groups
-from .restore import WORLD_SIZE_POLICIES, DistributedRestore, listed, restore_newest
+from .restore import WORLD_SIZE_POLICIES, DistributedRestore, restore_newest
 from .saving import SaveJob, fail_save, open_save, open_saves
 from .state import apply_rank_parts, as_restored, check_rank_parts, restore_args, save_args
 from .store_saves import DEFAULT_LEASE_SECONDS
@@ -365,7 +365,7 @@ class DistributedCheckpointManager(LoopMethods):
         state, model, optimizer, scheduler = restore_args(args)
         check = None if state is None else partial(check_rank_parts, state=state, strict=strict)
         restored = restore_newest(
-            listed(self.saves, self._ctl), saves=self.saves, ctl=self._ctl, io_group=self._io_group,
+            saves=self.saves, ctl=self._ctl, io_group=self._io_group,
             model=model, optimizer=optimizer, scheduler=scheduler, check=check,
             on_world_size_change=on_world_size_change, reseed_base=reseed_base,
         )  # fmt: skip

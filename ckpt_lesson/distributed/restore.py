@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +37,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt_lesson.errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
     StateMismatchError,
     UnsafeCheckpointError,
 )
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.rng import restore_rng_state
 from ckpt_lesson.runs.layout import step_dir_name
+from ckpt_lesson.runs.manager_restore import load_newest_good
+from ckpt_lesson.runs.save_source import Candidates
 from ckpt_lesson.short_repr import short_repr
 
 from .comm import Comm, quiet_single_process, raise_from_checkpoint_exception
@@ -74,6 +74,7 @@ class Saves:
     """
 
     where: str = ""  # the run, for messages
+    hint: str | None = None  # the last line of "none is usable" (None: the folder's, see Candidates)
     storage_options: dict[str, Any] | None = None
 
     def published(self) -> list[int] | Exception:
@@ -118,7 +119,7 @@ class DistributedRestore:
         path: The save folder (its URL for a save in an object store).
         save_id: The manifest's save id.
         reseed: The seed each generator got when resharded, else ``None``.
-        skipped: Newer saves skipped as damaged: ``{"step", "status", "reason"}``.
+        skipped: Newer saves skipped as damaged: ``{"step", "status", "reason", "relisted"}``.
         rng: This rank's restored generator state; ``None`` when resharded (re-seeded instead).
     """
 
@@ -277,50 +278,43 @@ def _agreed(ctl: Comm, fn: Callable[[], Any]) -> Any:
     return result
 
 
-def restore_newest(steps: list[int], *, saves: Saves, ctl: Comm, **options: Any) -> DistributedRestore | None:
+def restore_newest(*, saves: Saves, ctl: Comm, **options: Any) -> DistributedRestore | None:
     """Restore the newest good save, following the run as it changes; collective over ``ctl``.
 
-    Tries ``steps`` newest first with :func:`restore_save`. When one is damaged or
-    vanished, rank 0 lists the run again and the ranks go on with the newest step
-    not yet tried, a save committed meanwhile included (a trainer's retention may
-    delete the save an eval job is reading while a newer one appears).
+    The single-process manager's walk (:func:`~ckpt_lesson.runs.manager_restore.load_newest_good`)
+    with :func:`restore_save` as the load: newest first, and when one is damaged or vanished,
+    rank 0 lists the run again and the ranks go on with the newest step not yet tried, a save
+    committed meanwhile included (a trainer's retention may delete the save an eval job is
+    reading while a newer one appears). Every rank takes the same turns: the listings are
+    rank 0's, and each verdict on a save is agreed by all ranks.
 
     Args:
-        steps: The published steps, ascending (the same list on every rank).
-        saves: The run's backend (listing, verification, reader).
+        saves: The run's backend (listing, and where each save is read from).
         ctl: The control group.
         options: The other keyword arguments of :func:`restore_save`.
 
     Returns:
         The first save that restored, its ``skipped`` listing why each one tried
-        before was passed over; ``None`` when ``steps`` is empty.
+        before was passed over; ``None`` when the run has no saves.
 
     Raises:
         CheckpointError: Saves exist but none is usable (each reason listed), or
             what :func:`restore_save` raises for anything but damage.
 
     Example:
-        >>> restore_newest([2, 4], saves=mgr.saves, ctl=Comm(), io_group=None,  # doctest: +SKIP
+        >>> restore_newest(saves=mgr.saves, ctl=Comm(), io_group=None,  # doctest: +SKIP
         ...     model=m, optimizer=opt, scheduler=None, on_world_size_change="refuse", reseed_base=0)
     """
-    skipped: list[dict[str, Any]] = []
-    tried: set[int] = set()
-    while untried := [step for step in steps if step not in tried]:
-        step = untried[-1]
-        tried.add(step)
-        try:
-            restored = restore_save(step, saves=saves, ctl=ctl, **options)
-        except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
-            status = "incomplete" if isinstance(exc, IncompleteCheckpointError) else "corrupt"
-            skipped.append({"step": step, "status": status, "reason": str(exc)})
-            log.warning("restore: skipping %s (%s): %s", step_dir_name(step), status, exc)
-            steps = listed(saves, ctl)  # the run may have changed meanwhile: newer saves count too
-            continue
-        return replace(restored, skipped=skipped)
-    if not tried:
+    steps = listed(saves, ctl)
+    if not steps:
         return None
-    lines = "; ".join(f"step {s['step']}: {s['status']}: {s['reason']}" for s in skipped)
-    raise CheckpointError(f"{saves.where}: {len(skipped)} save(s) found but none is usable: {lines}")
+    candidates = Candidates(saves.where, steps, lambda step: step, relist=partial(listed, saves, ctl))
+    if saves.hint:
+        candidates = candidates._replace(hint=saves.hint)
+    skipped: list[dict[str, Any]] = []
+    load = lambda _, step: ({}, restore_save(step, saves=saves, ctl=ctl, **options))  # noqa: E731
+    restored = load_newest_good(candidates, load, skipped=skipped)[3]
+    return replace(restored, skipped=skipped)
 
 
 def listed(saves: Saves, ctl: Comm) -> list[int]:

@@ -140,6 +140,8 @@ class StoreSaves(Saves):
         >>> saves = StoreSaves("s3://bucket/run", None, 900.0, KeepLastK(2), emit)  # doctest: +SKIP
     """
 
+    hint = "'python -m ckpt_lesson scan URL' shows the same list."
+
     def __init__(
         self,
         url: str,
