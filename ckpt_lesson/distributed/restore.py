@@ -58,7 +58,7 @@ from .state import (
     reseed_generators,
 )
 
-__all__ = ["WORLD_SIZE_POLICIES", "DistributedRestore", "Saves", "listed", "restore_newest", "restore_save"]
+__all__ = ["WORLD_SIZE_POLICIES", "DistributedRestore", "Saves", "restore_newest", "restore_save"]
 
 log = logging.getLogger("ckpt_lesson.distributed")
 
@@ -281,12 +281,9 @@ def _agreed(ctl: Comm, fn: Callable[[], Any]) -> Any:
 def restore_newest(*, saves: Saves, ctl: Comm, **options: Any) -> DistributedRestore | None:
     """Restore the newest good save, following the run as it changes; collective over ``ctl``.
 
-    The single-process manager's walk (:func:`~ckpt_lesson.runs.manager_restore.load_newest_good`)
-    with :func:`restore_save` as the load: newest first, and when one is damaged or vanished,
-    rank 0 lists the run again and the ranks go on with the newest step not yet tried, a save
-    committed meanwhile included (a trainer's retention may delete the save an eval job is
-    reading while a newer one appears). Every rank takes the same turns: the listings are
-    rank 0's, and each verdict on a save is agreed by all ranks.
+    The single-process manager's walk (:func:`~ckpt_lesson.runs.manager_restore.load_newest_good`,
+    see the module doc) with :func:`restore_save` as the load. Every rank takes the same
+    turns: the listings are rank 0's, and each verdict on a save is agreed by all ranks.
 
     Args:
         saves: The run's backend (listing, and where each save is read from).
@@ -305,10 +302,10 @@ def restore_newest(*, saves: Saves, ctl: Comm, **options: Any) -> DistributedRes
         >>> restore_newest(saves=mgr.saves, ctl=Comm(), io_group=None,  # doctest: +SKIP
         ...     model=m, optimizer=opt, scheduler=None, on_world_size_change="refuse", reseed_base=0)
     """
-    steps = listed(saves, ctl)
+    steps = _listed(saves, ctl)
     if not steps:
         return None
-    candidates = Candidates(saves.where, steps, lambda step: step, relist=partial(listed, saves, ctl))
+    candidates = Candidates(saves.where, steps, lambda step: step, relist=partial(_listed, saves, ctl))
     if saves.hint:
         candidates = candidates._replace(hint=saves.hint)
     skipped: list[dict[str, Any]] = []
@@ -317,23 +314,8 @@ def restore_newest(*, saves: Saves, ctl: Comm, **options: Any) -> DistributedRes
     return replace(restored, skipped=skipped)
 
 
-def listed(saves: Saves, ctl: Comm) -> list[int]:
-    """The run's published steps, listed by rank 0 and the same on every rank; collective.
-
-    Args:
-        saves: The run's backend.
-        ctl: The control group.
-
-    Returns:
-        The published steps, ascending.
-
-    Raises:
-        LoadEnvironmentError: Rank 0 could not list the store (every rank raises it).
-
-    Example:
-        >>> listed(mgr.saves, Comm())  # doctest: +SKIP
-        [2, 4]
-    """
+def _listed(saves: Saves, ctl: Comm) -> list[int]:
+    """The published steps, listed by rank 0, on every rank; a store's error is raised on all of them."""
     steps = ctl.broadcast(saves.published() if ctl.rank == 0 else None)
     if isinstance(steps, Exception):
         raise steps
