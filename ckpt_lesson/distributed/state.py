@@ -225,12 +225,12 @@ def reseed_generators(base: int, step: int, rank: int) -> int:
     return seed
 
 
-def split_state(state: Mapping[str, Any]) -> tuple[str, Any, str | None, Any, dict[str, Any]]:
-    """``(model name, model, optimizer name, optimizer, rank parts)`` of a state mapping.
+def split_state(state: Mapping[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    """``(model, optimizer or None, rank parts)`` of a state mapping.
 
     Returns:
-        ``rank parts`` is ``{"kinds": {...}, "objects": {name: live object}, "values": {...}}``
-        for every part that is not the model or the optimizer.
+        ``rank parts`` is ``{"kinds": {...}, "objects": {name: live object}, "values": {...}}``:
+        every part's kind (the model's and optimizer's too), the other objects and the values.
 
     Raises:
         CheckpointError: Not a mapping, no module, more than one module or optimizer.
@@ -258,18 +258,9 @@ def split_state(state: Mapping[str, Any]) -> tuple[str, Any, str | None, Any, di
         else:
             validate_payload(part, where=f"state[{name!r}]")
             kinds[name], values[name] = VALUE, part
-    opt_name = optims[0] if optims else None
-    return (
-        modules[0],
-        state[modules[0]],
-        opt_name,
-        state[opt_name] if opt_name else None,
-        {
-            "kinds": {modules[0]: "dcp-model", **({opt_name: "dcp-optim"} if opt_name else {}), **kinds},
-            "objects": objects,
-            "values": values,
-        },
-    )
+    kinds = {modules[0]: "dcp-model", **{name: "dcp-optim" for name in optims}, **kinds}
+    optimizer = state[optims[0]] if optims else None
+    return state[modules[0]], optimizer, {"kinds": kinds, "objects": objects, "values": values}
 
 
 def has_rank_parts(data: Any) -> bool:
@@ -345,7 +336,7 @@ def save_args(args: tuple[Any, ...], data_state: Any, rng: Any) -> tuple[Any, ..
         raise CheckpointError("data_state= belongs to the positional form; put it in the state mapping.")
     if rng is False:
         raise CheckpointError("rng=False is not supported on many ranks: each rank's stream is saved.")
-    _, model, _, optimizer, parts = split_state(state)
+    model, optimizer, parts = split_state(state)
     # This rank's blob gets every other object's state dict, and the values.
     objects = {n: o.state_dict() for n, o in parts["objects"].items()}
     data = {PARTS_KEY: {"kinds": parts["kinds"], "objects": objects, "values": parts["values"]}}
@@ -359,6 +350,6 @@ def restore_args(args: tuple[Any, ...]) -> tuple[Mapping[str, Any] | None, Any, 
         CheckpointError: Arguments of neither form (see :func:`split_state`).
     """
     if len(args) == 1 and isinstance(args[0], Mapping):
-        _, model, _, optimizer, _ = split_state(args[0])
+        model, optimizer, _ = split_state(args[0])
         return args[0], model, optimizer, None
     return (None, *positional_restore_args((*args, None)[:3] if len(args) == 2 else args))
