@@ -69,9 +69,6 @@ class SaveJob:
     state_dict: dict[str, Any]
     stack: ExitStack  # rank 0: holds the attempt (a folder's lock, a store's lease); an error removes it
 
-    def abort(self, exc: BaseException) -> None:
-        self.stack.__exit__(type(exc), exc, exc.__traceback__)
-
 
 def open_saves(
     location: str | os.PathLike[str],
@@ -219,7 +216,7 @@ def clear_target(run_dir: Path, final: Path, emit: Emit) -> None:
 
 def fail_save(job: SaveJob, exc: BaseException, rank: int) -> NoReturn:
     """Clean up after a failed save (rank 0 removes its staging folder) and raise a CheckpointError."""
-    job.abort(exc)
+    job.stack.__exit__(type(exc), exc, exc.__traceback__)  # the attempt sees the error: removed
     if isinstance(exc, CheckpointException):  # DCP's gathered failures; a BaseException
         raise_from_checkpoint_exception(exc, f"save of step {job.step}")
     if isinstance(exc, Exception) and not isinstance(exc, CheckpointError):
