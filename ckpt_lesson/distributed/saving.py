@@ -81,16 +81,8 @@ def open_saves(
 ) -> FolderSaves | StoreSaves:
     """The backend of a run: a shared folder's, or an object store's for a URL (``s3://bucket/run``).
 
-    Args:
-        location: The run's folder or URL.
-        policy: The retention policy.
-        emit: The manager's event hook.
-        publish: ``"rename"`` or ``"marker"``; ``None``: a folder's rename, a URL's marker.
-        storage_options: A URL's fsspec options (``None``: the environment).
-        lease_seconds: A URL's writer lease.
-
-    Returns:
-        :class:`FolderSaves` or :class:`~.store_saves.StoreSaves`.
+    ``publish=None`` picks a folder's rename or a URL's marker; the arguments are the
+    manager's (see :class:`~.manager.DistributedCheckpointManager`).
 
     Raises:
         CheckpointError: An unknown ``publish``, or ``publish="rename"`` for a URL.
@@ -127,13 +119,9 @@ def open_save(
 ) -> SaveJob:
     """Check the input on every rank, agree, open the save's attempt and set up its writer; collective.
 
-    Args:
-        saves: The run's backend; rank 0 opens the attempt through it (a staging folder,
-            or a ``save_id`` under a lease) and tells the other ranks its name.
-        ctl: The control group.
-        args: ``(model, optimizer, scheduler, state, data_state, rng)`` (see :func:`.state.save_args`).
-        metadata, algo, thread_count: The manager's settings for the manifest and the writer.
-        emit: The manager's event hook.
+    Rank 0 opens the attempt through ``saves`` (a staging folder, or a ``save_id`` under a
+    lease) and tells the other ranks its name. ``args`` is ``(model, optimizer, scheduler,
+    state, data_state, rng)`` (see :func:`.state.save_args`); the rest are the manager's settings.
 
     Returns:
         The job: the state dict for DCP and a :class:`~.writer.CommitWriter` aimed at the attempt.
