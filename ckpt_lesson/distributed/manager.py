@@ -247,8 +247,7 @@ class DistributedCheckpointManager(LoopMethods):
             >>> mgr.save(40, {"model": model, "optimizer": opt, "loader": loader})  # doctest: +SKIP
             PosixPath('/shared/runs/a/step-00000040')
         """
-        self.wait()
-        job = self._begin(*save_args(args, data_state, rng))
+        job = self._begin(args, data_state, rng)
         try:
             with quiet_single_process(self._no_dist):
                 dcp.save(
@@ -277,8 +276,7 @@ class DistributedCheckpointManager(LoopMethods):
             >>> # train on while it is written, then, before the next save or at exit:
             >>> mgr.wait()  # doctest: +SKIP
         """
-        self.wait()
-        job = self._begin(*save_args(args, data_state, rng))
+        job = self._begin(args, data_state, rng)
         try:
             future = dcp.async_save(
                 job.state_dict, storage_writer=job.writer, process_group=self._io_group, no_dist=self._no_dist
@@ -308,11 +306,12 @@ class DistributedCheckpointManager(LoopMethods):
             fail_save(job, exc, self.rank)
         return self._end(job)
 
-    def _begin(self, *args: Any) -> SaveJob:
+    def _begin(self, args: tuple[Any, ...], data_state: Any, rng: Any) -> SaveJob:
+        self.wait()  # at most one save in flight
         if self._closed:
             raise CheckpointError(f"{self.url}: this manager is closed; create a new one.")
-        job = open_save(self.saves, self._ctl, args, metadata=self.metadata, algo=self.algo,
-                        thread_count=self.thread_count, emit=self._emit)  # fmt: skip
+        job = open_save(self.saves, self._ctl, save_args(args, data_state, rng), metadata=self.metadata,
+                        algo=self.algo, thread_count=self.thread_count, emit=self._emit)  # fmt: skip
         self._cadence.mark_saved(job.step)  # at request time: a save in flight must not be requested again
         return job
 
