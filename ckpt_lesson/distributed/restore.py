@@ -36,10 +36,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckpt_lesson.errors import (
-    StateMismatchError,
-    UnsafeCheckpointError,
-)
+from ckpt_lesson.errors import StateMismatchError, UnsafeCheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.rng import restore_rng_state
 from ckpt_lesson.runs.layout import step_dir_name
