@@ -10,7 +10,7 @@ import pytest
 import xxhash
 
 from ckpt_lesson import CorruptCheckpointError
-from ckpt_lesson.distributed import DEFAULT_ALGO, check_hash_record, hash_bytes, hash_file, new_hasher
+from ckpt_lesson.files.hashing import DEFAULT_ALGO, check_hash_record, hash_bytes, hash_file, new_hasher
 
 
 def test_the_default_algorithm_is_xxh3_128_and_matches_the_xxhash_package() -> None:

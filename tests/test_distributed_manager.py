@@ -175,7 +175,8 @@ def test_a_run_without_saves_restores_nothing_and_one_with_only_damaged_saves_li
     flip_byte(tmp_path / "run" / "step-00000002" / ".metadata")
     (tmp_path / "run" / "step-00000004" / "manifest.json").unlink()
     with pytest.raises(
-        CheckpointError, match=r"2 save\(s\) found but none is usable.*step 4: incomplete.*step 2: corrupt"
+        CheckpointError,
+        match=r"(?s)2 save\(s\) found but none is usable.*step 4: incomplete.*step 2: corrupt",
     ):
         restore_locally(tmp_path / "run")
 

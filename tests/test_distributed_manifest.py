@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from ckpt_lesson import CorruptCheckpointError, IncompleteCheckpointError, SchemaError, UnsafeCheckpointError
-from ckpt_lesson.distributed import hash_bytes, read_dcp_manifest
+from ckpt_lesson.files.hashing import hash_bytes
 from ckpt_lesson.files.record_seal import SEAL_KEY, seal_record
-from ckpt_lesson.runs.dcp_manifest import MAX_MANIFEST_BYTES, build_manifest
+from ckpt_lesson.runs.dcp_manifest import MAX_MANIFEST_BYTES, build_manifest, read_dcp_manifest
 
 
 def _manifest(**changes: Any) -> dict[str, Any]:

@@ -87,18 +87,18 @@ def test_a_restore_follows_the_run_to_a_newer_save_when_retention_deletes_the_on
     run, trainer = tmp_path / "run", tmp_path / "trainer"
     save_locally(run, steps=(2, 4))
     save_locally(trainer, steps=(6,))
-    real = FolderSaves.verify
+    real = FolderSaves.source
 
-    def trainer_moves_on(saves: FolderSaves, step: int, comm: Any) -> Any:
+    def trainer_moves_on(saves: FolderSaves, step: int) -> Any:
         if step == 4 and (trainer / "step-00000006").exists():
             # While the eval job reads step 4, the trainer publishes step 6 and its keep_last=1
             # retention deletes steps 2 and 4: the only good save is newer than the one listed.
             (trainer / "step-00000006").rename(run / "step-00000006")
             shutil.rmtree(run / "step-00000004")
             shutil.rmtree(run / "step-00000002")
-        return real(saves, step, comm)
+        return real(saves, step)
 
-    monkeypatch.setattr(FolderSaves, "verify", trainer_moves_on)
+    monkeypatch.setattr(FolderSaves, "source", trainer_moves_on)
     restored, _ = restore_locally(run)
     assert restored.step == 6
     assert [(s["step"], s["status"]) for s in restored.skipped] == [(4, "incomplete")]

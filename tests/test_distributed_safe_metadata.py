@@ -13,8 +13,9 @@ import torch
 from _distributed_local import save_locally
 
 from ckpt_lesson import CorruptCheckpointError, UnsafeCheckpointError
-from ckpt_lesson.distributed import RestrictedUnpickler, load_metadata_bytes, read_dcp_manifest
+from ckpt_lesson.distributed import RestrictedUnpickler, load_metadata_bytes
 from ckpt_lesson.distributed.safe_metadata import ALLOWED_GLOBALS
+from ckpt_lesson.runs.dcp_manifest import read_dcp_manifest
 
 
 @pytest.fixture(scope="module")

@@ -382,14 +382,12 @@ def test_a_stopped_renewer_never_brings_its_lease_back_and_an_expired_lease_refu
         lease.check()
 
 
-def test_a_url_gives_the_one_manager_the_store_backend_and_the_old_class_name_still_imports(
+def test_a_url_gives_the_one_manager_the_store_backend_and_a_folder_the_folder_backend(
     s3_bucket: Bucket, tmp_path: Path
 ) -> None:
-    from ckpt_lesson.distributed.manager import StoreDistributedCheckpointManager
     from ckpt_lesson.distributed.saving import FolderSaves
     from ckpt_lesson.distributed.store_saves import StoreSaves
 
-    assert StoreDistributedCheckpointManager is DistributedCheckpointManager
     on_bucket = DistributedCheckpointManager(
         s3_bucket.url(), storage_options=s3_bucket.options, every_steps=1
     )

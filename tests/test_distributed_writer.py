@@ -20,8 +20,8 @@ from ckpt_lesson.distributed import (
     FolderTarget,
     HashingFileSystem,
     hash_file,
-    read_dcp_manifest,
 )
+from ckpt_lesson.runs.dcp_manifest import read_dcp_manifest
 
 
 @pytest.mark.parametrize(("algo", "threads"), [("xxh3_128", 1), ("sha256", 3)])

@@ -12,8 +12,7 @@ Start with :class:`DistributedCheckpointManager`.
 
 from __future__ import annotations
 
-from ckpt_lesson.files.hashing import DEFAULT_ALGO, check_hash_record, hash_bytes, hash_file, new_hasher
-from ckpt_lesson.runs.dcp_manifest import read_dcp_manifest
+from ckpt_lesson.files.hashing import hash_file  # notebook 13 re-hashes a part with it
 
 from .comm import Comm, new_checkpoint_group
 from .manager import DistributedCheckpointManager
@@ -27,7 +26,6 @@ from .writer import CommitWriter, HashingFileSystem
 __all__ = [
     "Comm",
     "CommitWriter",
-    "DEFAULT_ALGO",
     "DistributedCheckpointManager",
     "DistributedRestore",
     "FolderTarget",
@@ -38,12 +36,8 @@ __all__ = [
     "VerifyingReader",
     "WORLD_SIZE_POLICIES",
     "WeightsOnlyLoadPlanner",
-    "check_hash_record",
-    "hash_bytes",
     "hash_file",
     "load_metadata_bytes",
     "new_checkpoint_group",
-    "new_hasher",
-    "read_dcp_manifest",
     "verify_save",
 ]

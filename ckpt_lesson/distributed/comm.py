@@ -95,10 +95,6 @@ class Comm:
         comm.enabled, comm.group, comm.rank, comm.world_size = False, None, 0, 1
         return comm
 
-    @property
-    def is_coordinator(self) -> bool:
-        return self.rank == 0
-
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (other ranks' argument is ignored)."""
         if self.world_size == 1:

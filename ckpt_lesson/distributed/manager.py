@@ -44,12 +44,12 @@ from ckpt_lesson.runs.loop_api import LoopMethods, default_run_dir
 from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
 
 from .comm import Comm, failure_summary, new_checkpoint_group, quiet_single_process, release_groups
-from .restore import WORLD_SIZE_POLICIES, DistributedRestore, listed, restore_newest
+from .restore import WORLD_SIZE_POLICIES, DistributedRestore, restore_newest
 from .saving import SaveJob, fail_save, open_save, open_saves
-from .state_api import apply_rank_parts, as_restored, check_rank_parts, restore_args, save_args
+from .state import apply_rank_parts, as_restored, check_rank_parts, restore_args, save_args
 from .store_saves import DEFAULT_LEASE_SECONDS
 
-__all__ = ["DistributedCheckpointManager", "StoreDistributedCheckpointManager"]
+__all__ = ["DistributedCheckpointManager"]
 
 log = logging.getLogger("ckpt_lesson.distributed")
 
@@ -232,7 +232,7 @@ class DistributedCheckpointManager(LoopMethods):
         """Save one step from every rank and commit it; collective.
 
         Two forms, as :class:`~ckpt_lesson.CheckpointManager`: ``save(step, state, *, rng=True)``
-        (the state API, see :mod:`.state_api`) and ``save(model, optimizer, scheduler, state, *,
+        (the state API, see :mod:`.state`) and ``save(model, optimizer, scheduler, state, *,
         data_state=None)`` (``data_state``: this rank's data position, plain values/tensors).
         ``rng`` may be this rank's generators captured earlier (before a prefetch).
 
@@ -247,8 +247,7 @@ class DistributedCheckpointManager(LoopMethods):
             >>> mgr.save(40, {"model": model, "optimizer": opt, "loader": loader})  # doctest: +SKIP
             PosixPath('/shared/runs/a/step-00000040')
         """
-        self.wait()
-        job = self._begin(*save_args(args, data_state, rng))
+        job = self._begin(args, data_state, rng)
         try:
             with quiet_single_process(self._no_dist):
                 dcp.save(
@@ -277,8 +276,7 @@ class DistributedCheckpointManager(LoopMethods):
             >>> # train on while it is written, then, before the next save or at exit:
             >>> mgr.wait()  # doctest: +SKIP
         """
-        self.wait()
-        job = self._begin(*save_args(args, data_state, rng))
+        job = self._begin(args, data_state, rng)
         try:
             future = dcp.async_save(
                 job.state_dict, storage_writer=job.writer, process_group=self._io_group, no_dist=self._no_dist
@@ -308,11 +306,12 @@ class DistributedCheckpointManager(LoopMethods):
             fail_save(job, exc, self.rank)
         return self._end(job)
 
-    def _begin(self, *args: Any) -> SaveJob:
+    def _begin(self, args: tuple[Any, ...], data_state: Any, rng: Any) -> SaveJob:
+        self.wait()  # at most one save in flight
         if self._closed:
             raise CheckpointError(f"{self.url}: this manager is closed; create a new one.")
-        job = open_save(self.saves, self._ctl, args, metadata=self.metadata, algo=self.algo,
-                        thread_count=self.thread_count, emit=self._emit)  # fmt: skip
+        job = open_save(self.saves, self._ctl, save_args(args, data_state, rng), metadata=self.metadata,
+                        algo=self.algo, thread_count=self.thread_count, emit=self._emit)  # fmt: skip
         self._cadence.mark_saved(job.step)  # at request time: a save in flight must not be requested again
         return job
 
@@ -365,7 +364,7 @@ class DistributedCheckpointManager(LoopMethods):
         state, model, optimizer, scheduler = restore_args(args)
         check = None if state is None else partial(check_rank_parts, state=state, strict=strict)
         restored = restore_newest(
-            listed(self.saves, self._ctl), saves=self.saves, ctl=self._ctl, io_group=self._io_group,
+            saves=self.saves, ctl=self._ctl, io_group=self._io_group,
             model=model, optimizer=optimizer, scheduler=scheduler, check=check,
             on_world_size_change=on_world_size_change, reseed_base=reseed_base,
         )  # fmt: skip
@@ -379,7 +378,3 @@ class DistributedCheckpointManager(LoopMethods):
             return restored
         values = apply_rank_parts(restored.data_state, state, source=str(restored.path), strict=strict)
         return as_restored(restored, values, restored.rng)
-
-
-#: The name of the object-store manager before the merge; a URL makes any manager one.
-StoreDistributedCheckpointManager = DistributedCheckpointManager

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,24 +36,25 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckpt_lesson.errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    StateMismatchError,
-    UnsafeCheckpointError,
-)
+from ckpt_lesson.errors import StateMismatchError, UnsafeCheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.rng import restore_rng_state
 from ckpt_lesson.runs.layout import step_dir_name
+from ckpt_lesson.runs.restore import Candidates, load_newest_good
 from ckpt_lesson.short_repr import short_repr
 
 from .comm import Comm, quiet_single_process, raise_from_checkpoint_exception
 from .reader import VerifiedSave, VerifyingReader, WeightsOnlyLoadPlanner, verify_save
-from .state import apply_shared_state, build_load_template, decode_rank_state, rank_key, reseed_generators
-from .state_api import has_rank_parts
+from .state import (
+    apply_shared_state,
+    dcp_state_dict,
+    decode_rank_state,
+    has_rank_parts,
+    rank_key,
+    reseed_generators,
+)
 
-__all__ = ["WORLD_SIZE_POLICIES", "DistributedRestore", "Saves", "listed", "restore_newest", "restore_save"]
+__all__ = ["WORLD_SIZE_POLICIES", "DistributedRestore", "Saves", "restore_newest", "restore_save"]
 
 log = logging.getLogger("ckpt_lesson.distributed")
 
@@ -68,6 +70,7 @@ class Saves:
     """
 
     where: str = ""  # the run, for messages
+    hint: str | None = None  # the last line of "none is usable" (None: the folder's, see Candidates)
     storage_options: dict[str, Any] | None = None
 
     def published(self) -> list[int] | Exception:
@@ -81,14 +84,6 @@ class Saves:
     def source(self, step: int) -> Any:
         """What :func:`~.reader.verify_save` reads for ``step``: a folder, or a ``StoreSave``."""
         raise NotImplementedError
-
-    def verify(self, step: int, comm: Comm) -> VerifiedSave:
-        """Verify ``step`` on every rank together; collective."""
-        return verify_save(self.source(step), comm)
-
-    def reader(self, verified: VerifiedSave) -> VerifyingReader:
-        """DCP's storage reader for a verified save."""
-        return VerifyingReader(verified, self.storage_options)
 
     def mark_good(self, step: int) -> None:
         """``step`` was verified in full just now (a restore read and hashed it)."""
@@ -120,7 +115,7 @@ class DistributedRestore:
         path: The save folder (its URL for a save in an object store).
         save_id: The manifest's save id.
         reseed: The seed each generator got when resharded, else ``None``.
-        skipped: Newer saves skipped as damaged: ``{"step", "status", "reason"}``.
+        skipped: Newer saves skipped as damaged: ``{"step", "status", "reason", "relisted"}``.
         rng: This rank's restored generator state; ``None`` when resharded (re-seeded instead).
     """
 
@@ -167,8 +162,7 @@ def restore_save(
 
     Args:
         step: The step to restore.
-        saves: The run's backend: it verifies the save on every rank together and
-            builds DCP's storage reader for the verified save.
+        saves: The run's backend: where the save is read from (its ``source``).
         ctl: The control group (training thread).
         io_group: The group DCP's own collectives use.
         model, optimizer, scheduler: Restored in place; ``scheduler`` may be ``None``.
@@ -189,7 +183,7 @@ def restore_save(
         >>> restored = restore_save(40, saves=mgr.saves, ctl=Comm(), io_group=None,  # doctest: +SKIP
         ...     model=m, optimizer=opt, scheduler=None, on_world_size_change="refuse", reseed_base=0)
     """
-    verified = saves.verify(step, ctl)
+    verified = verify_save(saves.source(step), ctl)
     name = step_dir_name(step)
     manifest = verified.manifest
     saved_world, now = manifest["world_size"], ctl.world_size
@@ -213,7 +207,7 @@ def restore_save(
         blob = _load({blob_key: b""}, **load)[blob_key]
         source = str(saves.step_dir(step))
         _agreed(ctl, lambda: check(decode_rank_state(blob, where=where)["data"], source=source))
-    template = _load(build_load_template(model, optimizer, scheduler, blob_keys=[blob_key]), **load)
+    template = _load(dcp_state_dict(model, optimizer, scheduler, {blob_key: b""}), **load)
     rank_state = _agreed(ctl, lambda: decode_rank_state(template[blob_key], where=where))
     apply_shared_state(model, optimizer, scheduler, template)
     seed = None
@@ -256,7 +250,7 @@ def _load(template: dict[str, Any], *, saves: Saves, verified: VerifiedSave, ctl
         with quiet_single_process(not ctl.enabled):
             dcp.load(
                 template,
-                storage_reader=saves.reader(verified),
+                storage_reader=VerifyingReader(verified, saves.storage_options),
                 planner=WeightsOnlyLoadPlanner(),
                 process_group=io_group,
                 no_dist=not ctl.enabled,
@@ -280,69 +274,44 @@ def _agreed(ctl: Comm, fn: Callable[[], Any]) -> Any:
     return result
 
 
-def restore_newest(steps: list[int], *, saves: Saves, ctl: Comm, **options: Any) -> DistributedRestore | None:
+def restore_newest(*, saves: Saves, ctl: Comm, **options: Any) -> DistributedRestore | None:
     """Restore the newest good save, following the run as it changes; collective over ``ctl``.
 
-    Tries ``steps`` newest first with :func:`restore_save`. When one is damaged or
-    vanished, rank 0 lists the run again and the ranks go on with the newest step
-    not yet tried, a save committed meanwhile included (a trainer's retention may
-    delete the save an eval job is reading while a newer one appears).
+    The single-process manager's walk (:func:`~ckpt_lesson.runs.restore.load_newest_good`,
+    see the module doc) with :func:`restore_save` as the load. Every rank takes the same
+    turns: the listings are rank 0's, and each verdict on a save is agreed by all ranks.
 
     Args:
-        steps: The published steps, ascending (the same list on every rank).
-        saves: The run's backend (listing, verification, reader).
+        saves: The run's backend (listing, and where each save is read from).
         ctl: The control group.
         options: The other keyword arguments of :func:`restore_save`.
 
     Returns:
         The first save that restored, its ``skipped`` listing why each one tried
-        before was passed over; ``None`` when ``steps`` is empty.
+        before was passed over; ``None`` when the run has no saves.
 
     Raises:
         CheckpointError: Saves exist but none is usable (each reason listed), or
             what :func:`restore_save` raises for anything but damage.
 
     Example:
-        >>> restore_newest([2, 4], saves=mgr.saves, ctl=Comm(), io_group=None,  # doctest: +SKIP
+        >>> restore_newest(saves=mgr.saves, ctl=Comm(), io_group=None,  # doctest: +SKIP
         ...     model=m, optimizer=opt, scheduler=None, on_world_size_change="refuse", reseed_base=0)
     """
-    skipped: list[dict[str, Any]] = []
-    tried: set[int] = set()
-    while untried := [step for step in steps if step not in tried]:
-        step = untried[-1]
-        tried.add(step)
-        try:
-            restored = restore_save(step, saves=saves, ctl=ctl, **options)
-        except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
-            status = "incomplete" if isinstance(exc, IncompleteCheckpointError) else "corrupt"
-            skipped.append({"step": step, "status": status, "reason": str(exc)})
-            log.warning("restore: skipping %s (%s): %s", step_dir_name(step), status, exc)
-            steps = listed(saves, ctl)  # the run may have changed meanwhile: newer saves count too
-            continue
-        return replace(restored, skipped=skipped)
-    if not tried:
+    steps = _listed(saves, ctl)
+    if not steps:
         return None
-    lines = "; ".join(f"step {s['step']}: {s['status']}: {s['reason']}" for s in skipped)
-    raise CheckpointError(f"{saves.where}: {len(skipped)} save(s) found but none is usable: {lines}")
+    candidates = Candidates(saves.where, steps, lambda step: step, relist=partial(_listed, saves, ctl))
+    if saves.hint:
+        candidates = candidates._replace(hint=saves.hint)
+    skipped: list[dict[str, Any]] = []
+    load = lambda _, step: ({}, restore_save(step, saves=saves, ctl=ctl, **options))  # noqa: E731
+    restored = load_newest_good(candidates, load, skipped=skipped)[3]
+    return replace(restored, skipped=skipped)
 
 
-def listed(saves: Saves, ctl: Comm) -> list[int]:
-    """The run's published steps, listed by rank 0 and the same on every rank; collective.
-
-    Args:
-        saves: The run's backend.
-        ctl: The control group.
-
-    Returns:
-        The published steps, ascending.
-
-    Raises:
-        LoadEnvironmentError: Rank 0 could not list the store (every rank raises it).
-
-    Example:
-        >>> listed(mgr.saves, Comm())  # doctest: +SKIP
-        [2, 4]
-    """
+def _listed(saves: Saves, ctl: Comm) -> list[int]:
+    """The published steps, listed by rank 0, on every rank; a store's error is raised on all of them."""
     steps = ctl.broadcast(saves.published() if ctl.rank == 0 else None)
     if isinstance(steps, Exception):
         raise steps

@@ -38,7 +38,6 @@ from ckpt_lesson.errors import CorruptCheckpointError, UnsafeCheckpointError
 __all__ = [
     "ALLOWED_GLOBALS",
     "RestrictedUnpickler",
-    "check_metadata",
     "load_metadata_bytes",
     "weights_only_refusal",
 ]
@@ -125,16 +124,7 @@ def load_metadata_bytes(data: bytes, *, data_files: dict[str, int], where: str) 
         raise CorruptCheckpointError(
             f"{where}: .metadata does not parse ({type(exc).__name__}: {exc})."
         ) from exc
-    check_metadata(metadata, data_files=data_files, where=where)
-    return metadata
-
-
-def check_metadata(metadata: Any, *, data_files: dict[str, int], where: str) -> None:
-    """Check that parsed metadata only points at listed files, within their sizes.
-
-    Raises:
-        CorruptCheckpointError: See :func:`load_metadata_bytes`.
-    """
+    # The shape, too: every item must point into a listed file, inside its size.
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(
             f"{where}: .metadata holds a {type(metadata).__name__}, not DCP Metadata."
@@ -166,6 +156,7 @@ def check_metadata(metadata: Any, *, data_files: dict[str, int], where: str) -> 
             or info.offset + info.length > data_files[info.relative_path]
         ):
             raise CorruptCheckpointError(f"{where}: {index.fqn!r} lies outside {info.relative_path}.")
+    return metadata
 
 
 def weights_only_refusal(exc: BaseException) -> str:

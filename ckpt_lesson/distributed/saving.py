@@ -43,7 +43,7 @@ from ckpt_lesson.runs.retention import RetentionPolicy
 from .comm import Comm, raise_from_checkpoint_exception
 from .reader import verify_save
 from .restore import Saves
-from .state import build_save_state, encode_rank_state, rank_key
+from .state import dcp_state_dict, encode_rank_state, rank_key
 from .store_saves import StoreSaves
 from .writer import CommitWriter, Emit, HashingFileSystem
 
@@ -69,9 +69,6 @@ class SaveJob:
     state_dict: dict[str, Any]
     stack: ExitStack  # rank 0: holds the attempt (a folder's lock, a store's lease); an error removes it
 
-    def abort(self, exc: BaseException) -> None:
-        self.stack.__exit__(type(exc), exc, exc.__traceback__)
-
 
 def open_saves(
     location: str | os.PathLike[str],
@@ -84,16 +81,8 @@ def open_saves(
 ) -> FolderSaves | StoreSaves:
     """The backend of a run: a shared folder's, or an object store's for a URL (``s3://bucket/run``).
 
-    Args:
-        location: The run's folder or URL.
-        policy: The retention policy.
-        emit: The manager's event hook.
-        publish: ``"rename"`` or ``"marker"``; ``None``: a folder's rename, a URL's marker.
-        storage_options: A URL's fsspec options (``None``: the environment).
-        lease_seconds: A URL's writer lease.
-
-    Returns:
-        :class:`FolderSaves` or :class:`~.store_saves.StoreSaves`.
+    ``publish=None`` picks a folder's rename or a URL's marker; the arguments are the
+    manager's (see :class:`~.manager.DistributedCheckpointManager`).
 
     Raises:
         CheckpointError: An unknown ``publish``, or ``publish="rename"`` for a URL.
@@ -130,13 +119,9 @@ def open_save(
 ) -> SaveJob:
     """Check the input on every rank, agree, open the save's attempt and set up its writer; collective.
 
-    Args:
-        saves: The run's backend; rank 0 opens the attempt through it (a staging folder,
-            or a ``save_id`` under a lease) and tells the other ranks its name.
-        ctl: The control group.
-        args: ``(model, optimizer, scheduler, state, data_state, rng)`` (see :func:`.state_api.save_args`).
-        metadata, algo, thread_count: The manager's settings for the manifest and the writer.
-        emit: The manager's event hook.
+    Rank 0 opens the attempt through ``saves`` (a staging folder, or a ``save_id`` under a
+    lease) and tells the other ranks its name. ``args`` is ``(model, optimizer, scheduler,
+    state, data_state, rng)`` (see :func:`.state.save_args`); the rest are the manager's settings.
 
     Returns:
         The job: the state dict for DCP and a :class:`~.writer.CommitWriter` aimed at the attempt.
@@ -153,7 +138,7 @@ def open_save(
     error, state_dict, step = None, {}, getattr(state, "step", None)
     try:  # everything local first; a rank that fails must not leave the others inside a collective
         blob = encode_rank_state(state, capture_rng_state() if rng is None else rng, data_state)
-        state_dict = build_save_state(model, optimizer, scheduler, rank=ctl.rank, blob=blob)
+        state_dict = dcp_state_dict(model, optimizer, scheduler, {rank_key(ctl.rank): blob})
     except CheckpointError as exc:
         error = str(exc)
     views = ctl.all_gather((step, scheduler is not None, error))
@@ -219,7 +204,7 @@ def clear_target(run_dir: Path, final: Path, emit: Emit) -> None:
 
 def fail_save(job: SaveJob, exc: BaseException, rank: int) -> NoReturn:
     """Clean up after a failed save (rank 0 removes its staging folder) and raise a CheckpointError."""
-    job.abort(exc)
+    job.stack.__exit__(type(exc), exc, exc.__traceback__)  # the attempt sees the error: removed
     if isinstance(exc, CheckpointException):  # DCP's gathered failures; a BaseException
         raise_from_checkpoint_exception(exc, f"save of step {job.step}")
     if isinstance(exc, Exception) and not isinstance(exc, CheckpointError):
@@ -286,7 +271,6 @@ class FolderSaves(Saves):
         policy: ``to_delete(steps, verified)``, e.g. ``KeepLastK(3)``.
         emit: Event hook (``retention_delete`` before each delete, ``quarantined``).
         publish: ``"rename"`` (a staging folder renamed) or ``"marker"`` (see :mod:`.writer`).
-        background: ``False`` runs each pass inside ``after_publish``.
 
     Example:
         >>> saves = FolderSaves(run, KeepLastK(2), emit=lambda name, **info: None)  # doctest: +SKIP
@@ -295,17 +279,11 @@ class FolderSaves(Saves):
     """
 
     def __init__(
-        self,
-        run_dir: Path,
-        policy: RetentionPolicy,
-        emit: Emit,
-        *,
-        publish: str = "rename",
-        background: bool = True,
+        self, run_dir: Path, policy: RetentionPolicy, emit: Emit, *, publish: str = "rename"
     ) -> None:
         self.run_dir, self.policy, self.emit, self.publish = run_dir, policy, emit, publish
         self.where = str(run_dir)
-        self.worker = BackgroundRetention(run_dir, policy, emit=emit, background=background)
+        self.worker = BackgroundRetention(run_dir, policy, emit=emit)
 
     def open_run(self) -> None:  # rank 0, once
         if self.run_dir.exists() and not self.run_dir.is_dir():

@@ -17,6 +17,16 @@ of exactly the same shape; a blob loads into ``b""`` whatever its contents.
 The blob is a ``torch.save`` of plain values, read back weights-only, and it is
 read back once at save time too, so a value a resume could not load fails the
 save instead of the resume.
+
+The state API (``save(step, {"model": m, "optimizer": opt, "loader": dl})``) maps
+onto the same two kinds: the one ``nn.Module`` part and the one optimizer part
+go to DCP (resharded on load; ``get_state_dict`` handles wrappers such as DDP
+and ``torch.compile``), and every other object's ``state_dict()`` and every
+plain value (a scheduler, a ``GradScaler``, a stateful loader, a best metric:
+small, and a loader's position differs from rank to rank) go into this rank's
+blob next to its RNG state and come back on the same rank. One model and one
+optimizer per save: put several modules in one ``nn.ModuleDict`` (or save each
+optimizer's state as an object part when it is not sharded).
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import hashlib
 import io
 import pickle
 import random
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -37,20 +48,34 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ckpt_lesson.errors import CheckpointError, StateMismatchError, UnsafeCheckpointError
+from ckpt_lesson.files.apply import Restored
 from ckpt_lesson.files.checkpoint import TrainState
+from ckpt_lesson.files.fit import check_part_names
+from ckpt_lesson.files.payload import OBJECT, VALUE, is_object, validate_payload
 from ckpt_lesson.files.rng import validate_rng_state
+from ckpt_lesson.runs.manager_config import is_state_call, positional_restore_args, positional_save_args
 
 from .safe_metadata import weights_only_refusal
 
 __all__ = [
+    "PARTS_KEY",
+    "apply_rank_parts",
     "apply_shared_state",
-    "build_load_template",
-    "build_save_state",
+    "as_restored",
+    "check_rank_parts",
+    "dcp_state_dict",
     "decode_rank_state",
     "encode_rank_state",
+    "has_rank_parts",
     "rank_key",
     "reseed_generators",
+    "restore_args",
+    "save_args",
+    "split_state",
 ]
+
+#: Key of the per-rank blob's ``data`` entry that holds the state API's other parts.
+PARTS_KEY = "ckpt_lesson_parts"
 
 
 def rank_key(rank: int) -> str:
@@ -143,40 +168,29 @@ def decode_rank_state(blob: Any, *, where: str) -> dict[str, Any]:
     return {"train": train, "rng": payload["rng"], "data": payload["data"]}
 
 
-def _model_and_optim(model: Any, optimizer: Any) -> dict[str, Any]:
-    """``{"model": ..., "optim": ...}`` from torch's helpers; no ``optim`` entry without an optimizer."""
-    if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd}
+def dcp_state_dict(model: Any, optimizer: Any, scheduler: Any, blobs: dict[str, bytes]) -> dict[str, Any]:
+    """The state dict this rank hands to ``dcp.save``, or the template ``dcp.load`` fills in place.
 
+    Model and optimizer entries are this run's own (sharded) tensors, so on load DCP
+    reads exactly the slices each rank holds, whatever the saved world size; there is
+    no ``optim`` entry without an optimizer. ``get_state_dict`` on an optimizer that
+    never stepped runs one zero-lr step to create its state: harmless, and needed so
+    the moments have somewhere to go.
 
-def build_save_state(model: Any, optimizer: Any, scheduler: Any, *, rank: int, blob: bytes) -> dict[str, Any]:
-    """The state dict this rank hands to ``dcp.save``.
+    Args:
+        blobs: Per-rank blobs by key: ``{rank_key(rank): blob}`` to save, ``{key: b""}`` to load.
 
     Example:
-        >>> sd = build_save_state(model, opt, None, rank=0, blob=blob)  # doctest: +SKIP
+        >>> sd = dcp_state_dict(model, opt, None, {rank_key(0): blob})  # doctest: +SKIP
         >>> sorted(sd)  # doctest: +SKIP
         ['model', 'optim', 'rank0_local']
     """
-    out: dict[str, Any] = {**_model_and_optim(model, optimizer), rank_key(rank): blob}
-    if scheduler is not None:
-        out["scheduler"] = scheduler.state_dict()
-    return out
-
-
-def build_load_template(
-    model: Any, optimizer: Any, scheduler: Any, *, blob_keys: list[str]
-) -> dict[str, Any]:
-    """A state dict of the right shape for ``dcp.load`` to fill in place.
-
-    Model and optimizer entries are this run's own (sharded) tensors, so DCP
-    reads exactly the slices each rank holds, whatever the saved world size.
-    ``get_state_dict`` on an optimizer that never stepped runs one zero-lr step
-    to create its state: harmless, and needed so the moments have somewhere to go.
-    """
-    out: dict[str, Any] = _model_and_optim(model, optimizer)
-    out.update({key: b"" for key in blob_keys})
+    if optimizer is None:
+        out: dict[str, Any] = {"model": get_model_state_dict(model)}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        out = {"model": model_sd, "optim": optim_sd}
+    out.update(blobs)
     if scheduler is not None:
         out["scheduler"] = scheduler.state_dict()
     return out
@@ -209,3 +223,133 @@ def reseed_generators(base: int, step: int, rank: int) -> int:
     np.random.seed(seed)
     torch.manual_seed(seed)
     return seed
+
+
+def split_state(state: Mapping[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    """``(model, optimizer or None, rank parts)`` of a state mapping.
+
+    Returns:
+        ``rank parts`` is ``{"kinds": {...}, "objects": {name: live object}, "values": {...}}``:
+        every part's kind (the model's and optimizer's too), the other objects and the values.
+
+    Raises:
+        CheckpointError: Not a mapping, no module, more than one module or optimizer.
+    """
+    if not isinstance(state, Mapping) or not all(isinstance(k, str) and k for k in state):
+        raise CheckpointError(
+            "state must be a mapping of named parts, e.g. {'model': model, 'optimizer': opt}."
+        )
+    modules = [k for k, v in state.items() if isinstance(v, torch.nn.Module)]
+    optims = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
+    if len(modules) != 1 or len(optims) > 1:
+        raise CheckpointError(
+            f"DistributedCheckpointManager takes exactly one nn.Module part and at most one optimizer part "
+            f"(DCP reshards them); got modules {modules} and optimizers {optims}. Put several modules in one "
+            "nn.ModuleDict and build one optimizer over it."
+        )
+    kinds: dict[str, str] = {}
+    objects: dict[str, Any] = {}
+    values: dict[str, Any] = {}
+    for name, part in state.items():
+        if name in modules or name in optims:
+            continue
+        if is_object(part):
+            kinds[name], objects[name] = OBJECT, part
+        else:
+            validate_payload(part, where=f"state[{name!r}]")
+            kinds[name], values[name] = VALUE, part
+    kinds = {modules[0]: "dcp-model", **{name: "dcp-optim" for name in optims}, **kinds}
+    optimizer = state[optims[0]] if optims else None
+    return state[modules[0]], optimizer, {"kinds": kinds, "objects": objects, "values": values}
+
+
+def has_rank_parts(data: Any) -> bool:
+    """True when a rank blob's data came from a state-API save."""
+    return isinstance(data, dict) and isinstance(data.get(PARTS_KEY), dict)
+
+
+def check_rank_parts(data: Any, state: Mapping[str, Any], *, source: str, strict: bool) -> dict[str, Any]:
+    """Refuse a save whose parts do not fit ``state``; returns the blob's parts block.
+
+    A restore calls it on the blob it read *before* it applies anything (weights included),
+    so a refused restore changes nothing.
+
+    Raises:
+        StateMismatchError: The save was not made through the state API, or its parts
+            do not fit ``state`` (named by part).
+
+    Example:
+        >>> check_rank_parts(data, {"model": m}, source="step-4", strict=True)  # doctest: +SKIP
+    """
+    block = data.get(PARTS_KEY) if isinstance(data, dict) else None
+    if not isinstance(block, dict) or not all(
+        isinstance(block.get(k), dict) for k in ("kinds", "objects", "values")
+    ):
+        raise StateMismatchError(
+            f"{source}: saved with the positional save(model, optimizer, scheduler, state); restore it with "
+            "restore_latest(model, optimizer, scheduler)."
+        )
+    kinds = {n: (VALUE if k == VALUE else OBJECT) for n, k in block["kinds"].items()}
+    check_part_names(kinds, state, source=source, strict=strict)
+    return block
+
+
+def apply_rank_parts(data: Any, state: Mapping[str, Any], *, source: str, strict: bool) -> dict[str, Any]:
+    """Load the other objects from this rank's blob; returns the plain values.
+
+    Raises:
+        StateMismatchError: As :func:`check_rank_parts`, or an object refused its saved state.
+    """
+    block = check_rank_parts(data, state, source=source, strict=strict)
+    for name, saved in block["objects"].items():
+        if name not in state:
+            continue
+        try:
+            state[name].load_state_dict(saved)
+        except Exception as exc:
+            raise StateMismatchError(
+                f"{source}: part {name!r} ({type(state[name]).__name__}) refused its saved state "
+                f"({type(exc).__name__}: {str(exc)[:200]}); build it as in the saving run."
+            ) from exc
+    return dict(block["values"])
+
+
+def as_restored(result: Any, values: dict[str, Any], rng: Any) -> Restored:
+    """A :class:`~ckpt_lesson.files.apply.Restored` from a ``DistributedRestore``."""
+    return Restored(
+        step=result.step, values=values, rng=rng, path=result.path, save_id=result.save_id,
+        skipped=list(result.skipped),
+    )  # fmt: skip
+
+
+def save_args(args: tuple[Any, ...], data_state: Any, rng: Any) -> tuple[Any, ...]:
+    """``(model, optimizer, scheduler, train_state, data_state, rng)`` for either form of ``save``.
+
+    Raises:
+        CheckpointError: Arguments of neither form, or options of the other form.
+    """
+    if not is_state_call(args):
+        model, optimizer, scheduler, state = positional_save_args(args)
+        return model, optimizer, scheduler, state, data_state, rng
+    step, state = args
+    if data_state is not None:
+        raise CheckpointError("data_state= belongs to the positional form; put it in the state mapping.")
+    if rng is False:
+        raise CheckpointError("rng=False is not supported on many ranks: each rank's stream is saved.")
+    model, optimizer, parts = split_state(state)
+    # This rank's blob gets every other object's state dict, and the values.
+    objects = {n: o.state_dict() for n, o in parts["objects"].items()}
+    data = {PARTS_KEY: {"kinds": parts["kinds"], "objects": objects, "values": parts["values"]}}
+    return model, optimizer, None, TrainState(step=step), data, None if rng in (None, True) else rng
+
+
+def restore_args(args: tuple[Any, ...]) -> tuple[Mapping[str, Any] | None, Any, Any, Any]:
+    """``(state mapping or None, model, optimizer, scheduler)`` for either form of ``restore_latest``.
+
+    Raises:
+        CheckpointError: Arguments of neither form (see :func:`split_state`).
+    """
+    if len(args) == 1 and isinstance(args[0], Mapping):
+        model, optimizer, _ = split_state(args[0])
+        return args[0], model, optimizer, None
+    return (None, *positional_restore_args((*args, None)[:3] if len(args) == 2 else args))

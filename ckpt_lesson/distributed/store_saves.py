@@ -12,6 +12,10 @@ save of step 40 by two ranks::
             then COMMIT with If-None-Match: *; retention (markers first, then the objects)
     rank 0: remove uploads of dead writers whose LEASE has expired (never one still renewed)
 
+Each save uploads under its own ``save_id``, so a zombie writer of the same
+step never overwrites a committed save's objects; of the two, only one
+creates ``COMMIT``, and an upload without it is not a save.
+
 A restore lists the ``COMMIT`` markers and verifies every object on every rank
 together (:mod:`.reader`) before DCP reads it. What is assumed of the store,
 and checked at the first save: strong read-after-write consistency, and
@@ -135,6 +139,8 @@ class StoreSaves(Saves):
     Example:
         >>> saves = StoreSaves("s3://bucket/run", None, 900.0, KeepLastK(2), emit)  # doctest: +SKIP
     """
+
+    hint = "'python -m ckpt_lesson scan URL' shows the same list."
 
     def __init__(
         self,

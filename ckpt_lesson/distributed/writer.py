@@ -22,26 +22,13 @@ and file format and changes three things:
    commit strategy of its storage. ``dcp.async_save`` calls the same ``finish``
    in its background thread, so an asynchronous save runs the same protocol.
 
-Two targets, one writer (each lives with its storage's backend):
-
-* :class:`~.saving.FolderTarget`, a POSIX folder: everything lives in a
-  ``.staging-step-...`` folder that no reader mistakes for a save, published
-  by one rename (or written in place and published by a commit marker written
-  last, ``publish="marker"``). A kill of any rank earlier leaves the previous
-  save as the newest one.
-* :class:`~.store_saves.StoreTarget`, an object store (in the order of
-  :mod:`ckpt_lesson.runs.store_commit`)::
-
-    RUN/step-00000040/<save_id>/LEASE            written before any rank starts, renewed (rank 0)
-    RUN/step-00000040/<save_id>/__0_0.distcp     every rank, hashed while uploaded
-    RUN/step-00000040/<save_id>/.metadata        rank 0, after every rank wrote
-    RUN/step-00000040/<save_id>/manifest.json    rank 0: every file's size and digest
-    RUN/step-00000040/COMMIT                     rank 0, last, create-if-absent, if the lease still runs
-
-  Each save writes under its own ``save_id``, so a zombie writer of the same
-  step never overwrites a committed save's objects; of the two, only one
-  creates ``COMMIT``. Nothing is renamed (on S3 a rename is a copy and a
-  delete): a save without its marker is not a save.
+Two targets, one writer, each living with its storage's backend:
+:class:`~.saving.FolderTarget` writes in a ``.staging-step-...`` folder that no
+reader mistakes for a save and publishes it by one rename (or writes in place
+and publishes by a commit marker written last, ``publish="marker"``);
+:class:`~.store_saves.StoreTarget` uploads under ``step-XXXXXXXX/<save_id>/``
+and publishes by a conditional ``COMMIT`` under a lease. A kill of any rank
+before the commit leaves the previous save as the newest one.
 """
 
 from __future__ import annotations
