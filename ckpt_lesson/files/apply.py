@@ -28,7 +28,7 @@ from ckpt_lesson.files.fit import (
     check_part_names,
 )
 from ckpt_lesson.files.modules import canonical_saved_keys, load_model_state, model_state
-from ckpt_lesson.files.payload import OBJECT, PARTS_SCHEMA, VALUE, Names, check_names, module_parts
+from ckpt_lesson.files.payload import OBJECT, PARTS_SCHEMA, VALUE, check_names, module_parts
 from ckpt_lesson.files.rng import restore_rng_state, validate_rng_state
 from ckpt_lesson.files.schema import SCHEMA_V2
 from ckpt_lesson.files.train_state import (
@@ -160,7 +160,7 @@ def apply_state_payload(
     wanted = [n for n in objects if n in state]
     live_modules = module_parts({n: state[n] for n in wanted})
     # A v2 payload's bindings name parameters as the bare model did; a parts payload qualifies them.
-    names = live_modules.get("model") if view["schema"] == SCHEMA_V2 else Names(live_modules)
+    names = live_modules.get("model") if view["schema"] == SCHEMA_V2 else live_modules
     module_sds: dict[str, Any] = {}
     optimizer_sds: dict[str, Any] = {}
     saved_modules = view.get("modules") if isinstance(view.get("modules"), list) else []

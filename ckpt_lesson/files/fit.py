@@ -90,7 +90,8 @@ def check_optimizer_payload(opt_sd: Any, optimizer: Any, model: Any, *, source: 
     Args:
         opt_sd: The saved optimizer state dict (with our binding records).
         optimizer: The live optimizer.
-        model: Anything with ``named_parameters()``: names the live parameters.
+        model: The model, or the ``{part: module}`` parts: names the live parameters
+            (see :func:`~ckpt_lesson.files.modules.param_names`).
         source: Names the checkpoint in messages.
 
     Returns:

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.modules import model_state, param_names, unwrap
+from ckpt_lesson.files.modules import model_state, param_names
 from ckpt_lesson.files.rng import capture_rng_state, validate_rng_state
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, current_env, validate_payload
 from ckpt_lesson.files.train_state import FILE_STATE_API, TrainState, check_positional_objects
@@ -101,18 +101,6 @@ def _check_step(step: Any) -> int:
     return step
 
 
-class Names:
-    """Canonical ``part.parameter`` names of every module part, for the optimizer bindings."""
-
-    def __init__(self, modules: dict[str, Any]) -> None:
-        self._modules = modules
-
-    def named_parameters(self) -> Any:
-        for part, module in self._modules.items():
-            for name, param in unwrap(module).named_parameters():
-                yield f"{part}.{name}", param
-
-
 def module_parts(objects: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in objects.items() if isinstance(v, torch.nn.Module)}
 
@@ -146,8 +134,7 @@ def build_state_payload(
     """
     _check_step(step)
     check_names(state, f"save of step {step}")
-    modules = module_parts({k: v for k, v in state.items() if is_object(v)})
-    return _build(step, state, Names(modules), rng=rng, data=data)
+    return _build(step, state, module_parts(state), rng=rng, data=data)
 
 
 def _build(
@@ -155,7 +142,7 @@ def _build(
 ) -> dict[str, Any]:
     """The one builder: every part's state, each checked by name, plus the RNG and metadata blocks.
 
-    ``names`` names the optimizers' parameters: :class:`Names` (``part.param``) for the
+    ``names`` names the optimizers' parameters: the module parts (``part.param``) for the
     state API, the bare model for the positional form (its ``ckpt.v2`` bindings say ``param``).
     ``restorable=False`` (the positional form, whose objects :func:`check_positional_objects`
     has named already) accepts an asynchronous snapshot's stand-ins, which have only ``state_dict()``.
