@@ -46,7 +46,6 @@ __all__ = [
     "apply_state_payload",
     "load_objects_or_roll_back",
     "parts_view",
-    "rollback_snapshot",
 ]
 
 
@@ -116,7 +115,6 @@ def apply_state_payload(
     source: str,
     strict: bool = True,
     allow_dtype_cast: bool = False,
-    allow_device_change: bool = False,
     check_parts: Callable[[dict[str, str]], None] | None = None,
 ) -> Restored:
     """Check that ``payload`` fits the live ``state``, then restore every part and the RNG.
@@ -131,7 +129,6 @@ def apply_state_payload(
         source: Names the checkpoint in messages.
         strict: Refuse parts present on one side only (default). ``False`` ignores them.
         allow_dtype_cast: Accept module tensors saved in another dtype.
-        allow_device_change: See :func:`ckpt_lesson.files.rng.restore_rng_state`.
         check_parts: Replaces :func:`~ckpt_lesson.files.fit.check_part_names` (called with the
             saved kinds, after the parts' own checks): the positional form names a scheduler
             passed on one side only in its own words.
@@ -198,7 +195,7 @@ def apply_state_payload(
     rng = view.get("rng")
     if rng is not None or view["schema"] == SCHEMA_V2:
         try:
-            validate_rng_state(rng, allow_device_change=allow_device_change)
+            validate_rng_state(rng)
         except CheckpointError as exc:
             raise StateMismatchError(f"{source}: {exc}") from exc
     # The uncheckable objects and the optimizers first (undone on failure), the modules last.
@@ -207,7 +204,7 @@ def apply_state_payload(
     for name, sd in module_sds.items():
         load_model_state(state[name], sd)
     if rng is not None:
-        restore_rng_state(rng, allow_device_change=allow_device_change)
+        restore_rng_state(rng)
     return Restored(step=step, values=dict(values), rng=rng)
 
 
@@ -218,7 +215,6 @@ def apply_payload(
     scheduler: Any,
     *,
     source: str = "<payload>",
-    allow_device_change: bool = False,
     allow_dtype_cast: bool = False,
     handles: Collection[str] = (),
 ) -> TrainState:
@@ -229,10 +225,6 @@ def apply_payload(
         model, optimizer, scheduler: The live objects (``scheduler`` may be
             ``None`` when the saved run had none).
         source: Names the checkpoint in error messages.
-        allow_device_change: See :func:`ckpt_lesson.files.rng.restore_rng_state`.
-        check_parts: Replaces :func:`~ckpt_lesson.files.fit.check_part_names` (called with the
-            saved kinds, after the parts' own checks): the positional form names a scheduler
-            passed on one side only in its own words.
         allow_dtype_cast: Accept model tensors saved in another dtype (cast on load);
             refused by default, see :func:`~ckpt_lesson.files.fit.check_model_state`.
         handles: Names in ``extras["requires"]`` that the caller restores
@@ -274,34 +266,10 @@ def apply_payload(
         payload,
         {k: v for k, v in parts.items() if v is not None},
         source=source,
-        allow_device_change=allow_device_change,
         allow_dtype_cast=allow_dtype_cast,
         check_parts=same_scheduler,
     )
     return TrainState.from_dict(restored.values["train_state"], source=source)
-
-
-def rollback_snapshot(part: Any) -> Any:
-    """A copy of ``part.state_dict()`` to put back if a restore is refused, independent of the live part.
-
-    Many classes return live references from ``state_dict()`` (the common
-    ``return self.__dict__``), and their ``load_state_dict`` changes those very
-    containers: reloading such a "snapshot" would restore nothing. So the
-    snapshot is a deep copy (tensors detached and cloned). A torch optimizer is
-    the exception: its ``load_state_dict`` replaces state and groups with new
-    objects and never writes into the old tensors, so references roll it back
-    without a second copy of its moments.
-
-    Example:
-        >>> class Live:
-        ...     def __init__(self): self.n = 1
-        ...     def state_dict(self): return self.__dict__
-        >>> part = Live(); before = rollback_snapshot(part); part.n = 2
-        >>> before
-        {'n': 1}
-    """
-    state = part.state_dict()
-    return state if isinstance(part, torch.optim.Optimizer) else _deep_copy(state)
 
 
 def _deep_copy(tree: Any) -> Any:
@@ -318,9 +286,13 @@ def _deep_copy(tree: Any) -> Any:
 def load_objects_or_roll_back(loads: list[tuple[str, Any, Any]], *, source: str) -> None:
     """Load every ``(name, part, saved_state)`` in order; on a refusal put every part back, then raise.
 
-    Every snapshot is taken before the first load (see :func:`rollback_snapshot`),
-    so a part whose state the others share, or that returns live references,
-    still comes back as it was.
+    Every rollback snapshot is taken before the first load, so a part whose state the others
+    share still comes back as it was. A snapshot is a deep copy (tensors detached and cloned):
+    many classes return live references from ``state_dict()`` (the common ``return self.__dict__``)
+    and their ``load_state_dict`` changes those very containers, so reloading references would
+    restore nothing. A torch optimizer is the exception: its ``load_state_dict`` replaces state and
+    groups with new objects and never writes into the old tensors, so references roll it back
+    without a second copy of its moments.
 
     Raises:
         StateMismatchError: Naming the part that refused its saved state; nothing was changed.
@@ -328,7 +300,8 @@ def load_objects_or_roll_back(loads: list[tuple[str, Any, Any]], *, source: str)
     Example:
         >>> load_objects_or_roll_back([("optimizer", opt, saved)], source="last.pt")  # doctest: +SKIP
     """
-    before = [(part, rollback_snapshot(part)) for _, part, _ in loads]
+    before = [(part, part.state_dict()) for _, part, _ in loads]
+    before = [(p, sd if isinstance(p, torch.optim.Optimizer) else _deep_copy(sd)) for p, sd in before]
     for i, (name, part, saved) in enumerate(loads):
         try:
             part.load_state_dict(saved)

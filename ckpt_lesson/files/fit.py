@@ -59,9 +59,7 @@ def check_part_names(
             f"{source}: {'; '.join(sides)}. Pass the same part names as the saving run, or restore with "
             "strict=False to ignore parts present on one side only."
         )
-    for name in saved:
-        if name not in given:
-            continue
+    for name in (n for n in saved if n in given):
         part = given[name]
         if saved[name] == OBJECT and not is_object(part):
             kind = "None" if part is None else type(part).__name__

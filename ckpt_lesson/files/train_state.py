@@ -104,14 +104,7 @@ def check_positional_objects(
         ...
         ckpt_lesson.errors.CheckpointError: model is None: the positional form needs ...
     """
-    for name, value in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
-        if name == "scheduler":
-            if value is not None and not callable(getattr(value, "state_dict", None)):
-                raise CheckpointError(
-                    f"{where}scheduler is a {type(value).__name__} without state_dict(); pass a scheduler "
-                    "or None."
-                )
-            continue
+    for name, value in (("model", model), ("optimizer", optimizer)):
         if value is None:
             raise CheckpointError(
                 f"{where}{name} is None: the positional form needs a model and an optimizer; for a run "
@@ -129,3 +122,8 @@ def check_positional_objects(
                 f"{where}{name} is a {type(value).__name__}, which has no state_dict()/load_state_dict(); "
                 f"pass the live {name}, or use the state API ({state_api}) for other kinds of state."
             )
+    if scheduler is not None and not callable(getattr(scheduler, "state_dict", None)):
+        raise CheckpointError(
+            f"{where}scheduler is a {type(scheduler).__name__} without state_dict(); pass a scheduler "
+            "or None."
+        )
