@@ -29,15 +29,12 @@ must be one the weights-only loader accepts; a NumPy array, a ``Path``, a
 custom object from ``get_extra_state()`` or a tensor on the ``meta`` device
 (no data at all) is refused, naming its key and type, before a byte is written.
 
-Each saved optimizer records, inside every parameter group, its class and the
-canonical name of each parameter, so that a restore can check them
-(:mod:`ckpt_lesson.files.fit`). Which state is per-parameter is read from the
-optimizer's own ``state_dict`` at save time, never assumed: AdamW's moments
-have their parameter's shape, but LBFGS keeps whole-model flat tensors (``d``,
-``prev_flat_grad``, lists of them in ``old_dirs``) under its first parameter's
-entry. The binding records, per group, the state keys whose tensors had their
-parameter's shape; a load holds exactly those to the live parameter's shape,
-so a save is never refused by the check its own state passed.
+Each saved optimizer records, inside every parameter group, its class, the
+canonical name of each parameter and the state keys whose tensors had their
+parameter's shape, so that a restore can check them (:mod:`ckpt_lesson.files.fit`).
+Which state is per-parameter is read from the optimizer's own ``state_dict`` at
+save time, never assumed (LBFGS keeps whole-model flat tensors under its first
+parameter's entry): a save is never refused by the check its own state passed.
 """
 
 from __future__ import annotations

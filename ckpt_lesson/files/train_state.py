@@ -63,12 +63,7 @@ class TrainState:
             isinstance(x, (int, float)) and not isinstance(x, bool) for x in data["losses"]
         ):
             raise StateMismatchError(f"{source}: state['losses'] must be a list of floats.")
-        return cls(
-            step=data["step"],
-            epoch=data["epoch"],
-            batch_in_epoch=data["batch_in_epoch"],
-            losses=[float(x) for x in data["losses"]],
-        )
+        return cls(data["step"], data["epoch"], data["batch_in_epoch"], [float(x) for x in data["losses"]])
 
 
 #: What to use instead of the positional form, by the caller that refuses it.
