@@ -94,13 +94,9 @@ def parts_view(payload: dict[str, Any], *, source: str) -> dict[str, Any]:
     values: dict[str, Any] = {"train_state": train_state.to_dict()}
     if payload.get("extras") is not None:
         values["extras"] = payload["extras"]
+    buckets = ("model", "optimizer", "scheduler", "state", "extras")
     return {
-        **{
-            k: v
-            for k, v in payload.items()
-            if k not in ("model", "optimizer", "scheduler", "state", "extras")
-        },
-        "schema": SCHEMA_V2,
+        **{k: v for k, v in payload.items() if k not in buckets},  # schema, rng and the metadata blocks
         "step": train_state.step,
         "kinds": {**dict.fromkeys(objects, OBJECT), **dict.fromkeys(values, VALUE)},
         "objects": objects,
