@@ -67,6 +67,8 @@ __all__ = [
 PARTS_SCHEMA = "ckpt.parts.v1"
 
 OBJECT, VALUE = "object", "value"
+#: What a value part may be, besides dicts, lists, tuples and sets (validate_payload walks those).
+_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.dtype, torch.device)
 
 #: Key added to each saved parameter group: ``{"optimizer": class name, "param_names": [...],
 #: "param_shaped": [state keys that hold tensors of their parameter's shape]}``.
@@ -88,14 +90,6 @@ def check_names(state: Any, what: str) -> None:
     bad = [k for k in state if not isinstance(k, str) or not k]
     if bad:
         raise CheckpointError(f"{what}: part names must be non-empty strings, got {bad[:3]!r}.")
-
-
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CheckpointError(
-            f"step must be an int >= 0, got {step!r}; pass the global step as the first argument."
-        )
-    return step
 
 
 def module_parts(objects: Mapping[str, Any]) -> dict[str, Any]:
@@ -129,7 +123,10 @@ def build_state_payload(
         >>> p["kinds"], p["values"]
         ({'model': 'object', 'best': 'value'}, {'best': 0.5})
     """
-    _check_step(step)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(
+            f"step must be an int >= 0, got {step!r}; pass the global step as the first argument."
+        )
     check_names(state, f"save of step {step}")
     return _build(step, state, module_parts(state), rng=rng, data=data)
 
@@ -166,7 +163,7 @@ def _build(
             validate_payload(objects[name], where=f"{where}.state_dict()")
             continue
         kinds[name] = VALUE
-        if not _plain(part):
+        if not isinstance(part, (*_SCALARS, dict, list, tuple, set)):
             raise CheckpointError(
                 f"{where} is a {type(part).__module__}.{type(part).__qualname__}: neither an object with "
                 "state_dict()/load_state_dict() nor a plain value (tensor, number, str, list, dict). Give "
@@ -259,11 +256,6 @@ def build_payload(
         "env": p["env"],
         "data": p["data"],
     }
-
-
-def _plain(value: Any) -> bool:
-    scalars = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.dtype, torch.device)
-    return isinstance(value, (*scalars, dict, list, tuple, set))
 
 
 def optimizer_state_with_bindings(model: Any, optimizer: Any) -> dict[str, Any]:
