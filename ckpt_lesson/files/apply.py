@@ -146,14 +146,14 @@ def apply_state_payload(
     step, kinds, objects, values = (view.get(k) for k in ("step", "kinds", "objects", "values"))
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise StateMismatchError(f"{source}: the payload's step {step!r} is not an int >= 0.")
-    if not all(isinstance(x, dict) for x in (kinds, objects, values)) or set(kinds) != set(objects) | set(
-        values
-    ):
+    malformed = not all(isinstance(x, dict) for x in (kinds, objects, values))
+    if malformed or set(kinds) != set(objects) | set(values):
         raise StateMismatchError(f"{source}: the payload's parts are malformed (kinds, objects, values).")
     wanted = [n for n in objects if n in state]
     live_modules = module_parts({n: state[n] for n in wanted})
+    v2 = view["schema"] == SCHEMA_V2  # a positional save
     # A v2 payload's bindings name parameters as the bare model did; a parts payload qualifies them.
-    names = live_modules.get("model") if view["schema"] == SCHEMA_V2 else live_modules
+    names = live_modules.get("model") if v2 else live_modules
     module_sds: dict[str, Any] = {}
     optimizer_sds: dict[str, Any] = {}
     saved_modules = view.get("modules") if isinstance(view.get("modules"), list) else []
@@ -178,18 +178,12 @@ def apply_state_payload(
     else:
         check_parts(kinds)
     check_optimizers_have_their_modules(
-        state,
-        objects,
-        optimizer_sds,
-        module_sds,
-        saved_modules,
-        source=source,
-        v2=view["schema"] == SCHEMA_V2,
+        state, objects, optimizer_sds, module_sds, saved_modules, source=source, v2=v2
     )
     # The RNG block is checked here too, before the first load below: a refused checkpoint must
     # leave the live objects exactly as they were. A positional save always has one.
     rng = view.get("rng")
-    if rng is not None or view["schema"] == SCHEMA_V2:
+    if rng is not None or v2:
         try:
             validate_rng_state(rng)
         except CheckpointError as exc:
