@@ -97,8 +97,11 @@ def load_model_state(module: Any, state: dict[str, Any]) -> None:
 
 
 def param_names(module: Any) -> dict[int, str]:
-    """``id(parameter) -> canonical name`` for every parameter of ``module``, or ``part.name`` of a
-    ``{part: module}`` mapping (the state API's module parts, which its optimizer bindings name)."""
+    """``id(parameter) -> canonical name`` for every parameter of ``module``.
+
+    Given the state API's ``{part: module}`` parts, the names are ``part.name``, as its optimizer
+    bindings record them.
+    """
     if isinstance(module, Mapping):
         return {i: f"{part}.{n}" for part, m in module.items() for i, n in param_names(m).items()}
     named = getattr(unwrap(module), "named_parameters", None)
