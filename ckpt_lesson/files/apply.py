@@ -243,13 +243,11 @@ def apply_payload(
     _check_requirements(payload.get("extras"), handles, source=source)
 
     def same_scheduler(kinds: dict[str, str]) -> None:
-        if ("scheduler" in kinds) == (scheduler is not None):
-            return
-        have = "no scheduler" if scheduler is None else "a scheduler"
-        saved = "one" if "scheduler" in kinds else "none"
-        raise StateMismatchError(
-            f"{source}: the checkpoint saved {saved} but {have} was passed; pass the same kind."
-        )
+        if ("scheduler" in kinds) != (scheduler is not None):  # saved one and none passed, or the reverse
+            saved, have = ("one", "no scheduler") if scheduler is None else ("none", "a scheduler")
+            raise StateMismatchError(
+                f"{source}: the checkpoint saved {saved} but {have} was passed; pass the same kind."
+            )
 
     parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
     restored = apply_state_payload(
