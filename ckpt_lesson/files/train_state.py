@@ -43,9 +43,7 @@ class TrainState:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-Python form, safe for a weights-only load."""
-        out = asdict(self)
-        out["losses"] = [float(x) for x in self.losses]
-        return out
+        return {**asdict(self), "losses": [float(x) for x in self.losses]}
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "<state>") -> TrainState:
