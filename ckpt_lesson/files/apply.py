@@ -28,7 +28,7 @@ from ckpt_lesson.files.fit import (
     check_part_names,
 )
 from ckpt_lesson.files.modules import canonical_saved_keys, load_model_state, model_state
-from ckpt_lesson.files.payload import OBJECT, PARTS_SCHEMA, VALUE, Names, check_names, module_parts
+from ckpt_lesson.files.payload import OBJECT, PARTS_SCHEMA, VALUE, check_names, module_parts
 from ckpt_lesson.files.rng import restore_rng_state, validate_rng_state
 from ckpt_lesson.files.schema import SCHEMA_V2
 from ckpt_lesson.files.train_state import (
@@ -46,7 +46,6 @@ __all__ = [
     "apply_state_payload",
     "load_objects_or_roll_back",
     "parts_view",
-    "rollback_snapshot",
 ]
 
 
@@ -95,13 +94,9 @@ def parts_view(payload: dict[str, Any], *, source: str) -> dict[str, Any]:
     values: dict[str, Any] = {"train_state": train_state.to_dict()}
     if payload.get("extras") is not None:
         values["extras"] = payload["extras"]
+    buckets = ("model", "optimizer", "scheduler", "state", "extras")
     return {
-        **{
-            k: v
-            for k, v in payload.items()
-            if k not in ("model", "optimizer", "scheduler", "state", "extras")
-        },
-        "schema": SCHEMA_V2,
+        **{k: v for k, v in payload.items() if k not in buckets},  # schema, rng and the metadata blocks
         "step": train_state.step,
         "kinds": {**dict.fromkeys(objects, OBJECT), **dict.fromkeys(values, VALUE)},
         "objects": objects,
@@ -116,7 +111,6 @@ def apply_state_payload(
     source: str,
     strict: bool = True,
     allow_dtype_cast: bool = False,
-    allow_device_change: bool = False,
     check_parts: Callable[[dict[str, str]], None] | None = None,
 ) -> Restored:
     """Check that ``payload`` fits the live ``state``, then restore every part and the RNG.
@@ -131,7 +125,6 @@ def apply_state_payload(
         source: Names the checkpoint in messages.
         strict: Refuse parts present on one side only (default). ``False`` ignores them.
         allow_dtype_cast: Accept module tensors saved in another dtype.
-        allow_device_change: See :func:`ckpt_lesson.files.rng.restore_rng_state`.
         check_parts: Replaces :func:`~ckpt_lesson.files.fit.check_part_names` (called with the
             saved kinds, after the parts' own checks): the positional form names a scheduler
             passed on one side only in its own words.
@@ -153,14 +146,14 @@ def apply_state_payload(
     step, kinds, objects, values = (view.get(k) for k in ("step", "kinds", "objects", "values"))
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise StateMismatchError(f"{source}: the payload's step {step!r} is not an int >= 0.")
-    if not all(isinstance(x, dict) for x in (kinds, objects, values)) or set(kinds) != set(objects) | set(
-        values
-    ):
+    malformed = not all(isinstance(x, dict) for x in (kinds, objects, values))
+    if malformed or set(kinds) != set(objects) | set(values):
         raise StateMismatchError(f"{source}: the payload's parts are malformed (kinds, objects, values).")
     wanted = [n for n in objects if n in state]
     live_modules = module_parts({n: state[n] for n in wanted})
+    v2 = view["schema"] == SCHEMA_V2  # a positional save
     # A v2 payload's bindings name parameters as the bare model did; a parts payload qualifies them.
-    names = live_modules.get("model") if view["schema"] == SCHEMA_V2 else Names(live_modules)
+    names = live_modules.get("model") if v2 else live_modules
     module_sds: dict[str, Any] = {}
     optimizer_sds: dict[str, Any] = {}
     saved_modules = view.get("modules") if isinstance(view.get("modules"), list) else []
@@ -185,20 +178,14 @@ def apply_state_payload(
     else:
         check_parts(kinds)
     check_optimizers_have_their_modules(
-        state,
-        objects,
-        optimizer_sds,
-        module_sds,
-        saved_modules,
-        source=source,
-        v2=view["schema"] == SCHEMA_V2,
+        state, objects, optimizer_sds, module_sds, saved_modules, source=source, v2=v2
     )
     # The RNG block is checked here too, before the first load below: a refused checkpoint must
     # leave the live objects exactly as they were. A positional save always has one.
     rng = view.get("rng")
-    if rng is not None or view["schema"] == SCHEMA_V2:
+    if rng is not None or v2:
         try:
-            validate_rng_state(rng, allow_device_change=allow_device_change)
+            validate_rng_state(rng)
         except CheckpointError as exc:
             raise StateMismatchError(f"{source}: {exc}") from exc
     # The uncheckable objects and the optimizers first (undone on failure), the modules last.
@@ -207,7 +194,7 @@ def apply_state_payload(
     for name, sd in module_sds.items():
         load_model_state(state[name], sd)
     if rng is not None:
-        restore_rng_state(rng, allow_device_change=allow_device_change)
+        restore_rng_state(rng)
     return Restored(step=step, values=dict(values), rng=rng)
 
 
@@ -218,7 +205,6 @@ def apply_payload(
     scheduler: Any,
     *,
     source: str = "<payload>",
-    allow_device_change: bool = False,
     allow_dtype_cast: bool = False,
     handles: Collection[str] = (),
 ) -> TrainState:
@@ -229,10 +215,6 @@ def apply_payload(
         model, optimizer, scheduler: The live objects (``scheduler`` may be
             ``None`` when the saved run had none).
         source: Names the checkpoint in error messages.
-        allow_device_change: See :func:`ckpt_lesson.files.rng.restore_rng_state`.
-        check_parts: Replaces :func:`~ckpt_lesson.files.fit.check_part_names` (called with the
-            saved kinds, after the parts' own checks): the positional form names a scheduler
-            passed on one side only in its own words.
         allow_dtype_cast: Accept model tensors saved in another dtype (cast on load);
             refused by default, see :func:`~ckpt_lesson.files.fit.check_model_state`.
         handles: Names in ``extras["requires"]`` that the caller restores
@@ -261,47 +243,21 @@ def apply_payload(
     _check_requirements(payload.get("extras"), handles, source=source)
 
     def same_scheduler(kinds: dict[str, str]) -> None:
-        if ("scheduler" in kinds) == (scheduler is not None):
-            return
-        have = "no scheduler" if scheduler is None else "a scheduler"
-        saved = "one" if "scheduler" in kinds else "none"
-        raise StateMismatchError(
-            f"{source}: the checkpoint saved {saved} but {have} was passed; pass the same kind."
-        )
+        if ("scheduler" in kinds) != (scheduler is not None):  # saved one and none passed, or the reverse
+            saved, have = ("one", "no scheduler") if scheduler is None else ("none", "a scheduler")
+            raise StateMismatchError(
+                f"{source}: the checkpoint saved {saved} but {have} was passed; pass the same kind."
+            )
 
     parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
     restored = apply_state_payload(
         payload,
         {k: v for k, v in parts.items() if v is not None},
         source=source,
-        allow_device_change=allow_device_change,
         allow_dtype_cast=allow_dtype_cast,
         check_parts=same_scheduler,
     )
     return TrainState.from_dict(restored.values["train_state"], source=source)
-
-
-def rollback_snapshot(part: Any) -> Any:
-    """A copy of ``part.state_dict()`` to put back if a restore is refused, independent of the live part.
-
-    Many classes return live references from ``state_dict()`` (the common
-    ``return self.__dict__``), and their ``load_state_dict`` changes those very
-    containers: reloading such a "snapshot" would restore nothing. So the
-    snapshot is a deep copy (tensors detached and cloned). A torch optimizer is
-    the exception: its ``load_state_dict`` replaces state and groups with new
-    objects and never writes into the old tensors, so references roll it back
-    without a second copy of its moments.
-
-    Example:
-        >>> class Live:
-        ...     def __init__(self): self.n = 1
-        ...     def state_dict(self): return self.__dict__
-        >>> part = Live(); before = rollback_snapshot(part); part.n = 2
-        >>> before
-        {'n': 1}
-    """
-    state = part.state_dict()
-    return state if isinstance(part, torch.optim.Optimizer) else _deep_copy(state)
 
 
 def _deep_copy(tree: Any) -> Any:
@@ -318,9 +274,13 @@ def _deep_copy(tree: Any) -> Any:
 def load_objects_or_roll_back(loads: list[tuple[str, Any, Any]], *, source: str) -> None:
     """Load every ``(name, part, saved_state)`` in order; on a refusal put every part back, then raise.
 
-    Every snapshot is taken before the first load (see :func:`rollback_snapshot`),
-    so a part whose state the others share, or that returns live references,
-    still comes back as it was.
+    Every rollback snapshot is taken before the first load, so a part whose state the others
+    share still comes back as it was. A snapshot is a deep copy (tensors detached and cloned):
+    many classes return live references from ``state_dict()`` (the common ``return self.__dict__``)
+    and their ``load_state_dict`` changes those very containers, so reloading references would
+    restore nothing. A torch optimizer is the exception: its ``load_state_dict`` replaces state and
+    groups with new objects and never writes into the old tensors, so references roll it back
+    without a second copy of its moments.
 
     Raises:
         StateMismatchError: Naming the part that refused its saved state; nothing was changed.
@@ -328,7 +288,8 @@ def load_objects_or_roll_back(loads: list[tuple[str, Any, Any]], *, source: str)
     Example:
         >>> load_objects_or_roll_back([("optimizer", opt, saved)], source="last.pt")  # doctest: +SKIP
     """
-    before = [(part, rollback_snapshot(part)) for _, part, _ in loads]
+    before = [(part, part.state_dict()) for _, part, _ in loads]
+    before = [(p, sd if isinstance(p, torch.optim.Optimizer) else _deep_copy(sd)) for p, sd in before]
     for i, (name, part, saved) in enumerate(loads):
         try:
             part.load_state_dict(saved)

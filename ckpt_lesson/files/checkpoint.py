@@ -232,11 +232,10 @@ def _private_except_modules(payload: Any, fresh: FreshMemory) -> Any:
     modules = payload.get("modules")
     modules = {m for m in modules if isinstance(m, str)} if isinstance(modules, list) else set()
     rest = {k: v for k, v in payload.items() if k != "objects"}
-    return {**_copy_all_but(rest, set(), fresh), "objects": _copy_all_but(objects, modules, fresh)}
+    return {**copy_out(rest, fresh=fresh), "objects": _copy_all_but(objects, modules, fresh)}
 
 
 def _copy_all_but(tree: dict[str, Any], modules: set[str], fresh: FreshMemory) -> dict[str, Any]:
-    # A module's extra state is handed to set_extra_state, which may keep it: copied out too.
     keep = keep_no_mapped_extra_state
     return {
         k: keep({"model": v})["model"] if k in modules else copy_out(v, fresh=fresh) for k, v in tree.items()

@@ -59,9 +59,7 @@ def check_part_names(
             f"{source}: {'; '.join(sides)}. Pass the same part names as the saving run, or restore with "
             "strict=False to ignore parts present on one side only."
         )
-    for name in saved:
-        if name not in given:
-            continue
+    for name in (n for n in saved if n in given):
         part = given[name]
         if saved[name] == OBJECT and not is_object(part):
             kind = "None" if part is None else type(part).__name__
@@ -90,7 +88,8 @@ def check_optimizer_payload(opt_sd: Any, optimizer: Any, model: Any, *, source: 
     Args:
         opt_sd: The saved optimizer state dict (with our binding records).
         optimizer: The live optimizer.
-        model: Anything with ``named_parameters()``: names the live parameters.
+        model: The model, or the ``{part: module}`` parts: names the live parameters
+            (see :func:`~ckpt_lesson.files.modules.param_names`).
         source: Names the checkpoint in messages.
 
     Returns:
@@ -140,13 +139,12 @@ def check_optimizer_payload(opt_sd: Any, optimizer: Any, model: Any, *, source: 
                             f"holds {is_!r} now; the parameters were passed in another order. Build the "
                             "optimizer over model.parameters() in the same order as the saved run."
                         )
-        saved_keys = sorted(set(saved) - {"params", BINDING_KEY, "param_names"})
         # A plain optimizer.load_state_dict() of one of our files copies the binding into the live
         # groups too; it is ours, not a setting, on either side.
-        live_keys = sorted(set(live) - {"params", BINDING_KEY, "param_names"})
+        ours = {"params", BINDING_KEY, "param_names"}
+        saved_keys, live_keys = set(saved) - ours, set(live) - ours
         if saved_keys != live_keys:
-            extra = sorted(set(saved_keys) - set(live_keys))[:3]
-            lacking = sorted(set(live_keys) - set(saved_keys))[:3]
+            extra, lacking = sorted(saved_keys - live_keys)[:3], sorted(live_keys - saved_keys)[:3]
             raise StateMismatchError(
                 f"{source}: optimizer group {i} has settings {extra} the live one lacks and lacks "
                 f"{lacking}; it was saved by another optimizer class. Build the same optimizer as the "
@@ -159,7 +157,17 @@ def check_optimizer_payload(opt_sd: Any, optimizer: Any, model: Any, *, source: 
         else:  # a save from before the record: a key some entry holds in its parameter's shape
             shaped = param_shaped_keys(opt_sd["state"], pairs, any_entry=True)
         for pid, param in pairs:
-            _check_entry_shapes(opt_sd["state"].get(pid), shaped, param, live_names, pid, source)
+            entry = opt_sd["state"].get(pid)
+            for key in sorted(shaped & set(entry), key=str) if isinstance(entry, dict) else []:
+                value = entry[key]
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                if shape != tuple(param.shape):
+                    name = live_names.get(id(param), f"parameter {pid}")
+                    raise StateMismatchError(
+                        f"{source}: optimizer state {key!r} of {name} has shape {shape} but the parameter "
+                        f"has {tuple(param.shape)} (the save recorded {key!r} as a per-parameter tensor); "
+                        "build the same model and optimizer as the saved run."
+                    )
     # What load_state_dict should see: the groups without our binding records.
     groups = [{k: v for k, v in g.items() if k != BINDING_KEY} for g in opt_sd["param_groups"]]
     return {**opt_sd, "param_groups": groups}
@@ -170,23 +178,6 @@ def _is_param_group(group: Any) -> bool:
     if not isinstance(group, dict) or not isinstance(group.get("params"), list):
         return False
     return all(isinstance(i, int) and not isinstance(i, bool) for i in group["params"])
-
-
-def _check_entry_shapes(
-    entry: Any, shaped: set[Any], param: Any, names: dict[int, str], pid: Any, source: str
-) -> None:
-    if not isinstance(entry, dict):
-        return
-    for key in sorted(shaped & set(entry), key=str):
-        value = entry[key]
-        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        if shape != tuple(param.shape):
-            name = names.get(id(param), f"parameter {pid}")
-            raise StateMismatchError(
-                f"{source}: optimizer state {key!r} of {name} has shape {shape} but the parameter has "
-                f"{tuple(param.shape)} (the save recorded {key!r} as a per-parameter tensor); build the "
-                "same model and optimizer as the saved run."
-            )
 
 
 def _unprefixed(name: Any) -> Any:

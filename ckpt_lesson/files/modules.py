@@ -31,6 +31,7 @@ carries and that the live model lacks, and nothing else.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -38,7 +39,6 @@ import torch
 __all__ = [
     "WRAPPER_PREFIXES",
     "canonical_saved_keys",
-    "is_wrapped",
     "load_model_state",
     "model_state",
     "param_names",
@@ -51,17 +51,6 @@ WRAPPER_PREFIXES = ("module._orig_mod.", "_orig_mod.module.", "_orig_mod.", "mod
 _DATA_PARALLEL = ("DistributedDataParallel", "DataParallel")
 
 
-def _is_compiled(module: Any) -> bool:
-    # Checked by attribute: importing torch._dynamo's OptimizedModule to test isinstance costs ~1.8 s.
-    return isinstance(getattr(module, "_orig_mod", None), torch.nn.Module)
-
-
-def _is_data_parallel(module: Any) -> bool:
-    return type(module).__name__ in _DATA_PARALLEL and isinstance(
-        getattr(module, "module", None), torch.nn.Module
-    )
-
-
 def unwrap(module: Any) -> Any:
     """The module inside any compile / DDP / DataParallel wrappers (``module`` itself when plain).
 
@@ -71,17 +60,15 @@ def unwrap(module: Any) -> Any:
         True
     """
     while True:
-        if _is_compiled(module):
+        # By attribute: importing torch._dynamo's OptimizedModule to test isinstance costs ~1.8 s.
+        if isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):
             module = module._orig_mod
-        elif _is_data_parallel(module):
+        elif type(module).__name__ in _DATA_PARALLEL and isinstance(
+            getattr(module, "module", None), torch.nn.Module
+        ):
             module = module.module
         else:
             return module
-
-
-def is_wrapped(module: Any) -> bool:
-    """True when ``module`` is a compile / DDP / DataParallel wrapper (its keys carry a prefix)."""
-    return unwrap(module) is not module
 
 
 def model_state(module: Any) -> dict[str, Any]:
@@ -91,7 +78,7 @@ def model_state(module: Any) -> dict[str, Any]:
         >>> sorted(model_state(torch.nn.Linear(2, 2)))
         ['bias', 'weight']
     """
-    if not is_wrapped(module):
+    if unwrap(module) is module:  # plain: its own keys are canonical
         return module.state_dict()
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -100,7 +87,7 @@ def model_state(module: Any) -> dict[str, Any]:
 
 def load_model_state(module: Any, state: dict[str, Any]) -> None:
     """Load canonical-keyed ``state`` into ``module``, wrapped or not (strict: every key must match)."""
-    if not is_wrapped(module):
+    if unwrap(module) is module:
         module.load_state_dict(state, strict=True)
         return
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
@@ -110,7 +97,13 @@ def load_model_state(module: Any, state: dict[str, Any]) -> None:
 
 
 def param_names(module: Any) -> dict[int, str]:
-    """``id(parameter) -> canonical name`` for every parameter of ``module``."""
+    """``id(parameter) -> canonical name`` for every parameter of ``module``.
+
+    Given the state API's ``{part: module}`` parts, the names are ``part.name``, as its optimizer
+    bindings record them.
+    """
+    if isinstance(module, Mapping):
+        return {i: f"{part}.{n}" for part, m in module.items() for i, n in param_names(m).items()}
     named = getattr(unwrap(module), "named_parameters", None)
     return {id(p): n for n, p in named()} if callable(named) else {}
 

@@ -29,15 +29,12 @@ must be one the weights-only loader accepts; a NumPy array, a ``Path``, a
 custom object from ``get_extra_state()`` or a tensor on the ``meta`` device
 (no data at all) is refused, naming its key and type, before a byte is written.
 
-Each saved optimizer records, inside every parameter group, its class and the
-canonical name of each parameter, so that a restore can check them
-(:mod:`ckpt_lesson.files.fit`). Which state is per-parameter is read from the
-optimizer's own ``state_dict`` at save time, never assumed: AdamW's moments
-have their parameter's shape, but LBFGS keeps whole-model flat tensors (``d``,
-``prev_flat_grad``, lists of them in ``old_dirs``) under its first parameter's
-entry. The binding records, per group, the state keys whose tensors had their
-parameter's shape; a load holds exactly those to the live parameter's shape,
-so a save is never refused by the check its own state passed.
+Each saved optimizer records, inside every parameter group, its class, the
+canonical name of each parameter and the state keys whose tensors had their
+parameter's shape, so that a restore can check them (:mod:`ckpt_lesson.files.fit`).
+Which state is per-parameter is read from the optimizer's own ``state_dict`` at
+save time, never assumed (LBFGS keeps whole-model flat tensors under its first
+parameter's entry): a save is never refused by the check its own state passed.
 """
 
 from __future__ import annotations
@@ -49,7 +46,7 @@ from typing import Any
 import torch
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.modules import model_state, param_names, unwrap
+from ckpt_lesson.files.modules import model_state, param_names
 from ckpt_lesson.files.rng import capture_rng_state, validate_rng_state
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, current_env, validate_payload
 from ckpt_lesson.files.train_state import FILE_STATE_API, TrainState, check_positional_objects
@@ -70,6 +67,8 @@ __all__ = [
 PARTS_SCHEMA = "ckpt.parts.v1"
 
 OBJECT, VALUE = "object", "value"
+#: What a value part may be, besides dicts, lists, tuples and sets (validate_payload walks those).
+_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.dtype, torch.device)
 
 #: Key added to each saved parameter group: ``{"optimizer": class name, "param_names": [...],
 #: "param_shaped": [state keys that hold tensors of their parameter's shape]}``.
@@ -91,26 +90,6 @@ def check_names(state: Any, what: str) -> None:
     bad = [k for k in state if not isinstance(k, str) or not k]
     if bad:
         raise CheckpointError(f"{what}: part names must be non-empty strings, got {bad[:3]!r}.")
-
-
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CheckpointError(
-            f"step must be an int >= 0, got {step!r}; pass the global step as the first argument."
-        )
-    return step
-
-
-class Names:
-    """Canonical ``part.parameter`` names of every module part, for the optimizer bindings."""
-
-    def __init__(self, modules: dict[str, Any]) -> None:
-        self._modules = modules
-
-    def named_parameters(self) -> Any:
-        for part, module in self._modules.items():
-            for name, param in unwrap(module).named_parameters():
-                yield f"{part}.{name}", param
 
 
 def module_parts(objects: Mapping[str, Any]) -> dict[str, Any]:
@@ -144,10 +123,12 @@ def build_state_payload(
         >>> p["kinds"], p["values"]
         ({'model': 'object', 'best': 'value'}, {'best': 0.5})
     """
-    _check_step(step)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(
+            f"step must be an int >= 0, got {step!r}; pass the global step as the first argument."
+        )
     check_names(state, f"save of step {step}")
-    modules = module_parts({k: v for k, v in state.items() if is_object(v)})
-    return _build(step, state, Names(modules), rng=rng, data=data)
+    return _build(step, state, module_parts(state), rng=rng, data=data)
 
 
 def _build(
@@ -155,7 +136,7 @@ def _build(
 ) -> dict[str, Any]:
     """The one builder: every part's state, each checked by name, plus the RNG and metadata blocks.
 
-    ``names`` names the optimizers' parameters: :class:`Names` (``part.param``) for the
+    ``names`` names the optimizers' parameters: the module parts (``part.param``) for the
     state API, the bare model for the positional form (its ``ckpt.v2`` bindings say ``param``).
     ``restorable=False`` (the positional form, whose objects :func:`check_positional_objects`
     has named already) accepts an asynchronous snapshot's stand-ins, which have only ``state_dict()``.
@@ -182,7 +163,7 @@ def _build(
             validate_payload(objects[name], where=f"{where}.state_dict()")
             continue
         kinds[name] = VALUE
-        if not _plain(part):
+        if not isinstance(part, (*_SCALARS, dict, list, tuple, set)):
             raise CheckpointError(
                 f"{where} is a {type(part).__module__}.{type(part).__qualname__}: neither an object with "
                 "state_dict()/load_state_dict() nor a plain value (tensor, number, str, list, dict). Give "
@@ -275,11 +256,6 @@ def build_payload(
         "env": p["env"],
         "data": p["data"],
     }
-
-
-def _plain(value: Any) -> bool:
-    scalars = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.dtype, torch.device)
-    return isinstance(value, (*scalars, dict, list, tuple, set))
 
 
 def optimizer_state_with_bindings(model: Any, optimizer: Any) -> dict[str, Any]:

@@ -81,7 +81,7 @@ def restore_rng_state(state: dict[str, Any], *, allow_device_change: bool = Fals
         >>> saved = capture_rng_state()
         >>> restore_rng_state(saved)
     """
-    python, legacy_numpy, cpu, cuda = _parse(state, allow_device_change=allow_device_change)
+    python, legacy_numpy, cpu, cuda = validate_rng_state(state, allow_device_change=allow_device_change)
     random.setstate(python)
     np.random.set_state(legacy_numpy)
     torch.set_rng_state(cpu)
@@ -105,29 +105,24 @@ def tuple_from_nested(obj: Any) -> Any:
     return obj
 
 
-def validate_rng_state(state: Any, *, allow_device_change: bool = False) -> None:
+def validate_rng_state(
+    state: Any, *, allow_device_change: bool = False
+) -> tuple[tuple[Any, ...], tuple[Any, ...], torch.Tensor, list[torch.Tensor]]:
     """Check that :func:`restore_rng_state` would succeed, changing no generator.
 
     Loaders call this before they touch the model, so that a checkpoint with
-    a bad RNG block is refused before anything has been overwritten.
+    a bad RNG block is refused before anything has been overwritten. Each
+    value is tried on a *throwaway* generator of the same kind, which runs the
+    library's own checks (lengths, types) without touching the global generators.
+
+    Returns:
+        What the setters take: Python's, NumPy's, torch CPU's and the CUDA states.
 
     Raises:
         CheckpointError: As :func:`restore_rng_state`.
 
     Example:
-        >>> validate_rng_state(capture_rng_state())
-    """
-    _parse(state, allow_device_change=allow_device_change)
-
-
-def _parse(
-    state: Any, *, allow_device_change: bool
-) -> tuple[tuple[Any, ...], tuple[Any, ...], torch.Tensor, list[torch.Tensor]]:
-    """Convert and validate every source; returns what the setters take.
-
-    Each value is tried on a *throwaway* generator of the same kind, which
-    runs the library's own checks (lengths, types) without touching the
-    global generators.
+        >>> _ = validate_rng_state(capture_rng_state())
     """
     if not isinstance(state, dict):
         raise CheckpointError(

@@ -43,9 +43,7 @@ class TrainState:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-Python form, safe for a weights-only load."""
-        out = asdict(self)
-        out["losses"] = [float(x) for x in self.losses]
-        return out
+        return {**asdict(self), "losses": [float(x) for x in self.losses]}
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "<state>") -> TrainState:
@@ -63,12 +61,7 @@ class TrainState:
             isinstance(x, (int, float)) and not isinstance(x, bool) for x in data["losses"]
         ):
             raise StateMismatchError(f"{source}: state['losses'] must be a list of floats.")
-        return cls(
-            step=data["step"],
-            epoch=data["epoch"],
-            batch_in_epoch=data["batch_in_epoch"],
-            losses=[float(x) for x in data["losses"]],
-        )
+        return cls(data["step"], data["epoch"], data["batch_in_epoch"], [float(x) for x in data["losses"]])
 
 
 #: What to use instead of the positional form, by the caller that refuses it.
@@ -104,14 +97,7 @@ def check_positional_objects(
         ...
         ckpt_lesson.errors.CheckpointError: model is None: the positional form needs ...
     """
-    for name, value in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
-        if name == "scheduler":
-            if value is not None and not callable(getattr(value, "state_dict", None)):
-                raise CheckpointError(
-                    f"{where}scheduler is a {type(value).__name__} without state_dict(); pass a scheduler "
-                    "or None."
-                )
-            continue
+    for name, value in (("model", model), ("optimizer", optimizer)):
         if value is None:
             raise CheckpointError(
                 f"{where}{name} is None: the positional form needs a model and an optimizer; for a run "
@@ -129,3 +115,8 @@ def check_positional_objects(
                 f"{where}{name} is a {type(value).__name__}, which has no state_dict()/load_state_dict(); "
                 f"pass the live {name}, or use the state API ({state_api}) for other kinds of state."
             )
+    if scheduler is not None and not callable(getattr(scheduler, "state_dict", None)):
+        raise CheckpointError(
+            f"{where}scheduler is a {type(scheduler).__name__} without state_dict(); pass a scheduler "
+            "or None."
+        )
