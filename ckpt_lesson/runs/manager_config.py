@@ -24,7 +24,7 @@ __all__ = ["EventHook", "ManagerConfig"]
 #: ``on_event(name, info)``: called at each stage of a save, in this order:
 #: ``save_begin``, ``part_begin``, ``part_written`` (info has ``file``),
 #: ``parts_complete``, ``manifest_written``, ``verified``, ``published``,
-#: ``save_end``; then, on the retention thread (runs/deleter.py), ``retention_delete``
+#: ``save_end``; then, on the retention thread (runs/retention.py), ``retention_delete``
 #: (before each delete; info has ``step``) and ``retention_renamed`` (renamed aside);
 #: and ``quarantined`` when publishing moved a damaged folder aside. For the
 #: sharded layout the writer makes every file in one call, so there is one

@@ -23,7 +23,7 @@ from ckpt_lesson.runs.save_source import Candidates, SaveSource, folder_candidat
 
 if TYPE_CHECKING:  # for the annotations only
     from ckpt_lesson.runs.cadence import SaveCadence
-    from ckpt_lesson.runs.deleter import BackgroundRetention
+    from ckpt_lesson.runs.retention import BackgroundRetention
     from ckpt_lesson.runs.store_run import StoreRun
 
 __all__ = ["RestoreMethods", "load_newest_good", "restore_newest"]
