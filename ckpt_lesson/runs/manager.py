@@ -47,9 +47,9 @@ from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.files.payload import build_state_payload
 from ckpt_lesson.files.storage import Storage, is_store_url
 from ckpt_lesson.files.storage_transfer import DEFAULT_TIMEOUT
-from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale, open_staging, publish
 from ckpt_lesson.runs.contract import ENV_POLICIES
+from ckpt_lesson.runs.cost import SaveCadence
 from ckpt_lesson.runs.layout import step_dir_name
 from ckpt_lesson.runs.loop_api import LoopMethods, default_run_dir
 from ckpt_lesson.runs.manager_config import EventHook, ManagerConfig

@@ -15,7 +15,7 @@ from typing import Any
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.hashing import DEFAULT_ALGO, check_algo
 from ckpt_lesson.files.verify import verify_mode
-from ckpt_lesson.runs.cadence import validate_cadence
+from ckpt_lesson.runs.cost import validate_cadence
 from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
 from ckpt_lesson.short_repr import short_repr
 

@@ -22,7 +22,7 @@ from ckpt_lesson.runs.restore import check_resume_contract, loader_for, log
 from ckpt_lesson.runs.save_source import Candidates, SaveSource, folder_candidates
 
 if TYPE_CHECKING:  # for the annotations only
-    from ckpt_lesson.runs.cadence import SaveCadence
+    from ckpt_lesson.runs.cost import SaveCadence
     from ckpt_lesson.runs.retention import BackgroundRetention
     from ckpt_lesson.runs.store_run import StoreRun
 
