@@ -261,8 +261,7 @@ def validate_cadence(every_steps: int | None, every_seconds: float | None) -> No
     if every_seconds is not None and (
         isinstance(every_seconds, bool)
         or not isinstance(every_seconds, (int, float))
-        or not every_seconds > 0
-        or every_seconds == float("inf")
+        or not 0 < every_seconds < math.inf  # NaN fails both comparisons
     ):
         raise CheckpointError(f"every_seconds must be a finite number > 0 or None, got {every_seconds!r}.")
     if every_steps is None and every_seconds is None:
