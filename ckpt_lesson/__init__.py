@@ -81,7 +81,6 @@ from .files.storage import open_storage  # noqa: E402
 from .files.verify import verify_part  # noqa: E402
 from .runs.accumulation import AccumulationState, load_accumulating, save_accumulating  # noqa: E402
 from .runs.async_save import AsyncCheckpointer, TrainingSnapshot  # noqa: E402
-from .runs.cadence import SaveCadence, should_save  # noqa: E402
 from .runs.contract import (  # noqa: E402
     ResumeReport,
     check_contract,
@@ -92,11 +91,13 @@ from .runs.contract import (  # noqa: E402
     resume_report,
 )
 from .runs.cost import (  # noqa: E402
+    SaveCadence,
     SpotComparison,
     compare_spot,
     cost_per_accepted_step,
     daly_interval,
     expected_wall_time,
+    should_save,
     young_interval,
 )
 from .runs.data_position import ResumableLoader, resumable  # noqa: E402

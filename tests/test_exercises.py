@@ -29,7 +29,7 @@ from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.schema import migrate_v1_to_v2
 from ckpt_lesson.files.shard_plan import plan_shards
 from ckpt_lesson.files.verify import verify_part
-from ckpt_lesson.runs.cadence import should_save
+from ckpt_lesson.runs.cost import should_save
 from ckpt_lesson.runs.retention import keep_last_k
 
 

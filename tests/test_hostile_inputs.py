@@ -549,7 +549,7 @@ def test_step_folders_with_non_ascii_digits_are_not_saves(tmp_path, name):
 
 @pytest.mark.parametrize("jump", [-3600.0, -60.0, -1e6])
 def test_a_clock_stepped_back_delays_a_timed_save_by_at_most_one_interval(jump):
-    from ckpt_lesson.runs.cadence import SaveCadence
+    from ckpt_lesson.runs.cost import SaveCadence
 
     now = [1000.0]
     cadence = SaveCadence(every_seconds=60, clock=lambda: now[0])

@@ -104,16 +104,16 @@ def check_keep_k(fn: Callable[..., Any], *, verbose: bool = True) -> GradeResult
 def check_cadence(fn: Callable[..., Any], *, verbose: bool = True) -> GradeResult:
     """Grade a ``should_save(step, now, *, last_step, last_time, every_steps, every_seconds) -> bool``.
 
-    Single calls are compared with :func:`ckpt_lesson.runs.cadence.should_save`;
+    Single calls are compared with :func:`ckpt_lesson.runs.cost.should_save`;
     then whole simulated runs (a fake clock, saving whenever the function
     says so) must save at exactly the same steps as the reference.
 
     Example:
-        >>> from ckpt_lesson.runs.cadence import should_save
+        >>> from ckpt_lesson.runs.cost import should_save
         >>> check_cadence(should_save, verbose=False).passed
         True
     """
-    from ckpt_lesson.runs.cadence import should_save as reference
+    from ckpt_lesson.runs.cost import should_save as reference
 
     def kw(last_step: Any, last_time: Any, every_steps: Any, every_seconds: Any) -> dict[str, Any]:
         return dict(

@@ -39,7 +39,7 @@ import torch.distributed.checkpoint as dcp
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.runs.async_report import forget_failure, note_failure_of
-from ckpt_lesson.runs.cadence import SaveCadence
+from ckpt_lesson.runs.cost import SaveCadence
 from ckpt_lesson.runs.loop_api import LoopMethods, default_run_dir
 from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
 

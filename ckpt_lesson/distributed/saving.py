@@ -35,10 +35,9 @@ from ckpt_lesson.files.rng import capture_rng_state
 from ckpt_lesson.files.storage import is_store_url
 from ckpt_lesson.runs.commit import QUARANTINE_PREFIX, clean_stale, open_marker_folder, open_staging, publish
 from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, write_commit_marker
-from ckpt_lesson.runs.deleter import BackgroundRetention
 from ckpt_lesson.runs.layout import MANIFEST_NAME, published_steps, step_dir_name, step_of
 from ckpt_lesson.runs.marker_cleanup import clean_unmarked
-from ckpt_lesson.runs.retention import RetentionPolicy
+from ckpt_lesson.runs.retention import BackgroundRetention, RetentionPolicy
 
 from .comm import Comm, raise_from_checkpoint_exception
 from .reader import verify_save
@@ -264,7 +263,7 @@ class FolderSaves(Saves):
     The purge is the single-process manager's: the same rule
     (:func:`~ckpt_lesson.runs.reverify.retention_pass`: cheap checks of every
     save kept instead, one full re-hash per pass, round robin) on the same
-    background thread (:class:`~ckpt_lesson.runs.deleter.BackgroundRetention`).
+    background thread (:class:`~ckpt_lesson.runs.retention.BackgroundRetention`).
 
     Args:
         run_dir: The run directory.

@@ -180,11 +180,4 @@ def load_accumulating(
     base = apply_payload(payload, model, optimizer, scheduler, source=source, handles=("accumulation",))
     for name, param in model.named_parameters():
         param.grad = grads[name].to(param.device).clone() if name in grads else None
-    return AccumulationState(
-        step=base.step,
-        epoch=base.epoch,
-        batch_in_epoch=base.batch_in_epoch,
-        losses=base.losses,
-        micro_step=micro_step,
-        micro_losses=micro_losses,
-    )
+    return AccumulationState(**vars(base), micro_step=micro_step, micro_losses=micro_losses)

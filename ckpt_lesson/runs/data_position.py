@@ -209,31 +209,6 @@ def _adopt(loader: DataLoader, seed: int | None) -> ResumableLoader:
     return loader  # type: ignore[return-value]
 
 
-def _check_loader(loader: Any) -> None:
-    if callable(getattr(loader, "state_dict", None)):
-        raise CheckpointError(
-            f"cl.resumable: {type(loader).__name__} already saves its own position (it has "
-            "state_dict()); put it in the state as it is."
-        )
-    if not isinstance(loader, DataLoader):
-        raise CheckpointError(
-            f"cl.resumable: expected a torch.utils.data.DataLoader, got {type(loader).__name__}."
-        )
-    if isinstance(loader.dataset, IterableDataset):
-        raise CheckpointError(
-            f"cl.resumable: {type(loader.dataset).__name__} is an IterableDataset: it has no indices to "
-            "skip to, so a mid-epoch resume cannot be exact from the loader alone. It needs a position "
-            "of its own: give the dataset state_dict()/load_state_dict() and use torchdata's "
-            "StatefulDataLoader (saved as a part as it is), or make it a map-style Dataset "
-            "(__getitem__/__len__)."
-        )
-    if loader.batch_sampler is None:
-        raise CheckpointError(
-            "cl.resumable: batch_size=None (no automatic batching) is not supported; give the "
-            "DataLoader a batch_size or a batch_sampler."
-        )
-
-
 def resumable(loader: DataLoader, *, seed: int | None = None) -> ResumableLoader:
     """Give a plain DataLoader a data position, so a run killed mid-epoch resumes exactly.
 
@@ -272,7 +247,28 @@ def resumable(loader: DataLoader, *, seed: int | None = None) -> ResumableLoader
                 f"cl.resumable: the loader already derives from seed {loader.seed}, not {seed}."
             )
         return loader
-    _check_loader(loader)
+    if callable(getattr(loader, "state_dict", None)):
+        raise CheckpointError(
+            f"cl.resumable: {type(loader).__name__} already saves its own position (it has "
+            "state_dict()); put it in the state as it is."
+        )
+    if not isinstance(loader, DataLoader):
+        raise CheckpointError(
+            f"cl.resumable: expected a torch.utils.data.DataLoader, got {type(loader).__name__}."
+        )
+    if isinstance(loader.dataset, IterableDataset):
+        raise CheckpointError(
+            f"cl.resumable: {type(loader.dataset).__name__} is an IterableDataset: it has no indices to "
+            "skip to, so a mid-epoch resume cannot be exact from the loader alone. It needs a position "
+            "of its own: give the dataset state_dict()/load_state_dict() and use torchdata's "
+            "StatefulDataLoader (saved as a part as it is), or make it a map-style Dataset "
+            "(__getitem__/__len__)."
+        )
+    if loader.batch_sampler is None:
+        raise CheckpointError(
+            "cl.resumable: batch_size=None (no automatic batching) is not supported; give the "
+            "DataLoader a batch_size or a batch_sampler."
+        )
     return _adopt(loader, seed)
 
 

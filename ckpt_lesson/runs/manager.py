@@ -12,7 +12,7 @@ manager does that with a commit protocol borrowed from databases:
 4. check the parts (``verify_on_save``: sizes, or a read-back from the device);
 5. publish: ``os.replace`` the staging folder to ``RUN_DIR/step-XXXXXXXX``
    and fsync ``RUN_DIR``: one atomic rename makes the whole save visible;
-6. release the lock; retention runs *behind* the save, on its own thread (runs/deleter.py).
+6. release the lock; retention runs *behind* the save, on its own thread (runs/retention.py).
 
 A crash before step 5 leaves only a staging folder, which nobody mistakes for
 a save; a crash after it leaves a complete, verifiable save. Discovery trusts
@@ -47,15 +47,14 @@ from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.files.payload import build_state_payload
 from ckpt_lesson.files.storage import Storage, is_store_url
 from ckpt_lesson.files.storage_transfer import DEFAULT_TIMEOUT
-from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.commit import clean_stale, open_staging, publish
 from ckpt_lesson.runs.contract import ENV_POLICIES
-from ckpt_lesson.runs.deleter import BackgroundRetention
+from ckpt_lesson.runs.cost import SaveCadence
 from ckpt_lesson.runs.layout import step_dir_name
 from ckpt_lesson.runs.loop_api import LoopMethods, default_run_dir
 from ckpt_lesson.runs.manager_config import EventHook, ManagerConfig, is_state_call, positional_save_args
 from ckpt_lesson.runs.manager_restore import RestoreMethods
-from ckpt_lesson.runs.retention import RetentionPolicy
+from ckpt_lesson.runs.retention import BackgroundRetention, RetentionPolicy
 from ckpt_lesson.runs.save_parts import refuse_if_already_saved, stage_payload_save, stage_save
 from ckpt_lesson.runs.store_run import DEFAULT_LEASE_SECONDS, StoreRun
 
@@ -330,7 +329,7 @@ class CheckpointManager(RestoreMethods, LoopMethods):
             self.last_save = {"step": step, "path": str(final), "save_id": save_id, "seconds": seconds}
             self._emit("save_end", step=step, path=str(final), seconds=seconds)
         # Retention (and the cleanup of stale folders) runs behind, off this thread; this call
-        # waits only if the previous pass is still running (see runs/deleter.py).
+        # waits only if the previous pass is still running (see runs/retention.py).
         self._retention.submit(step, checked=self.config.verify_on_save is not False)
         if self.store is None:
             return final

@@ -25,7 +25,7 @@ from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.hashing import DEFAULT_ALGO, check_algo
 from ckpt_lesson.files.train_state import MANAGER_STATE_API, TrainState, check_positional_objects
 from ckpt_lesson.files.verify import verify_mode
-from ckpt_lesson.runs.cadence import validate_cadence
+from ckpt_lesson.runs.cost import validate_cadence
 from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
 from ckpt_lesson.short_repr import short_repr
 
@@ -40,7 +40,7 @@ __all__ = [
 #: ``on_event(name, info)``: called at each stage of a save, in this order:
 #: ``save_begin``, ``part_begin``, ``part_written`` (info has ``file``),
 #: ``parts_complete``, ``manifest_written``, ``verified``, ``published``,
-#: ``save_end``; then, on the retention thread (runs/deleter.py), ``retention_delete``
+#: ``save_end``; then, on the retention thread (runs/retention.py), ``retention_delete``
 #: (before each delete; info has ``step``) and ``retention_renamed`` (renamed aside);
 #: and ``quarantined`` when publishing moved a damaged folder aside. For the
 #: sharded layout the writer makes every file in one call, so there is one

@@ -27,8 +27,8 @@ from ckpt_lesson.runs.manager_config import positional_restore_args
 from ckpt_lesson.runs.restore import Candidates, SaveSource, load_newest_good, load_save, log
 
 if TYPE_CHECKING:  # for the annotations only
-    from ckpt_lesson.runs.cadence import SaveCadence
-    from ckpt_lesson.runs.deleter import BackgroundRetention
+    from ckpt_lesson.runs.cost import SaveCadence
+    from ckpt_lesson.runs.retention import BackgroundRetention
     from ckpt_lesson.runs.store_run import StoreRun
 
 __all__ = ["RestoreMethods"]

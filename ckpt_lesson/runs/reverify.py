@@ -31,21 +31,27 @@ found retention still keeps at least ``K - 1`` saves that verify.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from ckpt_lesson.runs.commit import delete_save
 from ckpt_lesson.runs.layout import inspect_save, published_steps, step_dir_name
-from ckpt_lesson.runs.retention import RetentionPolicy
 
-__all__ = ["KnownGood", "check_save", "retention_pass"]
+__all__ = ["KnownGood", "RetentionPolicy", "check_save", "retention_pass"]
 
 # The manager's messages, under the manager's logger name (see ckpt_lesson.runs.commit for why).
 log = logging.getLogger("ckpt_lesson.runs.manager")
 
 #: ``emit(name, **info)``: the manager's event hook.
 Emit = Callable[..., None]
+
+
+class RetentionPolicy(Protocol):
+    """Anything with ``to_delete(steps, verified) -> list[int]`` (ascending), e.g. ``KeepLastK(3)``."""
+
+    def to_delete(self, steps: Sequence[int], verified: Collection[int]) -> list[int]: ...
 
 
 @dataclass

@@ -210,11 +210,8 @@ def _new_buffer(src: torch.Tensor) -> torch.Tensor:
 def _copy_tree(value: Any, old: Any = None, later: DeferredCopies | None = None) -> Any:
     """Copy a state_dict-like tree into CPU memory of its own.
 
-    ``old`` is the previous snapshot's tree: a tensor at the same place with
-    the same shape, dtype and strides is overwritten in place instead of
-    allocating a new one. Everything else is copied fresh. ``later`` takes the
-    tensors it wants (large parameters and moments) and copies them on the
-    writer thread instead (see :class:`DeferredCopies`).
+    A tensor of ``old`` (the previous snapshot's tree) at the same place is refilled when it
+    :func:`_fits`; ``later`` takes the large tensors it wants for the writer thread.
     """
     if isinstance(value, torch.Tensor):
         src = value.detach()
