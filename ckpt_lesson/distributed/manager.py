@@ -42,12 +42,12 @@ from ckpt_lesson.runs.async_report import forget_failure, note_failure_of
 from ckpt_lesson.runs.cadence import SaveCadence
 from ckpt_lesson.runs.loop_api import LoopMethods, default_run_dir
 from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
+from ckpt_lesson.runs.store_run import DEFAULT_LEASE_SECONDS
 
 from .comm import Comm, failure_summary, new_checkpoint_group, quiet_single_process, release_groups
 from .restore import WORLD_SIZE_POLICIES, DistributedRestore, restore_newest
 from .saving import SaveJob, fail_save, open_save, open_saves
 from .state import apply_rank_parts, as_restored, check_rank_parts, restore_args, save_args
-from .store_saves import DEFAULT_LEASE_SECONDS
 
 __all__ = ["DistributedCheckpointManager"]
 

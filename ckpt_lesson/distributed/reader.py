@@ -55,16 +55,9 @@ from ckpt_lesson.errors import CorruptCheckpointError, IncompleteCheckpointError
 from ckpt_lesson.runs.dcp_manifest import METADATA_FILE
 
 from .safe_metadata import weights_only_refusal
-from .verify import FolderSave, StoreSave, VerifiedSave, fetch_part, verify_save
+from .verify import VerifiedSave, fetch_part
 
-__all__ = [
-    "FolderSave",
-    "StoreSave",
-    "VerifiedSave",
-    "VerifyingReader",
-    "WeightsOnlyLoadPlanner",
-    "verify_save",
-]
+__all__ = ["VerifyingReader", "WeightsOnlyLoadPlanner"]
 
 
 class _ListedFiles:

@@ -44,7 +44,7 @@ from ckpt_lesson.runs.restore import Candidates, load_newest_good
 from ckpt_lesson.short_repr import short_repr
 
 from .comm import Comm, quiet_single_process, raise_from_checkpoint_exception
-from .reader import VerifiedSave, VerifyingReader, WeightsOnlyLoadPlanner, verify_save
+from .reader import VerifyingReader, WeightsOnlyLoadPlanner
 from .state import (
     apply_shared_state,
     dcp_state_dict,
@@ -53,6 +53,7 @@ from .state import (
     rank_key,
     reseed_generators,
 )
+from .verify import VerifiedSave, verify_save
 
 __all__ = ["WORLD_SIZE_POLICIES", "DistributedRestore", "Saves", "restore_newest", "restore_save"]
 

@@ -41,10 +41,10 @@ from ckpt_lesson.runs.marker_cleanup import clean_unmarked
 from ckpt_lesson.runs.retention import RetentionPolicy
 
 from .comm import Comm, raise_from_checkpoint_exception
-from .reader import verify_save
 from .restore import Saves
 from .state import dcp_state_dict, encode_rank_state, rank_key
 from .store_saves import StoreSaves
+from .verify import verify_save
 from .writer import CommitWriter, Emit, HashingFileSystem
 
 __all__ = [

@@ -60,16 +60,13 @@ from ckpt_lesson.runs.store_commit import (
 )
 from ckpt_lesson.runs.store_lease import LeaseRenewer
 
-from .reader import StoreSave
 from .restore import DistributedRestore, Saves
+from .verify import StoreSave
 from .writer import Emit, HashingFsspecFileSystem
 
-__all__ = ["DEFAULT_LEASE_SECONDS", "StoreSaves", "StoreTarget"]
+__all__ = ["StoreSaves", "StoreTarget"]
 
 log = logging.getLogger("ckpt_lesson.distributed")
-
-#: How long a writer that went silent still counts as alive (its upload is left alone until then).
-DEFAULT_LEASE_SECONDS = 900.0
 
 
 class StoreTarget:
