@@ -10,11 +10,8 @@ The life of one save of step 40 by two ranks::
 ``save_async`` runs the same save through ``dcp.async_save``: the state is copied
 to CPU on the calling thread; writing *and commit* run in DCP's background thread.
 
-One manager for every storage: where the saves live is a small backend, a folder
-every rank shares (:class:`~.saving.FolderSaves`) or an object store's URL such as
-``s3://bucket/run`` (:class:`~.store_saves.StoreSaves`, a conditional ``COMMIT``
-under a lease). The backend opens each save's attempt, names the writer's commit
-target (:mod:`.writer`), lists, verifies and purges; everything else is shared.
+One manager for every storage: where the saves live is a small backend
+(:class:`~.restore.Saves`: a shared folder, or an object store's URL such as ``s3://bucket/run``).
 
 Every call here is **collective**: all ranks call ``save``, ``save_async``,
 ``wait``, ``should_save`` and ``restore_latest`` in the same order. Decisions that
@@ -37,6 +34,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.apply import Restored
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.runs.async_report import forget_failure, note_failure_of
 from ckpt_lesson.runs.cadence import SaveCadence
@@ -47,7 +45,7 @@ from ckpt_lesson.runs.store_run import DEFAULT_LEASE_SECONDS
 from .comm import Comm, failure_summary, new_checkpoint_group, quiet_single_process, release_groups
 from .restore import WORLD_SIZE_POLICIES, DistributedRestore, restore_newest
 from .saving import SaveJob, fail_save, open_save, open_saves
-from .state import apply_rank_parts, as_restored, check_rank_parts, restore_args, save_args
+from .state import apply_rank_parts, check_rank_parts, restore_args, save_args
 
 __all__ = ["DistributedCheckpointManager"]
 
@@ -377,4 +375,7 @@ class DistributedCheckpointManager(LoopMethods):
         if state is None or restored is None:
             return restored
         values = apply_rank_parts(restored.data_state, state, source=str(restored.path), strict=strict)
-        return as_restored(restored, values, restored.rng)
+        return Restored(
+            step=restored.step, values=values, rng=restored.rng, path=restored.path,
+            save_id=restored.save_id, skipped=list(restored.skipped),
+        )  # fmt: skip

@@ -83,8 +83,8 @@ class Saves:
         raise NotImplementedError
 
     def source(self, step: int) -> Any:
-        """What :func:`~.reader.verify_save` reads for ``step``: a folder, or a ``StoreSave``."""
-        raise NotImplementedError
+        """What :func:`~.verify.verify_save` reads for ``step``: its folder, or a store's ``StoreSave``."""
+        return self.step_dir(step)
 
     def mark_good(self, step: int) -> None:
         """``step`` was verified in full just now (a restore read and hashed it)."""

@@ -48,7 +48,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ckpt_lesson.errors import CheckpointError, StateMismatchError, UnsafeCheckpointError
-from ckpt_lesson.files.apply import Restored
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.fit import check_part_names
 from ckpt_lesson.files.payload import OBJECT, VALUE, is_object, validate_payload
@@ -61,7 +60,6 @@ __all__ = [
     "PARTS_KEY",
     "apply_rank_parts",
     "apply_shared_state",
-    "as_restored",
     "check_rank_parts",
     "dcp_state_dict",
     "decode_rank_state",
@@ -312,14 +310,6 @@ def apply_rank_parts(data: Any, state: Mapping[str, Any], *, source: str, strict
                 f"({type(exc).__name__}: {str(exc)[:200]}); build it as in the saving run."
             ) from exc
     return dict(block["values"])
-
-
-def as_restored(result: Any, values: dict[str, Any], rng: Any) -> Restored:
-    """A :class:`~ckpt_lesson.files.apply.Restored` from a ``DistributedRestore``."""
-    return Restored(
-        step=result.step, values=values, rng=rng, path=result.path, save_id=result.save_id,
-        skipped=list(result.skipped),
-    )  # fmt: skip
 
 
 def save_args(args: tuple[Any, ...], data_state: Any, rng: Any) -> tuple[Any, ...]:

@@ -12,9 +12,7 @@ save of step 40 by two ranks::
             then COMMIT with If-None-Match: *; retention (markers first, then the objects)
     rank 0: remove uploads of dead writers whose LEASE has expired (never one still renewed)
 
-Each save uploads under its own ``save_id``, so a zombie writer of the same
-step never overwrites a committed save's objects; of the two, only one
-creates ``COMMIT``, and an upload without it is not a save.
+Why each save has its own ``save_id``: see :mod:`ckpt_lesson.runs.store_commit`.
 
 A restore lists the ``COMMIT`` markers and verifies every object on every rank
 together (:mod:`.reader`) before DCP reads it. What is assumed of the store,
@@ -249,7 +247,6 @@ class StoreSaves(Saves):
             log.exception("retention after %s failed; the save itself is committed", final)
 
     def source(self, step: int) -> StoreSave:
-        """The committed save :func:`~.reader.verify_save` reads for ``step``."""
         return StoreSave(self.storage, step)
 
     # ------------------------------------------------------------------ recovery record

@@ -22,13 +22,9 @@ and file format and changes three things:
    commit strategy of its storage. ``dcp.async_save`` calls the same ``finish``
    in its background thread, so an asynchronous save runs the same protocol.
 
-Two targets, one writer, each living with its storage's backend:
-:class:`~.saving.FolderTarget` writes in a ``.staging-step-...`` folder that no
-reader mistakes for a save and publishes it by one rename (or writes in place
-and publishes by a commit marker written last, ``publish="marker"``);
-:class:`~.store_saves.StoreTarget` uploads under ``step-XXXXXXXX/<save_id>/``
-and publishes by a conditional ``COMMIT`` under a lease. A kill of any rank
-before the commit leaves the previous save as the newest one.
+The two targets live with their storage's backend (:class:`~.saving.FolderTarget`,
+:class:`~.store_saves.StoreTarget`). A kill of any rank before the commit leaves the
+previous save as the newest one.
 """
 
 from __future__ import annotations
@@ -326,20 +322,9 @@ class CommitWriter(FileSystemWriter):
 def check_and_unwrap(
     results: list[list[WriteResult]], planned: set[Any] | None, *, where: str
 ) -> tuple[list[list[WriteResult]], dict[str, Any]]:
-    """Check every planned item was written, strip digests from the results, and collect one part per file.
+    """Check every item of the plan was written; returns DCP's own results and one part per file.
 
-    Args:
-        results: What DCP gathered to rank 0's ``finish``.
-        planned: Every item index of the global plan (``None``: no plan was seen, a failure).
-        where: The save, for messages.
-
-    Returns:
-        ``(results as DCP wrote them, {file: part record})``.
-
-    Raises:
-        IncompleteCheckpointError: Planned items are missing (a writer thread or rank failed).
-        CheckpointError: A result without a digest, an item past its file's end, or two ranks
-            that disagree on one file.
+    A missing item (or no plan seen, ``planned=None``) means a writer thread or rank failed.
     """
     written = {r.index for rank_results in results for r in rank_results}
     missing = (planned or set()) - written
