@@ -137,17 +137,7 @@ class DistributedCheckpointManager(LoopMethods):
         self._pending: tuple[SaveJob, Future[Any]] | None = None
         self._closed = False
         self.last_restore: DistributedRestore | None = None
-        problem: CheckpointError | None = None
-        if self.rank == 0:
-            try:
-                self.saves.open_run()
-            except CheckpointError as exc:
-                problem = exc  # the type travels too: a LoadEnvironmentError stays one on every rank
-            except OSError as exc:
-                problem = CheckpointError(str(exc))
-        problem = self._ctl.broadcast(problem)
-        if problem is not None:
-            raise problem
+        self._ctl.on_rank0(self.saves.open_run)
 
     def __repr__(self) -> str:
         return f"DistributedCheckpointManager({self.url!r})"

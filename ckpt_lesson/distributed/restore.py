@@ -74,8 +74,8 @@ class Saves:
     hint: str | None = None  # the last line of "none is usable" (None: the folder's, see Candidates)
     storage_options: dict[str, Any] | None = None
 
-    def published(self) -> list[int] | Exception:
-        """Published steps, ascending (rank 0 lists; a store's error is returned, not raised)."""
+    def published(self) -> list[int]:
+        """Published steps, ascending (rank 0 lists, see :meth:`~.comm.Comm.on_rank0`)."""
         raise NotImplementedError
 
     def step_dir(self, step: int) -> Any:
@@ -299,21 +299,14 @@ def restore_newest(*, saves: Saves, ctl: Comm, **options: Any) -> DistributedRes
         >>> restore_newest(saves=mgr.saves, ctl=Comm(), io_group=None,  # doctest: +SKIP
         ...     model=m, optimizer=opt, scheduler=None, on_world_size_change="refuse", reseed_base=0)
     """
-    steps = _listed(saves, ctl)
+    relist = partial(ctl.on_rank0, saves.published)  # rank 0's listings, on every rank
+    steps = relist()
     if not steps:
         return None
-    candidates = Candidates(saves.where, steps, lambda step: step, relist=partial(_listed, saves, ctl))
+    candidates = Candidates(saves.where, steps, lambda step: step, relist=relist)
     if saves.hint:
         candidates = candidates._replace(hint=saves.hint)
     skipped: list[dict[str, Any]] = []
     load = lambda _, step: ({}, restore_save(step, saves=saves, ctl=ctl, **options))  # noqa: E731
     restored = load_newest_good(candidates, load, skipped=skipped)[3]
     return replace(restored, skipped=skipped)
-
-
-def _listed(saves: Saves, ctl: Comm) -> list[int]:
-    """The published steps, listed by rank 0, on every rank; a store's error is raised on all of them."""
-    steps = ctl.broadcast(saves.published() if ctl.rank == 0 else None)
-    if isinstance(steps, Exception):
-        raise steps
-    return steps

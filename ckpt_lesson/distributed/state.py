@@ -169,9 +169,8 @@ def decode_rank_state(blob: Any, *, where: str) -> dict[str, Any]:
 def dcp_state_dict(model: Any, optimizer: Any, scheduler: Any, blobs: dict[str, bytes]) -> dict[str, Any]:
     """The state dict this rank hands to ``dcp.save``, or the template ``dcp.load`` fills in place.
 
-    Model and optimizer entries are this run's own (sharded) tensors, so on load DCP
-    reads exactly the slices each rank holds, whatever the saved world size; there is
-    no ``optim`` entry without an optimizer. ``get_state_dict`` on an optimizer that
+    Model and optimizer entries are this run's own (sharded) tensors (see the module doc);
+    there is no ``optim`` entry without an optimizer. ``get_state_dict`` on an optimizer that
     never stepped runs one zero-lr step to create its state: harmless, and needed so
     the moments have somewhere to go.
 

@@ -42,7 +42,6 @@ from ckpt_lesson.errors import (
     CheckpointError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
-    LoadEnvironmentError,
 )
 from ckpt_lesson.files.storage import Storage, open_storage
 from ckpt_lesson.runs.layout import MANIFEST_NAME, step_dir_name
@@ -113,8 +112,7 @@ class StoreTarget:
         self.storage.put_bytes(f"{self.attempt}/{MANIFEST_NAME}", raw)
         written()
         if self.lease is not None:
-            # Renewing stops first: commit_attempt deletes the LEASE, and a renewal must not bring it
-            # back. A lease that already ran out may have let a cleaner in, so nothing is committed.
+            # Renewing stops first: commit_attempt deletes the LEASE, and a renewal must not bring it back.
             self.lease.stop()
             self.lease.check()
         commit_attempt(self.storage, step, self.save_id, raw, algo=manifest["parts"][0]["algo"])
@@ -161,17 +159,9 @@ class StoreSaves(Saves):
         """The URL of ``step``'s saves (its ``COMMIT`` marker and one prefix per attempt)."""
         return self.storage.where(step_dir_name(step))
 
-    def published(self) -> list[int] | LoadEnvironmentError:
-        """Committed steps (a ``COMMIT`` marker each), ascending; markers are read at restore.
-
-        Rank 0 lists and broadcasts the answer; an unreachable store comes back as the error
-        itself, so every rank raises it (a rank 0 that raised alone would leave the others
-        waiting in the broadcast).
-        """
-        try:
-            return committed_steps(self.storage)
-        except LoadEnvironmentError as exc:
-            return exc
+    def published(self) -> list[int]:
+        """Committed steps (a ``COMMIT`` marker each), ascending; markers are read at restore."""
+        return committed_steps(self.storage)
 
     # ------------------------------------------------------------------ save
 

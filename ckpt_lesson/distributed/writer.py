@@ -10,9 +10,7 @@ and file format and changes three things:
 1. **Every byte is hashed on its way to storage.** DCP opens every file, data and
    ``.metadata`` alike, through ``self.fs.create_stream``; our file systems
    (a local folder, or any fsspec URL) hand out a stream that feeds each
-   ``write`` to the hasher, so the digest costs no second read. (Locally the
-   stream keeps ``tell`` for DCP's offsets and ``fileno`` for its fsync; without
-   ``fileno`` DCP falls back to a machine-wide ``os.sync()``.)
+   ``write`` to the hasher, so the digest costs no second read.
 2. **Digests travel with DCP's own results.** ``write_data`` returns one
    ``WriteResult`` per item and DCP gathers them to rank 0 for ``finish``; each
    result carries its file's size and digest, so no extra collective is needed.
