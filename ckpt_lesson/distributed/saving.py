@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -144,7 +144,7 @@ def open_save(
     stack, name, held, refusal = ExitStack(), None, None, None
     if ctl.rank == 0:
         try:
-            name, held = saves.begin(step, stack)
+            name, held = stack.enter_context(saves.begin(step))
         except (CheckpointError, OSError) as exc:
             stack.close()
             refusal = exc if isinstance(exc, CheckpointError) else CheckpointError(str(exc))
@@ -293,12 +293,14 @@ class FolderSaves(Saves):
     def step_dir(self, step: int) -> Path:
         return self.run_dir / step_dir_name(step)
 
-    def begin(self, step: int, stack: ExitStack) -> tuple[str, None]:
-        """Rank 0: refuse over a good save, then open the folder ``step`` is written in, held by ``stack``."""
+    @contextmanager
+    def begin(self, step: int) -> Iterator[tuple[str, None]]:
+        """Rank 0: refuse over a good save, then hold the folder ``step`` is written in; yields its name."""
         final = self.step_dir(step)
         clear_target(self.run_dir, final, self.emit)
         folder = open_marker_folder(final) if self.publish == "marker" else open_staging(self.run_dir, step)
-        return stack.enter_context(folder).name, None
+        with folder as path:
+            yield path.name, None
 
     def target(self, step: int, staging: str, lease: None) -> FolderTarget:
         """Where every rank's writer writes: the folder rank 0 opened, published as ``step``."""

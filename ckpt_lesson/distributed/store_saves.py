@@ -34,7 +34,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -170,10 +170,7 @@ class StoreSaves(Saves):
         if not self._writing:
             self.storage.check_conditional_writes()
             self._writing = True
-        removed = clean_uncommitted(self.storage)
-        for attempt in removed:
-            log.info("%s: removed an upload nobody committed (its writer's lease expired)", attempt)
-        return removed
+        return clean_uncommitted(self.storage)  # it logs each upload it removes
 
     def clean(self) -> None:  # rank 0, after each save: a long run also sweeps up after dead writers
         if not self._writing:
@@ -183,21 +180,16 @@ class StoreSaves(Saves):
         except CheckpointError as exc:  # the save is committed; the leftovers wait for the next pass
             log.warning("%s: uploads of dead writers not cleaned this time (%s)", self.url, exc)
 
-    def begin(self, step: int, stack: ExitStack) -> tuple[str, LeaseRenewer]:
-        """Rank 0: open an attempt at ``step`` held by ``stack``; returns ``(save_id, its lease)``."""
-        save_id = uuid.uuid4().hex
-        return save_id, stack.enter_context(self._attempt(step, save_id))
-
     def target(self, step: int, save_id: str, lease: LeaseRenewer | None) -> StoreTarget:
         """Where every rank's writer uploads the attempt ``save_id`` (only rank 0 holds its lease)."""
         return StoreTarget(self.storage, step, save_id, storage_options=self.storage_options, lease=lease)
 
     @contextmanager
-    def _attempt(self, step: int, save_id: str) -> Iterator[LeaseRenewer]:
-        """Refuse a committed step, hold a renewed LEASE; on failure remove the (uncommitted) upload.
+    def begin(self, step: int) -> Iterator[tuple[str, LeaseRenewer]]:
+        """Rank 0: refuse a committed step, then hold a new attempt; yields ``(save_id, its renewed LEASE)``.
 
-        The renewer stops when the save ends either way (the writer already stopped it before
-        ``COMMIT``), so a finished or failed save never leaves a LEASE that keeps coming back.
+        A failure removes the (uncommitted) upload. The renewer stops when the save ends either way
+        (the writer already stopped it before ``COMMIT``), so no LEASE keeps coming back.
         """
         if not self._writing:
             self.clean_uploads()
@@ -206,10 +198,11 @@ class StoreSaves(Saves):
                 f"{self.step_dir(step)}: step {step} is already committed; a save is never overwritten. "
                 "Save a later step (or is another writer running this run?)."
             )
+        save_id = uuid.uuid4().hex
         attempt = f"{step_dir_name(step)}/{save_id}"
         lease = LeaseRenewer(self.storage, attempt, self.lease_seconds)
         try:
-            yield lease
+            yield save_id, lease
         except BaseException:
             lease.stop()  # before the delete: a renewal landing after it would recreate the LEASE
             try:

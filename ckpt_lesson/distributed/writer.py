@@ -56,7 +56,6 @@ __all__ = [
     "HashingFileSystem",
     "HashingFsspecFileSystem",
     "HashingStream",
-    "check_and_unwrap",
     "no_event",
 ]
 
@@ -293,7 +292,33 @@ class CommitWriter(FileSystemWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         self.emit("finish_begin", step=self.step)
-        plain, parts = check_and_unwrap(results, self._planned, where=self.target.where)
+        # Every planned item was written (a writer thread or rank may have died quietly); then DCP's
+        # own results go on, digests stripped (``.metadata`` stays stock), and one part per file.
+        missing = (self._planned or set()) - {r.index for rank_results in results for r in rank_results}
+        if self._planned is None or missing:
+            names = sorted({index.fqn for index in missing})[:5]
+            raise IncompleteCheckpointError(
+                f"{self.target.where}: {len(missing)} planned item(s) were not written (e.g. {names}); "
+                "a writer thread or rank failed. Nothing was published; the previous save stays the latest."
+            )
+        plain: list[list[WriteResult]] = []
+        parts: dict[str, dict[str, Any]] = {}
+        for rank_results in results:
+            row = []
+            for result in rank_results:
+                digested = result.storage_data
+                if not isinstance(digested, Digested):
+                    raise CheckpointError(f"{self.target.where}: a rank wrote without a hashing writer.")
+                info = digested.info
+                if info.offset + info.length > digested.size:
+                    raise CheckpointError(
+                        f"{digested.file}: an item ends past the file's {digested.size} bytes."
+                    )
+                part = {"file": digested.file, "bytes": digested.size, **digested.record}
+                if parts.setdefault(digested.file, part) != part:
+                    raise CheckpointError(f"{digested.file}: two ranks reported different contents.")
+                row.append(dataclasses.replace(result, storage_data=info))
+            plain.append(row)
         super().finish(metadata, plain)  # .metadata.tmp through our stream, fsync, rename
         if METADATA_FILE not in self.fs.records:
             raise CheckpointError(f"{self.target.where}: DCP wrote no {METADATA_FILE}; nothing published.")
@@ -315,37 +340,3 @@ class CommitWriter(FileSystemWriter):
         self.emit("published", step=self.step, path=final, save_id=self.save_id)
         if self.after_publish is not None:
             self.after_publish(final, manifest)
-
-
-def check_and_unwrap(
-    results: list[list[WriteResult]], planned: set[Any] | None, *, where: str
-) -> tuple[list[list[WriteResult]], dict[str, Any]]:
-    """Check every item of the plan was written; returns DCP's own results and one part per file.
-
-    A missing item (or no plan seen, ``planned=None``) means a writer thread or rank failed.
-    """
-    written = {r.index for rank_results in results for r in rank_results}
-    missing = (planned or set()) - written
-    if planned is None or missing:
-        names = sorted({index.fqn for index in missing})[:5]
-        raise IncompleteCheckpointError(
-            f"{where}: {len(missing)} planned item(s) were not written (e.g. {names}); "
-            "a writer thread or rank failed. Nothing was published; the previous save stays the latest."
-        )
-    plain: list[list[WriteResult]] = []
-    parts: dict[str, dict[str, Any]] = {}
-    for rank_results in results:
-        row = []
-        for result in rank_results:
-            digested = result.storage_data
-            if not isinstance(digested, Digested):
-                raise CheckpointError(f"{where}: a rank wrote without a hashing writer.")
-            info = digested.info
-            if info.offset + info.length > digested.size:
-                raise CheckpointError(f"{digested.file}: an item ends past the file's {digested.size} bytes.")
-            part = {"file": digested.file, "bytes": digested.size, **digested.record}
-            if parts.setdefault(digested.file, part) != part:
-                raise CheckpointError(f"{digested.file}: two ranks reported different contents.")
-            row.append(dataclasses.replace(result, storage_data=info))
-        plain.append(row)
-    return plain, parts
