@@ -14,9 +14,8 @@ One manager for every storage: where the saves live is a small backend
 (:class:`~.restore.Saves`: a shared folder, or an object store's URL such as ``s3://bucket/run``).
 
 Every call here is **collective**: all ranks call ``save``, ``save_async``,
-``wait``, ``should_save`` and ``restore_latest`` in the same order. Decisions that
-could differ between ranks (wall-clock cadence, staging folder, which save to
-restore) are made once and shared, never computed per rank.
+``wait``, ``should_save`` and ``restore_latest`` in the same order (why, and how
+decisions are shared: :mod:`.comm`).
 """
 
 from __future__ import annotations
@@ -148,13 +147,12 @@ class DistributedCheckpointManager(LoopMethods):
         return self
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        try:  # the body's error is the one to see; a failed background save is only logged then
+        try:
             self.close()
         except CheckpointError as exc:
-            log.error("the save in flight failed too: %s", exc)
+            if exc_type is None:
+                raise
+            log.error("the save in flight failed too: %s", exc)  # the body's error is the one to see
 
     def close(self) -> None:
         """Wait for a save in flight, then free the manager's two gloo groups; collective.

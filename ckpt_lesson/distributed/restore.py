@@ -71,7 +71,7 @@ class Saves:
     """
 
     where: str = ""  # the run, for messages
-    hint: str | None = None  # the last line of "none is usable" (None: the folder's, see Candidates)
+    hint: str = Candidates._field_defaults["hint"]  # the last line of "none is usable"
     storage_options: dict[str, Any] | None = None
 
     def published(self) -> list[int]:
@@ -303,9 +303,7 @@ def restore_newest(*, saves: Saves, ctl: Comm, **options: Any) -> DistributedRes
     steps = relist()
     if not steps:
         return None
-    candidates = Candidates(saves.where, steps, lambda step: step, relist=relist)
-    if saves.hint:
-        candidates = candidates._replace(hint=saves.hint)
+    candidates = Candidates(saves.where, steps, lambda step: step, hint=saves.hint, relist=relist)
     skipped: list[dict[str, Any]] = []
     load = lambda _, step: ({}, restore_save(step, saves=saves, ctl=ctl, **options))  # noqa: E731
     restored = load_newest_good(candidates, load, skipped=skipped)[3]
