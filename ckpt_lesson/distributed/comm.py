@@ -153,12 +153,11 @@ def raise_from_checkpoint_exception(
 ) -> NoReturn:
     """Turn DCP's ``CheckpointException`` into this package's errors.
 
-    DCP gathers every rank's failure into one ``CheckpointException``, which is
-    a ``BaseException``: ``except Exception`` misses it, and its message is a
-    wall of tracebacks. If one of the failures is a :class:`CheckpointError`
-    (our own checks: an unsafe value, a missing item), that error is raised as
-    it is, with its type, so callers can tell damage from tampering. Anything
-    else becomes a ``CheckpointError`` naming the ranks and their errors.
+    DCP gathers every rank's failure into one ``CheckpointException``, a ``BaseException``
+    (``except Exception`` misses it). If one of the failures is a :class:`CheckpointError`
+    (our own checks: an unsafe value, a missing item), that error is raised as it is, with
+    its type, so callers can tell damage from tampering. Anything else becomes a
+    ``CheckpointError`` naming the ranks and their errors (:func:`failure_summary`).
 
     With ``reading=True`` (a load), an ``OSError`` on any rank (EIO on a
     part) becomes a :class:`~ckpt_lesson.errors.CorruptCheckpointError`, so

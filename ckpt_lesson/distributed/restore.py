@@ -53,7 +53,7 @@ from .state import (
     rank_key,
     reseed_generators,
 )
-from .verify import VerifiedSave, verify_save
+from .verify import verify_save
 
 __all__ = ["WORLD_SIZE_POLICIES", "DistributedRestore", "Saves", "restore_newest", "restore_save"]
 
@@ -203,12 +203,26 @@ def restore_save(
     # Same world: each rank reads its own blob. Changed world: everyone reads rank 0's counters.
     blob_key = rank_key(0 if resharded else ctl.rank)
     where = f"{name}/{blob_key}"
-    load = dict(saves=saves, verified=verified, ctl=ctl, io_group=io_group, name=name)
+
+    def load(template: dict[str, Any]) -> dict[str, Any]:  # dcp.load from the verified save, in place
+        try:
+            with quiet_single_process(not ctl.enabled):
+                dcp.load(
+                    template,
+                    storage_reader=VerifyingReader(verified, saves.storage_options),
+                    planner=WeightsOnlyLoadPlanner(),
+                    process_group=io_group,
+                    no_dist=not ctl.enabled,
+                )
+        except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
+            raise_from_checkpoint_exception(exc, f"loading {name}", reading=True)
+        return template
+
     if check is not None:  # first the blob alone: the template below already touches the live objects
-        blob = _load({blob_key: b""}, **load)[blob_key]
+        blob = load({blob_key: b""})[blob_key]
         source = str(saves.step_dir(step))
         _agreed(ctl, lambda: check(decode_rank_state(blob, where=where)["data"], source=source))
-    template = _load(dcp_state_dict(model, optimizer, scheduler, {blob_key: b""}), **load)
+    template = load(dcp_state_dict(model, optimizer, scheduler, {blob_key: b""}))
     rank_state = _agreed(ctl, lambda: decode_rank_state(template[blob_key], where=where))
     apply_shared_state(model, optimizer, scheduler, template)
     seed = None
@@ -242,23 +256,6 @@ def restore_save(
         save_id=manifest["save_id"],
         reseed=seed,
     )
-
-
-def _load(template: dict[str, Any], *, saves: Saves, verified: VerifiedSave, ctl: Comm,
-          io_group: dist.ProcessGroup | None, name: str) -> dict[str, Any]:  # fmt: skip
-    """``dcp.load`` the keys of ``template`` from the verified save, in place; returns ``template``."""
-    try:
-        with quiet_single_process(not ctl.enabled):
-            dcp.load(
-                template,
-                storage_reader=VerifyingReader(verified, saves.storage_options),
-                planner=WeightsOnlyLoadPlanner(),
-                process_group=io_group,
-                no_dist=not ctl.enabled,
-            )
-    except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
-        raise_from_checkpoint_exception(exc, f"loading {name}", reading=True)
-    return template
 
 
 def _agreed(ctl: Comm, fn: Callable[[], Any]) -> Any:

@@ -34,7 +34,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -245,12 +245,10 @@ class StoreSaves(Saves):
             log.warning("%s: this restore is not recorded (%s)", self.url, exc)
             return
         created = None
-        try:  # the marker's time gives the save's age; a marker field is data, so only a number counts
+        with suppress(CheckpointError):  # the save's age; a marker field is data: only a number counts
             found = read_commit(self.storage, restored.step)[0].get("created_at")
             if isinstance(found, (int, float)) and not isinstance(found, bool) and math.isfinite(found):
                 created = float(found)
-        except CheckpointError:
-            pass
         self._recorder.restored(
             {
                 "step": restored.step,

@@ -32,7 +32,7 @@ import json
 import os
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -184,10 +184,8 @@ class HashingFsspecFileSystem(_Hashing, FsspecFileSystem):
                 if discard is not None:
                     discard()
             finally:
-                try:
+                with suppress(AttributeError):
                     raw.closed = True  # fsspec completes an open write file on close() and in __del__
-                except AttributeError:
-                    pass
             raise
 
 
