@@ -206,9 +206,8 @@ def apply_shared_state(model: Any, optimizer: Any, scheduler: Any, loaded: dict[
 def reseed_generators(base: int, step: int, rank: int) -> int:
     """Seed Python, NumPy and torch on this rank from ``(base, step, rank)``; returns the seed.
 
-    Used when the world size changed and the saved per-rank streams cannot be
-    mapped onto the new ranks: each rank gets a fresh, distinct and
-    reproducible stream instead (a rerun of the same resume draws the same numbers).
+    For ``on_world_size_change="reseed"`` (see :mod:`.restore`): each rank gets a fresh, distinct
+    and reproducible stream (a rerun of the same resume draws the same numbers).
 
     Example:
         >>> reseed_generators(0, 40, 1) == reseed_generators(0, 40, 1)

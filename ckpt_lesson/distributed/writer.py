@@ -51,11 +51,9 @@ from ckpt_lesson.runs.dcp_manifest import METADATA_FILE, build_manifest
 
 __all__ = [
     "CommitWriter",
-    "Digested",
     "Emit",
     "HashingFileSystem",
     "HashingFsspecFileSystem",
-    "HashingStream",
     "no_event",
 ]
 
