@@ -7,7 +7,7 @@ again and goes on with the newest save not yet tried, newer ones included.
 The order inside one try is the lesson of the single-process restore, spread
 over ranks:
 
-1. every rank verifies its share of the files and all agree (:func:`~.reader.verify_save`);
+1. every rank verifies its share of the files and all agree (:func:`~.verify.verify_save`);
 2. the manifest alone decides whether this world size can resume the save
    (nothing is loaded yet);
 3. DCP loads, weights-only, into this run's own sharded tensors: resharding
