@@ -25,6 +25,17 @@ def test_without_a_process_group_the_world_is_one_rank_and_collectives_are_ident
     assert new_checkpoint_group() is None
 
 
+def test_on_rank0_returns_the_result_and_raises_an_os_error_as_a_checkpoint_error_with_its_text() -> None:
+    comm = Comm()
+    assert comm.on_rank0(lambda: [2, 4]) == [2, 4]
+
+    def unreachable() -> None:
+        raise OSError("no route to host")
+
+    with pytest.raises(CheckpointError, match="no route to host"):
+        comm.on_rank0(unreachable)
+
+
 def test_our_own_error_inside_dcps_exception_is_raised_with_its_type() -> None:
     ours = UnsafeCheckpointError("value 'x' is not plain data")
     wrapped = CheckpointException("read", {1: (ours, None), 0: (RuntimeError("peer gone"), None)})

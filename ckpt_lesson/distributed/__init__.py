@@ -16,11 +16,11 @@ from ckpt_lesson.files.hashing import hash_file  # notebook 13 re-hashes a part 
 
 from .comm import Comm, new_checkpoint_group
 from .manager import DistributedCheckpointManager
-from .reader import VerifiedSave, VerifyingReader, WeightsOnlyLoadPlanner, verify_save
-from .restore import WORLD_SIZE_POLICIES, DistributedRestore
+from .reader import VerifyingReader
+from .restore import DistributedRestore
 from .safe_metadata import RestrictedUnpickler, load_metadata_bytes
 from .saving import FolderTarget
-from .store_saves import StoreTarget
+from .verify import verify_save
 from .writer import CommitWriter, HashingFileSystem
 
 __all__ = [
@@ -31,11 +31,7 @@ __all__ = [
     "FolderTarget",
     "HashingFileSystem",
     "RestrictedUnpickler",
-    "StoreTarget",
-    "VerifiedSave",
     "VerifyingReader",
-    "WORLD_SIZE_POLICIES",
-    "WeightsOnlyLoadPlanner",
     "hash_file",
     "load_metadata_bytes",
     "new_checkpoint_group",

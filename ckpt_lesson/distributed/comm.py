@@ -17,7 +17,7 @@ the writer's apart.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
@@ -111,6 +111,24 @@ class Comm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def on_rank0(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` run by rank 0 alone; its result, or the error it raised, on every rank.
+
+        Every rank raises rank 0's error, its type too (a ``LoadEnvironmentError`` stays one; an
+        ``OSError`` becomes a ``CheckpointError``): a rank 0 that raised alone would leave the
+        others waiting in the broadcast.
+        """
+        result = problem = None
+        if self.rank == 0:
+            try:
+                result = fn()
+            except (CheckpointError, OSError) as exc:
+                problem = exc if isinstance(exc, CheckpointError) else CheckpointError(str(exc))
+        result, problem = self.broadcast((result, problem))
+        if problem is not None:
+            raise problem
+        return result
+
 
 @contextmanager
 def quiet_single_process(no_dist: bool) -> Iterator[None]:
@@ -135,12 +153,11 @@ def raise_from_checkpoint_exception(
 ) -> NoReturn:
     """Turn DCP's ``CheckpointException`` into this package's errors.
 
-    DCP gathers every rank's failure into one ``CheckpointException``, which is
-    a ``BaseException``: ``except Exception`` misses it, and its message is a
-    wall of tracebacks. If one of the failures is a :class:`CheckpointError`
-    (our own checks: an unsafe value, a missing item), that error is raised as
-    it is, with its type, so callers can tell damage from tampering. Anything
-    else becomes a ``CheckpointError`` naming the ranks and their errors.
+    DCP gathers every rank's failure into one ``CheckpointException``, a ``BaseException``
+    (``except Exception`` misses it). If one of the failures is a :class:`CheckpointError`
+    (our own checks: an unsafe value, a missing item), that error is raised as it is, with
+    its type, so callers can tell damage from tampering. Anything else becomes a
+    ``CheckpointError`` naming the ranks and their errors (:func:`failure_summary`).
 
     With ``reading=True`` (a load), an ``OSError`` on any rank (EIO on a
     part) becomes a :class:`~ckpt_lesson.errors.CorruptCheckpointError`, so
@@ -156,7 +173,6 @@ def raise_from_checkpoint_exception(
             raise inner from exc
     summary = failure_summary(exc)
     if reading and any(isinstance(failures[rank][0], OSError) for rank in failures):
-        # EIO while reading a part: damage to this copy, so callers fall back to an older save.
         # (While writing, an OSError such as a full disk is no verdict on any save.)
         raise CorruptCheckpointError(f"{what} failed ({summary}).") from exc
     raise CheckpointError(f"{what} failed ({summary}).") from exc

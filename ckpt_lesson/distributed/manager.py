@@ -10,16 +10,12 @@ The life of one save of step 40 by two ranks::
 ``save_async`` runs the same save through ``dcp.async_save``: the state is copied
 to CPU on the calling thread; writing *and commit* run in DCP's background thread.
 
-One manager for every storage: where the saves live is a small backend, a folder
-every rank shares (:class:`~.saving.FolderSaves`) or an object store's URL such as
-``s3://bucket/run`` (:class:`~.store_saves.StoreSaves`, a conditional ``COMMIT``
-under a lease). The backend opens each save's attempt, names the writer's commit
-target (:mod:`.writer`), lists, verifies and purges; everything else is shared.
+One manager for every storage: where the saves live is a small backend
+(:class:`~.restore.Saves`: a shared folder, or an object store's URL such as ``s3://bucket/run``).
 
 Every call here is **collective**: all ranks call ``save``, ``save_async``,
-``wait``, ``should_save`` and ``restore_latest`` in the same order. Decisions that
-could differ between ranks (wall-clock cadence, staging folder, which save to
-restore) are made once and shared, never computed per rank.
+``wait``, ``should_save`` and ``restore_latest`` in the same order (why, and how
+decisions are shared: :mod:`.comm`).
 """
 
 from __future__ import annotations
@@ -37,17 +33,18 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from ckpt_lesson.errors import CheckpointError
+from ckpt_lesson.files.apply import Restored
 from ckpt_lesson.files.hashing import DEFAULT_ALGO
 from ckpt_lesson.runs.async_report import forget_failure, note_failure_of
 from ckpt_lesson.runs.cost import SaveCadence
 from ckpt_lesson.runs.loop_api import LoopMethods, default_run_dir
 from ckpt_lesson.runs.retention import KeepLastK, RetentionPolicy
+from ckpt_lesson.runs.store_run import DEFAULT_LEASE_SECONDS
 
 from .comm import Comm, failure_summary, new_checkpoint_group, quiet_single_process, release_groups
 from .restore import WORLD_SIZE_POLICIES, DistributedRestore, restore_newest
 from .saving import SaveJob, fail_save, open_save, open_saves
-from .state import apply_rank_parts, as_restored, check_rank_parts, restore_args, save_args
-from .store_saves import DEFAULT_LEASE_SECONDS
+from .state import apply_rank_parts, check_rank_parts, restore_args, save_args
 
 __all__ = ["DistributedCheckpointManager"]
 
@@ -139,17 +136,7 @@ class DistributedCheckpointManager(LoopMethods):
         self._pending: tuple[SaveJob, Future[Any]] | None = None
         self._closed = False
         self.last_restore: DistributedRestore | None = None
-        problem: CheckpointError | None = None
-        if self.rank == 0:
-            try:
-                self.saves.open_run()
-            except CheckpointError as exc:
-                problem = exc  # the type travels too: a LoadEnvironmentError stays one on every rank
-            except OSError as exc:
-                problem = CheckpointError(str(exc))
-        problem = self._ctl.broadcast(problem)
-        if problem is not None:
-            raise problem
+        self._ctl.on_rank0(self.saves.open_run)
 
     def __repr__(self) -> str:
         return f"DistributedCheckpointManager({self.url!r})"
@@ -160,13 +147,12 @@ class DistributedCheckpointManager(LoopMethods):
         return self
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        try:  # the body's error is the one to see; a failed background save is only logged then
+        try:
             self.close()
         except CheckpointError as exc:
-            log.error("the save in flight failed too: %s", exc)
+            if exc_type is None:
+                raise
+            log.error("the save in flight failed too: %s", exc)  # the body's error is the one to see
 
     def close(self) -> None:
         """Wait for a save in flight, then free the manager's two gloo groups; collective.
@@ -377,4 +363,7 @@ class DistributedCheckpointManager(LoopMethods):
         if state is None or restored is None:
             return restored
         values = apply_rank_parts(restored.data_state, state, source=str(restored.path), strict=strict)
-        return as_restored(restored, values, restored.rng)
+        return Restored(
+            step=restored.step, values=values, rng=restored.rng, path=restored.path,
+            save_id=restored.save_id, skipped=list(restored.skipped),
+        )  # fmt: skip

@@ -13,10 +13,8 @@ candidate save happens in two stages:
    damaged or missing, refuse it as unsafe, or stop because the store cannot
    be reached (never taken for damage). A verdict that differed between ranks
    would send them into different collectives and hang the job.
-2. ``dcp.load`` runs with :class:`VerifyingReader`, which hands DCP the
-   metadata parsed in stage 1 and refuses any file the manifest does not list,
-   and with :class:`WeightsOnlyLoadPlanner`, which reads non-tensor values with
-   ``torch.load(weights_only=True)`` where stock DCP turns weights_only off.
+2. ``dcp.load`` runs with :class:`VerifyingReader` (the metadata of stage 1, only the
+   listed files) and :class:`WeightsOnlyLoadPlanner` (non-tensor values weights-only).
 
 What the two storages do differently is only where the bytes come from (a
 :class:`FolderSave` or a :class:`StoreSave`):
@@ -55,16 +53,9 @@ from ckpt_lesson.errors import CorruptCheckpointError, IncompleteCheckpointError
 from ckpt_lesson.runs.dcp_manifest import METADATA_FILE
 
 from .safe_metadata import weights_only_refusal
-from .verify import FolderSave, StoreSave, VerifiedSave, fetch_part, verify_save
+from .verify import VerifiedSave, fetch_part
 
-__all__ = [
-    "FolderSave",
-    "StoreSave",
-    "VerifiedSave",
-    "VerifyingReader",
-    "WeightsOnlyLoadPlanner",
-    "verify_save",
-]
+__all__ = ["VerifyingReader", "WeightsOnlyLoadPlanner"]
 
 
 class _ListedFiles:
@@ -116,11 +107,10 @@ class _VerifiedFiles(_ListedFiles, FsspecFileSystem):
 class VerifyingReader(FileSystemReader):
     """DCP's file reader, restricted to a save :func:`verify_save` accepted.
 
-    ``read_metadata`` returns the metadata parsed from the verified bytes
-    (never re-reading the file) and refuses DCP's fallback to rank-local
-    ``__N.metadata`` files; reading refuses files the manifest does not list,
-    a folder's files whose size changed since verification, and a store's
-    objects whose bytes no longer match.
+    ``read_metadata`` returns the metadata parsed from the verified bytes (never
+    re-reading the file) and refuses DCP's fallback to rank-local ``__N.metadata``
+    files; reading refuses files the manifest does not list, and re-checks the
+    others as the module doc says.
 
     Args:
         verified: The verified save.

@@ -7,7 +7,7 @@ again and goes on with the newest save not yet tried, newer ones included.
 The order inside one try is the lesson of the single-process restore, spread
 over ranks:
 
-1. every rank verifies its share of the files and all agree (:func:`~.reader.verify_save`);
+1. every rank verifies its share of the files and all agree (:func:`~.verify.verify_save`);
 2. the manifest alone decides whether this world size can resume the save
    (nothing is loaded yet);
 3. DCP loads, weights-only, into this run's own sharded tensors: resharding
@@ -44,7 +44,7 @@ from ckpt_lesson.runs.restore import Candidates, load_newest_good
 from ckpt_lesson.short_repr import short_repr
 
 from .comm import Comm, quiet_single_process, raise_from_checkpoint_exception
-from .reader import VerifiedSave, VerifyingReader, WeightsOnlyLoadPlanner, verify_save
+from .reader import VerifyingReader, WeightsOnlyLoadPlanner
 from .state import (
     apply_shared_state,
     dcp_state_dict,
@@ -53,6 +53,7 @@ from .state import (
     rank_key,
     reseed_generators,
 )
+from .verify import verify_save
 
 __all__ = ["WORLD_SIZE_POLICIES", "DistributedRestore", "Saves", "restore_newest", "restore_save"]
 
@@ -70,11 +71,11 @@ class Saves:
     """
 
     where: str = ""  # the run, for messages
-    hint: str | None = None  # the last line of "none is usable" (None: the folder's, see Candidates)
+    hint: str = Candidates._field_defaults["hint"]  # the last line of "none is usable"
     storage_options: dict[str, Any] | None = None
 
-    def published(self) -> list[int] | Exception:
-        """Published steps, ascending (rank 0 lists; a store's error is returned, not raised)."""
+    def published(self) -> list[int]:
+        """Published steps, ascending (rank 0 lists, see :meth:`~.comm.Comm.on_rank0`)."""
         raise NotImplementedError
 
     def step_dir(self, step: int) -> Any:
@@ -82,8 +83,8 @@ class Saves:
         raise NotImplementedError
 
     def source(self, step: int) -> Any:
-        """What :func:`~.reader.verify_save` reads for ``step``: a folder, or a ``StoreSave``."""
-        raise NotImplementedError
+        """What :func:`~.verify.verify_save` reads for ``step``: its folder, or a store's ``StoreSave``."""
+        return self.step_dir(step)
 
     def mark_good(self, step: int) -> None:
         """``step`` was verified in full just now (a restore read and hashed it)."""
@@ -202,12 +203,26 @@ def restore_save(
     # Same world: each rank reads its own blob. Changed world: everyone reads rank 0's counters.
     blob_key = rank_key(0 if resharded else ctl.rank)
     where = f"{name}/{blob_key}"
-    load = dict(saves=saves, verified=verified, ctl=ctl, io_group=io_group, name=name)
+
+    def load(template: dict[str, Any]) -> dict[str, Any]:  # dcp.load from the verified save, in place
+        try:
+            with quiet_single_process(not ctl.enabled):
+                dcp.load(
+                    template,
+                    storage_reader=VerifyingReader(verified, saves.storage_options),
+                    planner=WeightsOnlyLoadPlanner(),
+                    process_group=io_group,
+                    no_dist=not ctl.enabled,
+                )
+        except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
+            raise_from_checkpoint_exception(exc, f"loading {name}", reading=True)
+        return template
+
     if check is not None:  # first the blob alone: the template below already touches the live objects
-        blob = _load({blob_key: b""}, **load)[blob_key]
+        blob = load({blob_key: b""})[blob_key]
         source = str(saves.step_dir(step))
         _agreed(ctl, lambda: check(decode_rank_state(blob, where=where)["data"], source=source))
-    template = _load(dcp_state_dict(model, optimizer, scheduler, {blob_key: b""}), **load)
+    template = load(dcp_state_dict(model, optimizer, scheduler, {blob_key: b""}))
     rank_state = _agreed(ctl, lambda: decode_rank_state(template[blob_key], where=where))
     apply_shared_state(model, optimizer, scheduler, template)
     seed = None
@@ -241,23 +256,6 @@ def restore_save(
         save_id=manifest["save_id"],
         reseed=seed,
     )
-
-
-def _load(template: dict[str, Any], *, saves: Saves, verified: VerifiedSave, ctl: Comm,
-          io_group: dist.ProcessGroup | None, name: str) -> dict[str, Any]:  # fmt: skip
-    """``dcp.load`` the keys of ``template`` from the verified save, in place; returns ``template``."""
-    try:
-        with quiet_single_process(not ctl.enabled):
-            dcp.load(
-                template,
-                storage_reader=VerifyingReader(verified, saves.storage_options),
-                planner=WeightsOnlyLoadPlanner(),
-                process_group=io_group,
-                no_dist=not ctl.enabled,
-            )
-    except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
-        raise_from_checkpoint_exception(exc, f"loading {name}", reading=True)
-    return template
 
 
 def _agreed(ctl: Comm, fn: Callable[[], Any]) -> Any:
@@ -298,21 +296,12 @@ def restore_newest(*, saves: Saves, ctl: Comm, **options: Any) -> DistributedRes
         >>> restore_newest(saves=mgr.saves, ctl=Comm(), io_group=None,  # doctest: +SKIP
         ...     model=m, optimizer=opt, scheduler=None, on_world_size_change="refuse", reseed_base=0)
     """
-    steps = _listed(saves, ctl)
+    relist = partial(ctl.on_rank0, saves.published)  # rank 0's listings, on every rank
+    steps = relist()
     if not steps:
         return None
-    candidates = Candidates(saves.where, steps, lambda step: step, relist=partial(_listed, saves, ctl))
-    if saves.hint:
-        candidates = candidates._replace(hint=saves.hint)
+    candidates = Candidates(saves.where, steps, lambda step: step, hint=saves.hint, relist=relist)
     skipped: list[dict[str, Any]] = []
     load = lambda _, step: ({}, restore_save(step, saves=saves, ctl=ctl, **options))  # noqa: E731
     restored = load_newest_good(candidates, load, skipped=skipped)[3]
     return replace(restored, skipped=skipped)
-
-
-def _listed(saves: Saves, ctl: Comm) -> list[int]:
-    """The published steps, listed by rank 0, on every rank; a store's error is raised on all of them."""
-    steps = ctl.broadcast(saves.published() if ctl.rank == 0 else None)
-    if isinstance(steps, Exception):
-        raise steps
-    return steps

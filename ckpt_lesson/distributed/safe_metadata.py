@@ -124,7 +124,6 @@ def load_metadata_bytes(data: bytes, *, data_files: dict[str, int], where: str) 
         raise CorruptCheckpointError(
             f"{where}: .metadata does not parse ({type(exc).__name__}: {exc})."
         ) from exc
-    # The shape, too: every item must point into a listed file, inside its size.
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(
             f"{where}: .metadata holds a {type(metadata).__name__}, not DCP Metadata."

@@ -1,19 +1,8 @@
 """The parts of a distributed save around DCP's own call, and the backend of a run in a POSIX folder.
 
-:func:`open_save` runs before any byte is written and is where the ranks
-agree: every rank checks its own input first (a bad ``data_state``, a
-``state`` that is not a ``TrainState``) and the outcomes are gathered, so a
-refusal on one rank becomes the same refusal on all of them instead of one
-rank raising while the others wait inside a collective. Only then does rank 0
-open the save's attempt through the run's backend and tell the others its name.
-
-:class:`FolderSaves` is that backend for a folder every rank shares (the
-object store's is :class:`~.store_saves.StoreSaves`): it takes the staging
-folder (with its ``flock``, as in the single-process manager), remembers which
-saves are known to be good, and applies the package's retention policy after
-each publish. Retention runs on rank 0 inside ``CommitWriter.finish``, so in
-the background thread for an asynchronous save, and it never turns a
-published save into a failure.
+:func:`open_save` is where the ranks agree before any byte is written, :func:`fail_save` cleans up
+after DCP failed; :class:`FolderSaves` is the backend of a folder every rank shares (the object
+store's is :class:`~.store_saves.StoreSaves`).
 """
 
 from __future__ import annotations
@@ -21,8 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -40,10 +29,10 @@ from ckpt_lesson.runs.marker_cleanup import clean_unmarked
 from ckpt_lesson.runs.retention import BackgroundRetention, RetentionPolicy
 
 from .comm import Comm, raise_from_checkpoint_exception
-from .reader import verify_save
 from .restore import Saves
 from .state import dcp_state_dict, encode_rank_state, rank_key
 from .store_saves import StoreSaves
+from .verify import verify_save
 from .writer import CommitWriter, Emit, HashingFileSystem
 
 __all__ = [
@@ -118,8 +107,11 @@ def open_save(
 ) -> SaveJob:
     """Check the input on every rank, agree, open the save's attempt and set up its writer; collective.
 
-    Rank 0 opens the attempt through ``saves`` (a staging folder, or a ``save_id`` under a
-    lease) and tells the other ranks its name. ``args`` is ``(model, optimizer, scheduler,
+    Every rank checks its own input first (a bad ``data_state``, a ``state`` that is not a
+    ``TrainState``) and the outcomes are gathered, so a refusal on one rank becomes the same
+    refusal on all of them instead of one rank raising while the others wait inside a collective.
+    Only then does rank 0 open the attempt through ``saves`` (a staging folder, or a ``save_id``
+    under a lease) and tell the other ranks its name. ``args`` is ``(model, optimizer, scheduler,
     state, data_state, rng)`` (see :func:`.state.save_args`); the rest are the manager's settings.
 
     Returns:
@@ -135,7 +127,7 @@ def open_save(
     """
     model, optimizer, scheduler, state, data_state, rng = args
     error, state_dict, step = None, {}, getattr(state, "step", None)
-    try:  # everything local first; a rank that fails must not leave the others inside a collective
+    try:  # everything local first (see above)
         blob = encode_rank_state(state, capture_rng_state() if rng is None else rng, data_state)
         state_dict = dcp_state_dict(model, optimizer, scheduler, {rank_key(ctl.rank): blob})
     except CheckpointError as exc:
@@ -151,7 +143,7 @@ def open_save(
     stack, name, held, refusal = ExitStack(), None, None, None
     if ctl.rank == 0:
         try:
-            name, held = saves.begin(step, stack)
+            name, held = stack.enter_context(saves.begin(step))
         except (CheckpointError, OSError) as exc:
             stack.close()
             refusal = exc if isinstance(exc, CheckpointError) else CheckpointError(str(exc))
@@ -260,10 +252,11 @@ class FolderTarget:
 class FolderSaves(Saves):
     """The saves of a run in a shared folder: staging, known-good saves, and the purge after each publish.
 
-    The purge is the single-process manager's: the same rule
-    (:func:`~ckpt_lesson.runs.reverify.retention_pass`: cheap checks of every
-    save kept instead, one full re-hash per pass, round robin) on the same
-    background thread (:class:`~ckpt_lesson.runs.retention.BackgroundRetention`).
+    The staging folder holds its ``flock`` as in the single-process manager, and the purge is
+    that manager's: the same rule (:func:`~ckpt_lesson.runs.reverify.retention_pass`: cheap
+    checks of every save kept instead, one full re-hash per pass, round robin) on the same
+    background thread (:class:`~ckpt_lesson.runs.retention.BackgroundRetention`), started by
+    rank 0 inside ``CommitWriter.finish`` (DCP's background thread for an asynchronous save).
 
     Args:
         run_dir: The run directory.
@@ -297,31 +290,26 @@ class FolderSaves(Saves):
     clean_uploads = clean
 
     def step_dir(self, step: int) -> Path:
-        """Where the published save of ``step`` lives (whether or not it exists)."""
         return self.run_dir / step_dir_name(step)
 
-    def begin(self, step: int, stack: ExitStack) -> tuple[str, None]:
-        """Rank 0: refuse over a good save, then open the folder ``step`` is written in, held by ``stack``."""
+    @contextmanager
+    def begin(self, step: int) -> Iterator[tuple[str, None]]:
+        """Rank 0: refuse over a good save, then hold the folder ``step`` is written in; yields its name."""
         final = self.step_dir(step)
         clear_target(self.run_dir, final, self.emit)
         folder = open_marker_folder(final) if self.publish == "marker" else open_staging(self.run_dir, step)
-        return stack.enter_context(folder).name, None
+        with folder as path:
+            yield path.name, None
 
     def target(self, step: int, staging: str, lease: None) -> FolderTarget:
         """Where every rank's writer writes: the folder rank 0 opened, published as ``step``."""
         return FolderTarget(self.run_dir / staging, self.step_dir(step), self.publish)
 
-    def source(self, step: int) -> Path:
-        """The folder :func:`~.reader.verify_save` reads for ``step``."""
-        return self.step_dir(step)
-
     def mark_good(self, step: int) -> None:
-        """``step`` was verified in full just now (a restore read and hashed it)."""
         self.worker.wait()
         self.worker.known.mark_hashed(step)
 
     def wait(self) -> None:
-        """Wait for the retention pass in flight, if any."""
         self.worker.wait()
 
     def published(self) -> list[int]:

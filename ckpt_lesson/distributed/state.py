@@ -48,7 +48,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ckpt_lesson.errors import CheckpointError, StateMismatchError, UnsafeCheckpointError
-from ckpt_lesson.files.apply import Restored
 from ckpt_lesson.files.checkpoint import TrainState
 from ckpt_lesson.files.fit import check_part_names
 from ckpt_lesson.files.payload import OBJECT, VALUE, is_object, validate_payload
@@ -61,7 +60,6 @@ __all__ = [
     "PARTS_KEY",
     "apply_rank_parts",
     "apply_shared_state",
-    "as_restored",
     "check_rank_parts",
     "dcp_state_dict",
     "decode_rank_state",
@@ -171,9 +169,8 @@ def decode_rank_state(blob: Any, *, where: str) -> dict[str, Any]:
 def dcp_state_dict(model: Any, optimizer: Any, scheduler: Any, blobs: dict[str, bytes]) -> dict[str, Any]:
     """The state dict this rank hands to ``dcp.save``, or the template ``dcp.load`` fills in place.
 
-    Model and optimizer entries are this run's own (sharded) tensors, so on load DCP
-    reads exactly the slices each rank holds, whatever the saved world size; there is
-    no ``optim`` entry without an optimizer. ``get_state_dict`` on an optimizer that
+    Model and optimizer entries are this run's own (sharded) tensors (see the module doc);
+    there is no ``optim`` entry without an optimizer. ``get_state_dict`` on an optimizer that
     never stepped runs one zero-lr step to create its state: harmless, and needed so
     the moments have somewhere to go.
 
@@ -209,9 +206,8 @@ def apply_shared_state(model: Any, optimizer: Any, scheduler: Any, loaded: dict[
 def reseed_generators(base: int, step: int, rank: int) -> int:
     """Seed Python, NumPy and torch on this rank from ``(base, step, rank)``; returns the seed.
 
-    Used when the world size changed and the saved per-rank streams cannot be
-    mapped onto the new ranks: each rank gets a fresh, distinct and
-    reproducible stream instead (a rerun of the same resume draws the same numbers).
+    For ``on_world_size_change="reseed"`` (see :mod:`.restore`): each rank gets a fresh, distinct
+    and reproducible stream (a rerun of the same resume draws the same numbers).
 
     Example:
         >>> reseed_generators(0, 40, 1) == reseed_generators(0, 40, 1)
@@ -312,14 +308,6 @@ def apply_rank_parts(data: Any, state: Mapping[str, Any], *, source: str, strict
                 f"({type(exc).__name__}: {str(exc)[:200]}); build it as in the saving run."
             ) from exc
     return dict(block["values"])
-
-
-def as_restored(result: Any, values: dict[str, Any], rng: Any) -> Restored:
-    """A :class:`~ckpt_lesson.files.apply.Restored` from a ``DistributedRestore``."""
-    return Restored(
-        step=result.step, values=values, rng=rng, path=result.path, save_id=result.save_id,
-        skipped=list(result.skipped),
-    )  # fmt: skip
 
 
 def save_args(args: tuple[Any, ...], data_state: Any, rng: Any) -> tuple[Any, ...]:

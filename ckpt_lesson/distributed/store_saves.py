@@ -12,9 +12,7 @@ save of step 40 by two ranks::
             then COMMIT with If-None-Match: *; retention (markers first, then the objects)
     rank 0: remove uploads of dead writers whose LEASE has expired (never one still renewed)
 
-Each save uploads under its own ``save_id``, so a zombie writer of the same
-step never overwrites a committed save's objects; of the two, only one
-creates ``COMMIT``, and an upload without it is not a save.
+Why each save has its own ``save_id``: see :mod:`ckpt_lesson.runs.store_commit`.
 
 A restore lists the ``COMMIT`` markers and verifies every object on every rank
 together (:mod:`.reader`) before DCP reads it. What is assumed of the store,
@@ -36,7 +34,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +42,6 @@ from ckpt_lesson.errors import (
     CheckpointError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
-    LoadEnvironmentError,
 )
 from ckpt_lesson.files.storage import Storage, open_storage
 from ckpt_lesson.runs.layout import MANIFEST_NAME, step_dir_name
@@ -60,16 +57,13 @@ from ckpt_lesson.runs.store_commit import (
 )
 from ckpt_lesson.runs.store_lease import LeaseRenewer
 
-from .reader import StoreSave
 from .restore import DistributedRestore, Saves
+from .verify import StoreSave
 from .writer import Emit, HashingFsspecFileSystem
 
-__all__ = ["DEFAULT_LEASE_SECONDS", "StoreSaves", "StoreTarget"]
+__all__ = ["StoreSaves", "StoreTarget"]
 
 log = logging.getLogger("ckpt_lesson.distributed")
-
-#: How long a writer that went silent still counts as alive (its upload is left alone until then).
-DEFAULT_LEASE_SECONDS = 900.0
 
 
 class StoreTarget:
@@ -118,8 +112,7 @@ class StoreTarget:
         self.storage.put_bytes(f"{self.attempt}/{MANIFEST_NAME}", raw)
         written()
         if self.lease is not None:
-            # Renewing stops first: commit_attempt deletes the LEASE, and a renewal must not bring it
-            # back. A lease that already ran out may have let a cleaner in, so nothing is committed.
+            # Renewing stops first: commit_attempt deletes the LEASE, and a renewal must not bring it back.
             self.lease.stop()
             self.lease.check()
         commit_attempt(self.storage, step, self.save_id, raw, algo=manifest["parts"][0]["algo"])
@@ -166,17 +159,9 @@ class StoreSaves(Saves):
         """The URL of ``step``'s saves (its ``COMMIT`` marker and one prefix per attempt)."""
         return self.storage.where(step_dir_name(step))
 
-    def published(self) -> list[int] | LoadEnvironmentError:
-        """Committed steps (a ``COMMIT`` marker each), ascending; markers are read at restore.
-
-        Rank 0 lists and broadcasts the answer; an unreachable store comes back as the error
-        itself, so every rank raises it (a rank 0 that raised alone would leave the others
-        waiting in the broadcast).
-        """
-        try:
-            return committed_steps(self.storage)
-        except LoadEnvironmentError as exc:
-            return exc
+    def published(self) -> list[int]:
+        """Committed steps (a ``COMMIT`` marker each), ascending; markers are read at restore."""
+        return committed_steps(self.storage)
 
     # ------------------------------------------------------------------ save
 
@@ -185,10 +170,7 @@ class StoreSaves(Saves):
         if not self._writing:
             self.storage.check_conditional_writes()
             self._writing = True
-        removed = clean_uncommitted(self.storage)
-        for attempt in removed:
-            log.info("%s: removed an upload nobody committed (its writer's lease expired)", attempt)
-        return removed
+        return clean_uncommitted(self.storage)  # it logs each upload it removes
 
     def clean(self) -> None:  # rank 0, after each save: a long run also sweeps up after dead writers
         if not self._writing:
@@ -198,21 +180,16 @@ class StoreSaves(Saves):
         except CheckpointError as exc:  # the save is committed; the leftovers wait for the next pass
             log.warning("%s: uploads of dead writers not cleaned this time (%s)", self.url, exc)
 
-    def begin(self, step: int, stack: ExitStack) -> tuple[str, LeaseRenewer]:
-        """Rank 0: open an attempt at ``step`` held by ``stack``; returns ``(save_id, its lease)``."""
-        save_id = uuid.uuid4().hex
-        return save_id, stack.enter_context(self._attempt(step, save_id))
-
     def target(self, step: int, save_id: str, lease: LeaseRenewer | None) -> StoreTarget:
         """Where every rank's writer uploads the attempt ``save_id`` (only rank 0 holds its lease)."""
         return StoreTarget(self.storage, step, save_id, storage_options=self.storage_options, lease=lease)
 
     @contextmanager
-    def _attempt(self, step: int, save_id: str) -> Iterator[LeaseRenewer]:
-        """Refuse a committed step, hold a renewed LEASE; on failure remove the (uncommitted) upload.
+    def begin(self, step: int) -> Iterator[tuple[str, LeaseRenewer]]:
+        """Rank 0: refuse a committed step, then hold a new attempt; yields ``(save_id, its renewed LEASE)``.
 
-        The renewer stops when the save ends either way (the writer already stopped it before
-        ``COMMIT``), so a finished or failed save never leaves a LEASE that keeps coming back.
+        A failure removes the (uncommitted) upload. The renewer stops when the save ends either way
+        (the writer already stopped it before ``COMMIT``), so no LEASE keeps coming back.
         """
         if not self._writing:
             self.clean_uploads()
@@ -221,10 +198,11 @@ class StoreSaves(Saves):
                 f"{self.step_dir(step)}: step {step} is already committed; a save is never overwritten. "
                 "Save a later step (or is another writer running this run?)."
             )
+        save_id = uuid.uuid4().hex
         attempt = f"{step_dir_name(step)}/{save_id}"
         lease = LeaseRenewer(self.storage, attempt, self.lease_seconds)
         try:
-            yield lease
+            yield save_id, lease
         except BaseException:
             lease.stop()  # before the delete: a renewal landing after it would recreate the LEASE
             try:
@@ -252,7 +230,6 @@ class StoreSaves(Saves):
             log.exception("retention after %s failed; the save itself is committed", final)
 
     def source(self, step: int) -> StoreSave:
-        """The committed save :func:`~.reader.verify_save` reads for ``step``."""
         return StoreSave(self.storage, step)
 
     # ------------------------------------------------------------------ recovery record
@@ -268,12 +245,10 @@ class StoreSaves(Saves):
             log.warning("%s: this restore is not recorded (%s)", self.url, exc)
             return
         created = None
-        try:  # the marker's time gives the save's age; a marker field is data, so only a number counts
+        with suppress(CheckpointError):  # the save's age; a marker field is data: only a number counts
             found = read_commit(self.storage, restored.step)[0].get("created_at")
             if isinstance(found, (int, float)) and not isinstance(found, bool) and math.isfinite(found):
                 created = float(found)
-        except CheckpointError:
-            pass
         self._recorder.restored(
             {
                 "step": restored.step,

@@ -61,6 +61,7 @@ class FolderSave:
     """Where a folder's save is read from: files hashed as they stream from disk."""
 
     differ = "is the file system shared?"  # the likely cause when ranks read different manifests
+    storage, attempt = None, ""  # what only a store's VerifiedSave carries
 
     def __init__(self, folder: str | os.PathLike[str], comm: Comm) -> None:
         self.folder, self.comm = Path(folder), comm
@@ -92,9 +93,6 @@ class FolderSave:
             )
         return None
 
-    def verified(self, manifest: dict[str, Any], metadata: Metadata, kept: dict[str, bytes]) -> VerifiedSave:
-        return VerifiedSave(self.folder, manifest, metadata, _sizes(manifest))
-
 
 class StoreSave:
     """Where a store's committed save of ``step`` is read from: objects downloaded, hashed and kept."""
@@ -102,24 +100,17 @@ class StoreSave:
     differ = "two commits of one step?"
 
     def __init__(self, storage: Storage, step: int) -> None:
-        self.storage, self.step, self.attempt = storage, step, ""
+        self.storage, self.step, self.attempt, self.folder = storage, step, "", ""  # read_manifest sets them
         self.name, self.where = step_dir_name(step), storage.where(step_dir_name(step))
 
     def read_manifest(self) -> tuple[dict[str, Any], bytes]:
         # The marker names this step; the manifest matches its digest and seal, and is a multi-rank one.
         manifest, raw, self.attempt = read_committed_manifest(self.storage, self.step, multi_rank=True)
+        self.folder = self.storage.where(self.attempt)
         return manifest, raw
 
     def read_part(self, part: dict[str, Any], *, keep: bool) -> bytes:
         return fetch_part(self.storage, self.attempt, part)
-
-    def verified(self, manifest: dict[str, Any], metadata: Metadata, kept: dict[str, bytes]) -> VerifiedSave:
-        url = self.storage.where(self.attempt)
-        return VerifiedSave(url, manifest, metadata, _sizes(manifest), self.storage, self.attempt, kept)
-
-
-def _sizes(manifest: dict[str, Any]) -> dict[str, int]:
-    return {p["file"]: p["bytes"] for p in manifest["parts"]}
 
 
 def fetch_part(storage: Storage, attempt: str, part: dict[str, Any]) -> bytes:
@@ -190,7 +181,16 @@ def _local_findings(source: FolderSave | StoreSave, comm: Comm) -> tuple[dict[st
                     kept[name] = data
             except (IncompleteCheckpointError, CorruptCheckpointError) as exc:
                 _note(findings, exc)
-    return findings, source.verified(manifest, metadata, kept)  # type: ignore[arg-type]
+    sizes = {name: p["bytes"] for name, p in parts.items()}
+    return findings, VerifiedSave(
+        source.folder,
+        manifest,
+        metadata,
+        sizes,
+        source.storage,
+        source.attempt,
+        kept,  # type: ignore[arg-type]
+    )
 
 
 def _safe_local_findings(source: FolderSave | StoreSave, comm: Comm) -> tuple[dict[str, Any], Any]:

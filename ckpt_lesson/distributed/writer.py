@@ -10,9 +10,7 @@ and file format and changes three things:
 1. **Every byte is hashed on its way to storage.** DCP opens every file, data and
    ``.metadata`` alike, through ``self.fs.create_stream``; our file systems
    (a local folder, or any fsspec URL) hand out a stream that feeds each
-   ``write`` to the hasher, so the digest costs no second read. (Locally the
-   stream keeps ``tell`` for DCP's offsets and ``fileno`` for its fsync; without
-   ``fileno`` DCP falls back to a machine-wide ``os.sync()``.)
+   ``write`` to the hasher, so the digest costs no second read.
 2. **Digests travel with DCP's own results.** ``write_data`` returns one
    ``WriteResult`` per item and DCP gathers them to rank 0 for ``finish``; each
    result carries its file's size and digest, so no extra collective is needed.
@@ -22,13 +20,9 @@ and file format and changes three things:
    commit strategy of its storage. ``dcp.async_save`` calls the same ``finish``
    in its background thread, so an asynchronous save runs the same protocol.
 
-Two targets, one writer, each living with its storage's backend:
-:class:`~.saving.FolderTarget` writes in a ``.staging-step-...`` folder that no
-reader mistakes for a save and publishes it by one rename (or writes in place
-and publishes by a commit marker written last, ``publish="marker"``);
-:class:`~.store_saves.StoreTarget` uploads under ``step-XXXXXXXX/<save_id>/``
-and publishes by a conditional ``COMMIT`` under a lease. A kill of any rank
-before the commit leaves the previous save as the newest one.
+The two targets live with their storage's backend (:class:`~.saving.FolderTarget`,
+:class:`~.store_saves.StoreTarget`). A kill of any rank before the commit leaves the
+previous save as the newest one.
 """
 
 from __future__ import annotations
@@ -38,7 +32,7 @@ import json
 import os
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +51,9 @@ from ckpt_lesson.runs.dcp_manifest import METADATA_FILE, build_manifest
 
 __all__ = [
     "CommitWriter",
-    "Digested",
     "Emit",
     "HashingFileSystem",
     "HashingFsspecFileSystem",
-    "HashingStream",
-    "check_and_unwrap",
     "no_event",
 ]
 
@@ -191,10 +182,8 @@ class HashingFsspecFileSystem(_Hashing, FsspecFileSystem):
                 if discard is not None:
                     discard()
             finally:
-                try:
+                with suppress(AttributeError):
                     raw.closed = True  # fsspec completes an open write file on close() and in __del__
-                except AttributeError:
-                    pass
             raise
 
 
@@ -299,7 +288,33 @@ class CommitWriter(FileSystemWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         self.emit("finish_begin", step=self.step)
-        plain, parts = check_and_unwrap(results, self._planned, where=self.target.where)
+        # Every planned item was written (a writer thread or rank may have died quietly); then DCP's
+        # own results go on, digests stripped (``.metadata`` stays stock), and one part per file.
+        missing = (self._planned or set()) - {r.index for rank_results in results for r in rank_results}
+        if self._planned is None or missing:
+            names = sorted({index.fqn for index in missing})[:5]
+            raise IncompleteCheckpointError(
+                f"{self.target.where}: {len(missing)} planned item(s) were not written (e.g. {names}); "
+                "a writer thread or rank failed. Nothing was published; the previous save stays the latest."
+            )
+        plain: list[list[WriteResult]] = []
+        parts: dict[str, dict[str, Any]] = {}
+        for rank_results in results:
+            row = []
+            for result in rank_results:
+                digested = result.storage_data
+                if not isinstance(digested, Digested):
+                    raise CheckpointError(f"{self.target.where}: a rank wrote without a hashing writer.")
+                info = digested.info
+                if info.offset + info.length > digested.size:
+                    raise CheckpointError(
+                        f"{digested.file}: an item ends past the file's {digested.size} bytes."
+                    )
+                part = {"file": digested.file, "bytes": digested.size, **digested.record}
+                if parts.setdefault(digested.file, part) != part:
+                    raise CheckpointError(f"{digested.file}: two ranks reported different contents.")
+                row.append(dataclasses.replace(result, storage_data=info))
+            plain.append(row)
         super().finish(metadata, plain)  # .metadata.tmp through our stream, fsync, rename
         if METADATA_FILE not in self.fs.records:
             raise CheckpointError(f"{self.target.where}: DCP wrote no {METADATA_FILE}; nothing published.")
@@ -321,48 +336,3 @@ class CommitWriter(FileSystemWriter):
         self.emit("published", step=self.step, path=final, save_id=self.save_id)
         if self.after_publish is not None:
             self.after_publish(final, manifest)
-
-
-def check_and_unwrap(
-    results: list[list[WriteResult]], planned: set[Any] | None, *, where: str
-) -> tuple[list[list[WriteResult]], dict[str, Any]]:
-    """Check every planned item was written, strip digests from the results, and collect one part per file.
-
-    Args:
-        results: What DCP gathered to rank 0's ``finish``.
-        planned: Every item index of the global plan (``None``: no plan was seen, a failure).
-        where: The save, for messages.
-
-    Returns:
-        ``(results as DCP wrote them, {file: part record})``.
-
-    Raises:
-        IncompleteCheckpointError: Planned items are missing (a writer thread or rank failed).
-        CheckpointError: A result without a digest, an item past its file's end, or two ranks
-            that disagree on one file.
-    """
-    written = {r.index for rank_results in results for r in rank_results}
-    missing = (planned or set()) - written
-    if planned is None or missing:
-        names = sorted({index.fqn for index in missing})[:5]
-        raise IncompleteCheckpointError(
-            f"{where}: {len(missing)} planned item(s) were not written (e.g. {names}); "
-            "a writer thread or rank failed. Nothing was published; the previous save stays the latest."
-        )
-    plain: list[list[WriteResult]] = []
-    parts: dict[str, dict[str, Any]] = {}
-    for rank_results in results:
-        row = []
-        for result in rank_results:
-            digested = result.storage_data
-            if not isinstance(digested, Digested):
-                raise CheckpointError(f"{where}: a rank wrote without a hashing writer.")
-            info = digested.info
-            if info.offset + info.length > digested.size:
-                raise CheckpointError(f"{digested.file}: an item ends past the file's {digested.size} bytes.")
-            part = {"file": digested.file, "bytes": digested.size, **digested.record}
-            if parts.setdefault(digested.file, part) != part:
-                raise CheckpointError(f"{digested.file}: two ranks reported different contents.")
-            row.append(dataclasses.replace(result, storage_data=info))
-        plain.append(row)
-    return plain, parts
