@@ -17,12 +17,9 @@ manager does that with a commit protocol borrowed from databases:
 A crash before step 5 leaves only a staging folder, which nobody mistakes for
 a save; a crash after it leaves a complete, verifiable save. Discovery trusts
 nothing else: a ``step-*`` folder counts only if its manifest exists and every
-part it lists has the recorded size and sha256.
-
-Why ``flock`` and not a pid file: the kernel releases a ``flock`` when its
-owner dies, even by ``SIGKILL``, so "can I take the lock?" is an exact test of
-"is the writer dead?". A pid can be reused; a lock cannot lie. One writer per
-run directory (readers, scans and restores may be many).
+part it lists has the recorded size and sha256. Why a ``flock`` and not a pid file
+is told in :mod:`~ckpt_lesson.runs.commit`. One writer per run directory (readers,
+scans and restores may be many).
 
 A URL (``s3://bucket/prefix``) gives the same manager over an object store: each save is
 made this way in a local cache folder, then uploaded and committed by a conditional marker

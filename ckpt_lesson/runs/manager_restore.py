@@ -168,10 +168,8 @@ class RestoreMethods:
     def _check_contract(self, target: SaveSource, manifest: dict[str, Any]) -> tuple[Any, list[str]]:
         """The resume contract, from the manifest alone: nothing is loaded before it passes.
 
-        Not damage, so never skipped in favour of an older save: a save that covers fewer
-        buckets, or belongs to other data, another model, config or environment, is refused,
-        and older saves of the same run would be refused alike. The report is logged, emitted
-        (``resume_contract``) and returned with the warnings, for ``last_restore``.
+        A refusal is not damage (see :mod:`ckpt_lesson.runs.restore`). The report is logged,
+        emitted (``resume_contract``) and returned with the warnings, for ``last_restore``.
 
         Raises:
             StateMismatchError: The save does not cover every bucket.

@@ -13,13 +13,9 @@ the parts ``model``, ``optimizer``, ``scheduler``. The order of the checks insid
 4. every part hashes to its recorded digest, and only then is the payload
    unpickled (safely, ``weights_only``), its step checked, and applied.
 
-A save is read from one of two *sources* (:data:`SaveSource`): its local
-``step-XXXXXXXX`` folder, or a :class:`VerifiedSave` from an object store whose
-every part was hashed against the manifest while it streamed down
-(:mod:`ckpt_lesson.runs.store_restore`). For those, steps 3 and 4's hashing is
-already done and only the weights-only load remains, through the same archive
-check as a file (:class:`~ckpt_lesson.files.verify.VerifiedBytes`): one
-restore for both, not a second copy of it.
+A save is read from its local ``step-XXXXXXXX`` folder, or from a :class:`VerifiedSave`
+whose parts were hashed as they streamed down (:mod:`ckpt_lesson.runs.store_restore`,
+which tells that path): one restore for both (:data:`SaveSource`), not a second copy of it.
 
 Damage (``CorruptCheckpointError``, ``IncompleteCheckpointError``) makes the
 manager try the next save. Anything else (a contract that does not match,
