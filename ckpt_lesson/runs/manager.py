@@ -310,8 +310,7 @@ class CheckpointManager(RestoreMethods, LoopMethods):
             self.store.open_for_writing()  # refuse a reader; at the first save prove the marker fences
         refuse_if_already_saved(self.step_dir(step), step)
         started = time.perf_counter()
-        # Ctrl-C or an error anywhere in this block: open_staging removes the staging folder
-        # (garbage, never a save) and releases the lock, so the error surfaces with nothing half-made.
+        # Ctrl-C or an error in this block: open_staging removes the staging folder and releases the lock.
         with open_staging(self.run_dir, step) as staging:
             self._emit("save_begin", step=step, staging=staging.name)
             manifest = stage(staging)  # parts, then the sealed manifest (fsynced), then the optional re-read
