@@ -1,11 +1,8 @@
 """Finding and restoring a run's saves: the reading half of the ``CheckpointManager``.
 
 The manager is split by job: :mod:`~ckpt_lesson.runs.manager` writes saves,
-this mixin lists, verifies and restores them. A folder and a bucket are read
-through the same loop (:func:`~ckpt_lesson.runs.restore.load_newest_good`, which
-loads each candidate with :func:`~ckpt_lesson.runs.restore.load_save`); only the
-list of candidates differs: the run directory's published saves, or the store's
-committed ones (:class:`~ckpt_lesson.runs.store_run.StoreRun`).
+this mixin lists, verifies and restores them through :mod:`~ckpt_lesson.runs.restore`;
+a folder and a bucket differ only in the list of candidates.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The middle of a managed save: write the parts, describe them, check them.
 
 :meth:`CheckpointManager.save <ckpt_lesson.runs.manager.CheckpointManager.save>`
-reads as the protocol (stage, write parts, manifest, verify, publish, retain);
-the steps that touch the payload live here, the same for both call forms
-(:func:`stage_save`, :func:`stage_payload_save`), which differ only in their writer
-and in what the manifest says the save covers:
-
-* the checkpoint file (or the shards, ``meta.pt`` and ``index.json``) is written
-  into the staging folder, each part's size and digest taken *while* the bytes
-  were written, never from a re-read;
-* :func:`build_manifest` turns those parts into the commit record;
-* :func:`verify_staged` optionally checks every part before publishing.
+reads as the protocol; the steps that touch the payload live here, the same for both
+call forms (:func:`stage_save`, :func:`stage_payload_save`), which differ only in their
+writer and in what the manifest says the save covers. Each part's size and digest are
+taken *while* its bytes are written, never from a re-read.
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ __all__ = [
     "attempt_of",
     "clean_uncommitted",
     "commit_attempt",
+    "commit_checks",
     "committed_steps",
     "delete_store_save",
     "read_commit",
@@ -279,6 +280,15 @@ def read_commit(storage: Storage, step: int) -> tuple[dict[str, Any], bytes]:
     return marker, raw
 
 
+def commit_checks(storage: Storage, step: int) -> bool:
+    """True when :func:`read_commit` accepts ``step``'s marker and manifest (no part is read)."""
+    try:
+        read_commit(storage, step)
+    except (CorruptCheckpointError, IncompleteCheckpointError):
+        return False
+    return True
+
+
 def delete_store_save(storage: Storage, step: int) -> None:
     """Delete one save: the marker first (no reader counts it after that), then every object."""
     storage.delete([_marker_key(step)])
@@ -339,14 +349,7 @@ def apply_store_retention(storage: Storage, policy: RetentionPolicy) -> list[int
     parts would download the whole run on every save); restores hash everything.
     """
     steps = committed_steps(storage)
-    verified = []
-    for step in steps:
-        try:
-            read_commit(storage, step)
-            verified.append(step)
-        except (CorruptCheckpointError, IncompleteCheckpointError):
-            pass
-    doomed = policy.to_delete(steps, set(verified))
+    doomed = policy.to_delete(steps, {step for step in steps if commit_checks(storage, step)})
     for step in doomed:
         delete_store_save(storage, step)
         log.info("retention: deleted %s from %s", step_dir_name(step), storage.url)

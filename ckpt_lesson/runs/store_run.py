@@ -52,8 +52,8 @@ from ckpt_lesson.runs.store_commit import (
     CommitConflictError,
     apply_store_retention,
     clean_uncommitted,
+    commit_checks,
     committed_steps,
-    read_commit,
     upload_save,
 )
 from ckpt_lesson.runs.store_restore import open_verified, verify_store_save
@@ -136,13 +136,7 @@ class StoreRun:
 
     def latest_step(self) -> int | None:
         """The newest step whose marker and manifest check out (parts are not downloaded)."""
-        for step in reversed(self.all_steps()):
-            try:
-                read_commit(self.storage, step)
-                return step
-            except (CorruptCheckpointError, IncompleteCheckpointError):
-                continue
-        return None
+        return next((step for step in reversed(self.all_steps()) if commit_checks(self.storage, step)), None)
 
     # ------------------------------------------------------------------ save
 
