@@ -162,8 +162,12 @@ def load_save(
             "with mgr.restore_latest({'model': model, 'optimizer': opt, ...})."
         )
     check_contract(target, manifest)
-    if not in_memory:
-        _check_parts_present(target, manifest)
+    for part in [] if in_memory else manifest["parts"]:  # presence and size first: a stat each, free
+        path, want = target / part["file"], part["bytes"]
+        if not path.is_file() or path.is_symlink():
+            raise IncompleteCheckpointError(f"{target.name}: part {part['file']} is missing")
+        if (size := path.stat().st_size) != want:
+            raise CorruptCheckpointError(f"{target.name}: {part['file']}: size {size} != recorded {want}")
     source: Any = target
     if manifest["layout"] == "single":
         algo, want = part_digest({p["file"]: p for p in manifest["parts"]}["checkpoint.pt"])
@@ -210,19 +214,6 @@ def load_save(
 def _check_step(target: SaveSource, saved: int, step: int) -> None:
     if saved != step:
         raise CorruptCheckpointError(f"{target.name}: payload holds step {saved}")
-
-
-def _check_parts_present(target: Path, manifest: dict[str, Any]) -> None:
-    """Every manifest part exists with its recorded size: a ``stat`` each, no reading."""
-    for part in manifest["parts"]:  # presence and size first: free, and names a missing part exactly
-        path = target / part["file"]
-        if not path.is_file() or path.is_symlink():
-            raise IncompleteCheckpointError(f"{target.name}: part {part['file']} is missing")
-        if path.stat().st_size != part["bytes"]:
-            size = path.stat().st_size
-            raise CorruptCheckpointError(
-                f"{target.name}: {part['file']}: size {size} != recorded {part['bytes']}"
-            )
 
 
 def _verify_other_parts(target: Path, manifest: dict[str, Any], *, skip: set[str]) -> None:
