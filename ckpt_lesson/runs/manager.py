@@ -32,7 +32,6 @@ This class reads as the protocol; each step is a small function elsewhere: folde
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -57,8 +56,6 @@ from ckpt_lesson.runs.save_parts import refuse_if_already_saved, stage_payload_s
 from ckpt_lesson.runs.store_run import DEFAULT_LEASE_SECONDS, StoreRun
 
 __all__ = ["CheckpointManager", "StoreCheckpointManager"]
-
-log = logging.getLogger(__name__)
 
 
 class CheckpointManager(RestoreMethods, LoopMethods):

@@ -25,7 +25,6 @@ of the same run would be refused the same way.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,12 +44,10 @@ from ckpt_lesson.files.safe_read import read_json_file
 from ckpt_lesson.files.shard_index import INDEX_NAME
 from ckpt_lesson.files.sharded import load_sharded_checkpoint
 from ckpt_lesson.files.verify import VerifiedBytes, verify_record
+from ckpt_lesson.runs.commit import log  # the manager's messages, under its logger name
 from ckpt_lesson.runs.layout import read_manifest, step_dir_name
 
 __all__ = ["Candidates", "SaveSource", "VerifiedSave", "load_newest_good", "load_save"]
-
-# The manager's messages, under the manager's logger name (see ckpt_lesson.runs.commit for why).
-log = logging.getLogger("ckpt_lesson.runs.manager")
 
 
 @dataclass(eq=False)

@@ -39,7 +39,6 @@ parts without a marker, which no reader counts and the next clean removes.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import socket
@@ -51,6 +50,7 @@ from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, Incomple
 from ckpt_lesson.files.hashing import digest_bytes, part_digest
 from ckpt_lesson.files.safe_read import MAX_RECORD_BYTES, parse_json_text
 from ckpt_lesson.files.storage import Storage
+from ckpt_lesson.runs.commit import log
 from ckpt_lesson.runs.layout import MANIFEST_NAME, read_manifest, step_dir_name, step_of
 from ckpt_lesson.runs.retention import RetentionPolicy
 from ckpt_lesson.runs.store_lease import LEASE_NAME, LeaseRenewer
@@ -69,8 +69,6 @@ __all__ = [
     "read_commit",
     "upload_save",
 ]
-
-log = logging.getLogger("ckpt_lesson.runs.manager")
 
 COMMIT_NAME = "COMMIT"
 COMMIT_SCHEMA = "ckpt_lesson.commit/1"

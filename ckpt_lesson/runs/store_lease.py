@@ -25,7 +25,6 @@ fails (the store briefly unreachable) is logged and tried again at the next tick
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import threading
@@ -33,10 +32,9 @@ import time
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.storage import Storage
+from ckpt_lesson.runs.commit import log
 
 __all__ = ["LEASE_NAME", "LeaseRenewer"]
-
-log = logging.getLogger("ckpt_lesson.runs.manager")
 
 LEASE_NAME = "LEASE"
 #: Renew when this fraction of the lease has passed: two renewals may fail before it runs out.
