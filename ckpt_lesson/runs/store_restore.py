@@ -9,11 +9,7 @@ that have not been checked. A restore from a store therefore goes
    size or digest differs is damage;
 3. only then does :func:`ckpt_lesson.runs.restore.load_save` load the parts,
    through the same archive check and weights-only load as a local file, without
-   hashing them again.
-
-A sharded save is the exception: its loaders read a folder, so its parts are
-written into a fresh local folder (:func:`fetch_verified`) and the local
-restore checks them there once more.
+   hashing them again (a sharded save is the exception: :func:`open_verified`).
 
 A part that vanished (deleted by a retention pass, or never uploaded) is
 ``IncompleteCheckpointError``, damage like a wrong digest (what the restore does
@@ -222,7 +218,8 @@ def open_verified(storage: Storage, step: int, cache: Path) -> SaveSource:
     as a :class:`~ckpt_lesson.runs.restore.VerifiedSave`: nothing is written
     locally and nothing is hashed twice. A sharded save's loaders read a folder,
     so it is fetched into ``cache/step-XXXXXXXX`` (:func:`fetch_verified`) and
-    that folder is returned; the caller removes it after the restore.
+    that folder is returned (the local restore checks it once more); the caller
+    removes it after the restore.
 
     Args:
         storage: The run's store.
