@@ -74,7 +74,7 @@ class DistributedCheckpointManager(LoopMethods):
         thread_count: DCP writer threads per rank.
         publish: ``"rename"`` (a folder's default): publish by renaming a staging folder (a POSIX
             file system); ``"marker"`` (the only choice for a URL): write in place and publish by
-            a commit marker written last (see :mod:`ckpt_lesson.runs.dcp_marker`).
+            a commit marker written last (see :mod:`ckpt_lesson.runs.commit`).
         storage_options: A URL's fsspec options (``key``, ``secret``, ``client_kwargs``).
         lease_seconds: A URL's writer lease: a silent writer's upload counts as alive this
             long, and a live save renews its lease every third of it.

@@ -22,8 +22,15 @@ from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.atomic import atomic_write_bytes, fsync_dir
 from ckpt_lesson.files.rng import capture_rng_state
 from ckpt_lesson.files.storage import is_store_url
-from ckpt_lesson.runs.commit import QUARANTINE_PREFIX, clean_stale, open_marker_folder, open_staging, publish
-from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, write_commit_marker
+from ckpt_lesson.runs.commit import (
+    PUBLISH_MODES,
+    QUARANTINE_PREFIX,
+    clean_stale,
+    open_marker_folder,
+    open_staging,
+    publish,
+    write_commit_marker,
+)
 from ckpt_lesson.runs.layout import MANIFEST_NAME, published_steps, step_dir_name, step_of
 from ckpt_lesson.runs.marker_cleanup import clean_unmarked
 from ckpt_lesson.runs.retention import BackgroundRetention, RetentionPolicy
@@ -215,7 +222,7 @@ class FolderTarget:
         final: Where the save is published, e.g. ``RUN_DIR/step-00000040``.
         publish: ``"rename"``: ``staging`` is renamed to ``final``; ``"marker"``: ``staging``
             *is* ``final`` and a commit marker written last publishes it
-            (see :mod:`ckpt_lesson.runs.dcp_marker`).
+            (see :mod:`ckpt_lesson.runs.commit`).
 
     Example:
         >>> target = FolderTarget(run / ".staging-step-00000040-x", run / "step-00000040")  # doctest: +SKIP

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES
+from ckpt_lesson.runs.commit import PUBLISH_MODES
 
 __all__ = [
     "NAMED_KILLS",

@@ -27,10 +27,11 @@ Where a folder cannot be renamed atomically (on an object store fsspec's
 ``rename`` is a copy and a delete), a multi-rank save publishes by *commit
 marker* instead (``publish="marker"``): its files go straight into the final
 ``step-XXXXXXXX/`` under a held ``.marker-lock`` (:func:`open_marker_folder`), then
-the manifest, and *last* a sealed ``commit.json`` naming the manifest's digest
-(:mod:`ckpt_lesson.runs.dcp_marker`). A reader counts the folder only when that
-marker names exactly the manifest beside it; one without it whose lock is free
-lost its writer (:mod:`ckpt_lesson.runs.marker_cleanup`).
+the manifest (it says ``"publish": "marker"``, so a reader requires the marker),
+and *last* a sealed ``commit.json`` naming the manifest's digest, step and save id
+(:func:`write_commit_marker`). A reader counts the folder only when that marker names exactly the manifest
+beside it (:func:`check_commit_marker`); one without it whose lock is free lost
+its writer (:mod:`ckpt_lesson.runs.marker_cleanup`).
 """
 
 from __future__ import annotations
@@ -44,9 +45,13 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
-from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.atomic import fsync_dir
+from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from ckpt_lesson.files.atomic import atomic_write_json, fsync_dir
+from ckpt_lesson.files.hashing import hash_bytes
+from ckpt_lesson.files.record_seal import seal_record, verify_record_seal
+from ckpt_lesson.files.safe_read import parse_json_text, read_regular_file
 from ckpt_lesson.files.side_files import open_beside
 from ckpt_lesson.runs.layout import STAGING_PREFIX, inspect_save, step_of
 
@@ -55,8 +60,11 @@ __all__ = [
     "DELETING_PREFIX",
     "LOCK_NAME",
     "MARKER_LOCK",
+    "MARKER_SCHEMA",
+    "PUBLISH_MODES",
     "QUARANTINE_PREFIX",
     "STALE_UNLOCKED_SECONDS",
+    "check_commit_marker",
     "clean_stale",
     "delete_save",
     "lock_is_free",
@@ -65,6 +73,7 @@ __all__ = [
     "publish",
     "staging_name",
     "writer_is_dead",
+    "write_commit_marker",
 ]
 
 # These messages are the manager's: users (and the notebooks) filter and print them under that
@@ -76,10 +85,14 @@ DELETING_PREFIX = ".deleting-"
 QUARANTINE_PREFIX = ".quarantine-"
 #: A staging folder with no ``.lock`` this old lost its writer between mkdir and lock creation.
 STALE_UNLOCKED_SECONDS = 10.0
-#: A marker-mode save's commit, written last (see :mod:`ckpt_lesson.runs.dcp_marker`).
+#: A marker-mode save's commit, written last (:func:`write_commit_marker`).
 COMMIT_MARKER = "commit.json"
+MARKER_SCHEMA = "ckpt.commit.dcp.v1"
+_MAX_MARKER_BYTES = 64 << 10
 #: Held (flock) by the writer of a marker-mode folder while it writes; free once it is gone.
 MARKER_LOCK = ".marker-lock"
+#: ``DistributedCheckpointManager(publish=...)``: how a finished save becomes visible.
+PUBLISH_MODES = ("rename", "marker")
 
 
 def staging_name(step: int) -> str:
@@ -102,8 +115,7 @@ def _locked_folder(
     folder: Path, lock_name: str, committed: Callable[[], bool], *, durable: bool = False
 ) -> Iterator[Path]:
     folder.mkdir()
-    # Create and lock right after mkdir: a staging folder without a lock is treated as
-    # abandoned once it is STALE_UNLOCKED_SECONDS old.
+    # Create and lock right after mkdir: an unlocked staging folder is abandoned (STALE_UNLOCKED_SECONDS).
     fd = None
     try:
         fd = open_beside(folder / lock_name, os.O_RDWR | os.O_CREAT | os.O_EXCL)
@@ -178,8 +190,7 @@ def publish(staging: Path, final: Path, *, on_quarantined: Callable[[Path], None
     not (corrupt or incomplete) is renamed aside to ``.quarantine-...`` first,
     kept for inspection rather than deleted, and ``on_quarantined(aside)`` is called.
     After the rename the parent directory is fsynced, so the save survives a
-    power loss, and the no longer needed ``.lock`` file is removed (the
-    caller's descriptor still holds the lock until it closes it).
+    power loss, and the no longer needed ``.lock`` file is removed.
 
     Args:
         staging: The complete staging folder (parts and manifest written and fsynced).
@@ -260,9 +271,7 @@ def _gone_is_fine(func: object, path: str, exc_info: tuple[type, BaseException, 
 def clean_stale(run_dir: Path, *, spare_pid: int | None = None) -> list[str]:
     """Remove staging folders of dead writers and leftover ``.deleting-`` folders.
 
-    A staging folder is stale only if its ``.lock`` can be locked (its writer
-    is dead), or it has no ``.lock`` and is older than
-    :data:`STALE_UNLOCKED_SECONDS`. A folder a live writer holds is never touched.
+    A staging folder goes only when :func:`writer_is_dead`; one a live writer holds is never touched.
 
     ``spare_pid``: skip staging folders that process made. A cleaner running on
     a background thread passes its own pid: a save of its own process may have
@@ -285,11 +294,9 @@ def clean_stale(run_dir: Path, *, spare_pid: int | None = None) -> list[str]:
         if entry.name.startswith(DELETING_PREFIX):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry.name)
-        elif (
-            spare_pid is not None and entry.name.startswith(STAGING_PREFIX) and f"-{spare_pid}-" in entry.name
-        ):
-            continue  # this process's own save, perhaps between mkdir and flock
-        elif entry.name.startswith(STAGING_PREFIX) and writer_is_dead(entry) and delete_save(entry):
+        elif not entry.name.startswith(STAGING_PREFIX) or f"-{spare_pid}-" in entry.name:
+            continue  # not a staging folder, or this process's own save (perhaps between mkdir and flock)
+        elif writer_is_dead(entry) and delete_save(entry):
             log.info("removed %s: its writer is gone (an interrupted save)", entry.name)
             removed.append(entry.name)
     return removed
@@ -328,3 +335,63 @@ def lock_is_free(path: Path) -> bool:
         return False
     finally:
         os.close(fd)  # closing releases the lock we may have taken
+
+
+def write_commit_marker(folder: Path, manifest: dict[str, Any], manifest_raw: bytes) -> None:
+    """Write ``folder/commit.json`` naming the manifest's digest, durably: the save's commit.
+
+    Args:
+        folder: The save folder, manifest already written and fsynced.
+        manifest: The manifest (for its step, save id and algorithm).
+        manifest_raw: The manifest file's exact bytes.
+
+    Example:
+        >>> write_commit_marker(run / "step-00000040", manifest, raw)  # doctest: +SKIP
+    """
+    algo = manifest["parts"][0]["algo"]
+    marker = {
+        "schema": MARKER_SCHEMA,
+        "step": manifest["step"],
+        "save_id": manifest["save_id"],
+        "manifest": hash_bytes(manifest_raw, algo),
+    }
+    atomic_write_json(seal_record(marker), folder / COMMIT_MARKER)  # fsyncs the file and the folder
+
+
+def check_commit_marker(folder: Path, manifest: dict[str, Any], manifest_raw: bytes) -> None:
+    """Refuse a marker-mode save whose marker is missing or does not name this manifest.
+
+    Raises:
+        IncompleteCheckpointError: No marker: the save never finished.
+        CorruptCheckpointError: The marker is unreadable, unsealed or damaged, or
+            names another step, save or manifest digest.
+
+    Example:
+        >>> check_commit_marker(folder, manifest, raw)  # doctest: +SKIP
+    """
+    where = f"{folder.name}/{COMMIT_MARKER}"
+    try:
+        data = read_regular_file(folder / COMMIT_MARKER, limit=_MAX_MARKER_BYTES, what="commit marker")
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(
+            f"{folder.name}: no {COMMIT_MARKER}; this save publishes by commit marker, which is written "
+            "last, so the save never finished. Restore an older save (restore_latest falls back)."
+        ) from None
+    marker = parse_json_text(data, where=where)
+    if not isinstance(marker, dict) or "record_digest" not in marker:
+        raise CorruptCheckpointError(f"{where}: not a sealed commit marker; restore an older save.")
+    verify_record_seal(marker, where=where, legacy_keys=())
+    named = marker.get("manifest")
+    if marker.get("schema") != MARKER_SCHEMA or not isinstance(named, dict) or "algo" not in named:
+        raise CorruptCheckpointError(f"{where}: not a {MARKER_SCHEMA} record; restore an older save.")
+    try:
+        found = hash_bytes(manifest_raw, named["algo"])
+    except CheckpointError as exc:  # an algorithm name we do not know: the marker is not ours
+        raise CorruptCheckpointError(f"{where}: names an unknown algorithm ({exc}).") from exc
+    same_save = (marker.get("step"), marker.get("save_id")) == (manifest["step"], manifest["save_id"])
+    if not same_save or named != found:
+        raise CorruptCheckpointError(
+            f"{where}: names manifest {str(named.get('digest'))[:12]}... of step {marker.get('step')}, but "
+            f"manifest.json here is {found['digest'][:12]}... of step {manifest['step']}; the marker commits "
+            "another save's files, so this one is not committed. Restore an older save."
+        )

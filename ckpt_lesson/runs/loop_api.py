@@ -17,14 +17,8 @@ and no flag to be tested.
 
 They are thin on purpose: ``resume`` is ``restore_latest(state)`` and ``save_if_due`` is
 ``should_save(step)`` then ``save(step, state)``; the rules of those two hold unchanged. Each adds
-one thing a loop would otherwise spell out in a line of its own:
-
-- ``resume`` restores a tensor value (or a tuple or list of them, like an LSTM's ``(h, c)``) in
-  place, as ``torch.distributed.checkpoint.load`` does, so the variable the loop passed holds the
-  saved value without taking it back out of the returned state. Same shape and dtype, or it
-  refuses by name: nothing is cast.
-- ``save_if_due(..., last_step=n)`` saves step ``n`` whatever the cadence and then closes the
-  manager, so a DDP script needs no ``mgr.close()`` before ``dist.destroy_process_group()``.
+one thing a loop would otherwise spell out in a line of its own (a tensor value restored in place;
+a close after the last step), told in its docstring.
 """
 
 from __future__ import annotations

@@ -17,12 +17,9 @@ manager does that with a commit protocol borrowed from databases:
 A crash before step 5 leaves only a staging folder, which nobody mistakes for
 a save; a crash after it leaves a complete, verifiable save. Discovery trusts
 nothing else: a ``step-*`` folder counts only if its manifest exists and every
-part it lists has the recorded size and sha256.
-
-Why ``flock`` and not a pid file: the kernel releases a ``flock`` when its
-owner dies, even by ``SIGKILL``, so "can I take the lock?" is an exact test of
-"is the writer dead?". A pid can be reused; a lock cannot lie. One writer per
-run directory (readers, scans and restores may be many).
+part it lists has the recorded size and sha256. Why a ``flock`` and not a pid file
+is told in :mod:`~ckpt_lesson.runs.commit`. One writer per run directory (readers,
+scans and restores may be many).
 
 A URL (``s3://bucket/prefix``) gives the same manager over an object store: each save is
 made this way in a local cache folder, then uploaded and committed by a conditional marker
@@ -35,7 +32,6 @@ This class reads as the protocol; each step is a small function elsewhere: folde
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -59,8 +55,6 @@ from ckpt_lesson.runs.save_parts import refuse_if_already_saved, stage_payload_s
 from ckpt_lesson.runs.store_run import DEFAULT_LEASE_SECONDS, StoreRun
 
 __all__ = ["CheckpointManager", "StoreCheckpointManager"]
-
-log = logging.getLogger(__name__)
 
 
 class CheckpointManager(RestoreMethods, LoopMethods):
@@ -312,8 +306,7 @@ class CheckpointManager(RestoreMethods, LoopMethods):
             self.store.open_for_writing()  # refuse a reader; at the first save prove the marker fences
         refuse_if_already_saved(self.step_dir(step), step)
         started = time.perf_counter()
-        # Ctrl-C or an error anywhere in this block: open_staging removes the staging folder
-        # (garbage, never a save) and releases the lock, so the error surfaces with nothing half-made.
+        # Ctrl-C or an error in this block: open_staging removes the staging folder and releases the lock.
         with open_staging(self.run_dir, step) as staging:
             self._emit("save_begin", step=step, staging=staging.name)
             manifest = stage(staging)  # parts, then the sealed manifest (fsynced), then the optional re-read

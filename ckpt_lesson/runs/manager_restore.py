@@ -1,11 +1,8 @@
 """Finding and restoring a run's saves: the reading half of the ``CheckpointManager``.
 
 The manager is split by job: :mod:`~ckpt_lesson.runs.manager` writes saves,
-this mixin lists, verifies and restores them. A folder and a bucket are read
-through the same loop (:func:`~ckpt_lesson.runs.restore.load_newest_good`, which
-loads each candidate with :func:`~ckpt_lesson.runs.restore.load_save`); only the
-list of candidates differs: the run directory's published saves, or the store's
-committed ones (:class:`~ckpt_lesson.runs.store_run.StoreRun`).
+this mixin lists, verifies and restores them through :mod:`~ckpt_lesson.runs.restore`;
+a folder and a bucket differ only in the list of candidates.
 """
 
 from __future__ import annotations
@@ -168,10 +165,8 @@ class RestoreMethods:
     def _check_contract(self, target: SaveSource, manifest: dict[str, Any]) -> tuple[Any, list[str]]:
         """The resume contract, from the manifest alone: nothing is loaded before it passes.
 
-        Not damage, so never skipped in favour of an older save: a save that covers fewer
-        buckets, or belongs to other data, another model, config or environment, is refused,
-        and older saves of the same run would be refused alike. The report is logged, emitted
-        (``resume_contract``) and returned with the warnings, for ``last_restore``.
+        A refusal is not damage (see :mod:`ckpt_lesson.runs.restore`). The report is logged,
+        emitted (``resume_contract``) and returned with the warnings, for ``last_restore``.
 
         Raises:
             StateMismatchError: The save does not cover every bucket.

@@ -1,11 +1,9 @@
 """Cleaning up after marker-mode saves: delete only what is certainly an interrupted save.
 
-A ``publish="marker"`` save writes its files straight into ``step-XXXXXXXX/``
-while holding ``.marker-lock``, then ``manifest.json``, then ``commit.json``
-(see :mod:`ckpt_lesson.runs.commit`). A folder whose lock is free and
-which has no ``commit.json`` has lost its writer. The *expected* such folder
-has no manifest either: the writer died while writing parts, nothing in it is
-a save, and removing it is right.
+A marker-mode folder whose ``.marker-lock`` is free and which has no ``commit.json``
+has lost its writer (see :mod:`ckpt_lesson.runs.commit`). The *expected* such folder
+has no manifest either: the writer died while writing parts, nothing in it is a save,
+and removing it is right.
 
 Anything else is *unexpected*: a manifest is there (the writer died between
 the manifest and the marker, or ``commit.json`` was lost later, by a sync tool,
@@ -71,9 +69,7 @@ def clean_unmarked(run_dir: Path) -> list[str]:
 
     Only folders with a free ``.marker-lock`` and no ``commit.json`` are
     considered: a folder written by rename, a committed one (its lock is
-    removed at commit), or one a live writer holds never is. Of those, a folder
-    without ``manifest.json`` is removed; one with a manifest is renamed aside
-    and logged, never removed.
+    removed at commit), or one a live writer holds never is.
 
     Returns:
         Names of the folders removed (quarantined ones are logged, not listed).

@@ -13,13 +13,9 @@ the parts ``model``, ``optimizer``, ``scheduler``. The order of the checks insid
 4. every part hashes to its recorded digest, and only then is the payload
    unpickled (safely, ``weights_only``), its step checked, and applied.
 
-A save is read from one of two *sources* (:data:`SaveSource`): its local
-``step-XXXXXXXX`` folder, or a :class:`VerifiedSave` from an object store whose
-every part was hashed against the manifest while it streamed down
-(:mod:`ckpt_lesson.runs.store_restore`). For those, steps 3 and 4's hashing is
-already done and only the weights-only load remains, through the same archive
-check as a file (:class:`~ckpt_lesson.files.verify.VerifiedBytes`): one
-restore for both, not a second copy of it.
+A save is read from its local ``step-XXXXXXXX`` folder, or from a :class:`VerifiedSave`
+whose parts were hashed as they streamed down (:mod:`ckpt_lesson.runs.store_restore`,
+which tells that path): one restore for both (:data:`SaveSource`), not a second copy of it.
 
 Damage (``CorruptCheckpointError``, ``IncompleteCheckpointError``) makes the
 manager try the next save. Anything else (a contract that does not match,
@@ -29,7 +25,6 @@ of the same run would be refused the same way.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,12 +44,10 @@ from ckpt_lesson.files.safe_read import read_json_file
 from ckpt_lesson.files.shard_index import INDEX_NAME
 from ckpt_lesson.files.sharded import load_sharded_checkpoint
 from ckpt_lesson.files.verify import VerifiedBytes, verify_record
+from ckpt_lesson.runs.commit import log  # the manager's messages, under its logger name
 from ckpt_lesson.runs.layout import read_manifest, step_dir_name
 
 __all__ = ["Candidates", "SaveSource", "VerifiedSave", "load_newest_good", "load_save"]
-
-# The manager's messages, under the manager's logger name (see ckpt_lesson.runs.commit for why).
-log = logging.getLogger("ckpt_lesson.runs.manager")
 
 
 @dataclass(eq=False)
@@ -166,8 +159,12 @@ def load_save(
             "with mgr.restore_latest({'model': model, 'optimizer': opt, ...})."
         )
     check_contract(target, manifest)
-    if not in_memory:
-        _check_parts_present(target, manifest)
+    for part in [] if in_memory else manifest["parts"]:  # presence and size first: a stat each, free
+        path, want = target / part["file"], part["bytes"]
+        if not path.is_file() or path.is_symlink():
+            raise IncompleteCheckpointError(f"{target.name}: part {part['file']} is missing")
+        if (size := path.stat().st_size) != want:
+            raise CorruptCheckpointError(f"{target.name}: {part['file']}: size {size} != recorded {want}")
     source: Any = target
     if manifest["layout"] == "single":
         algo, want = part_digest({p["file"]: p for p in manifest["parts"]}["checkpoint.pt"])
@@ -214,19 +211,6 @@ def load_save(
 def _check_step(target: SaveSource, saved: int, step: int) -> None:
     if saved != step:
         raise CorruptCheckpointError(f"{target.name}: payload holds step {saved}")
-
-
-def _check_parts_present(target: Path, manifest: dict[str, Any]) -> None:
-    """Every manifest part exists with its recorded size: a ``stat`` each, no reading."""
-    for part in manifest["parts"]:  # presence and size first: free, and names a missing part exactly
-        path = target / part["file"]
-        if not path.is_file() or path.is_symlink():
-            raise IncompleteCheckpointError(f"{target.name}: part {part['file']} is missing")
-        if path.stat().st_size != part["bytes"]:
-            size = path.stat().st_size
-            raise CorruptCheckpointError(
-                f"{target.name}: {part['file']}: size {size} != recorded {part['bytes']}"
-            )
 
 
 def _verify_other_parts(target: Path, manifest: dict[str, Any], *, skip: set[str]) -> None:

@@ -1,16 +1,10 @@
 """The middle of a managed save: write the parts, describe them, check them.
 
 :meth:`CheckpointManager.save <ckpt_lesson.runs.manager.CheckpointManager.save>`
-reads as the protocol (stage, write parts, manifest, verify, publish, retain);
-the steps that touch the payload live here, the same for both call forms
-(:func:`stage_save`, :func:`stage_payload_save`), which differ only in their writer
-and in what the manifest says the save covers:
-
-* the checkpoint file (or the shards, ``meta.pt`` and ``index.json``) is written
-  into the staging folder, each part's size and digest taken *while* the bytes
-  were written, never from a re-read;
-* :func:`build_manifest` turns those parts into the commit record;
-* :func:`verify_staged` optionally checks every part before publishing.
+reads as the protocol; the steps that touch the payload live here, the same for both
+call forms (:func:`stage_save`, :func:`stage_payload_save`), which differ only in their
+writer and in what the manifest says the save covers. Each part's size and digest are
+taken *while* its bytes are written, never from a re-read.
 """
 
 from __future__ import annotations
@@ -34,13 +28,7 @@ from ckpt_lesson.files.verify import check_written_part, verify_mode
 from ckpt_lesson.runs.layout import MANIFEST_NAME, inspect_save, read_manifest
 from ckpt_lesson.runs.manager_config import ManagerConfig
 
-__all__ = [
-    "build_manifest",
-    "refuse_if_already_saved",
-    "stage_payload_save",
-    "stage_save",
-    "verify_staged",
-]
+__all__ = ["refuse_if_already_saved", "stage_payload_save", "stage_save"]
 
 #: ``emit(name, **info)``: the manager's event hook, bound to its ``on_event``.
 Emit = Callable[..., None]
@@ -89,24 +77,6 @@ def build_manifest(
         manifest["num_shards"] = config.num_shards
     # Sealed last: the record's own checksum, so a flipped bit in it reads as damage, not as a contract.
     return seal_record(manifest)
-
-
-def verify_staged(staging: Path, parts: list[dict[str, Any]], mode: str = "device") -> None:
-    """Check every part (``mode``: ``"writer"`` or ``"device"``, see ``files/verify.py``) and the manifest.
-
-    Raises:
-        CorruptCheckpointError: A part's bytes differ from what was written,
-            or the manifest does not parse back (nothing is published then).
-    """
-    problems = [check_written_part(staging / p["file"], p, mode) for p in parts]
-    found = [p for p in problems if p]
-    if found:
-        raise CorruptCheckpointError(
-            f"save of {staging.name} re-read differently from what was written: {'; '.join(found)}. "
-            "Nothing was published; check the disk and the code that writes the parts."
-        )
-    # The manifest itself is parsed back too: a save whose commit record cannot be read is no save.
-    read_manifest(staging)
 
 
 def stage_save(
@@ -189,8 +159,15 @@ def _stage(
     atomic_write_json(manifest, staging / MANIFEST_NAME)
     fsync_dir(staging)
     emit("manifest_written", step=step, save_id=manifest["save_id"])
-    mode = verify_mode(config.verify_on_save)
+    mode = verify_mode(config.verify_on_save)  # "writer" or "device": see files/verify.py
     if mode is not None:
-        verify_staged(staging, parts, mode)
+        found = [p for p in (check_written_part(staging / part["file"], part, mode) for part in parts) if p]
+        if found:
+            raise CorruptCheckpointError(
+                f"save of {staging.name} re-read differently from what was written: {'; '.join(found)}. "
+                "Nothing was published; check the disk and the code that writes the parts."
+            )
+        # The manifest itself is parsed back too: a save whose commit record cannot be read is no save.
+        read_manifest(staging)
         emit("verified", step=step, save_id=manifest["save_id"], mode=mode)
     return manifest

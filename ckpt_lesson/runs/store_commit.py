@@ -39,7 +39,6 @@ parts without a marker, which no reader counts and the next clean removes.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import socket
@@ -51,6 +50,7 @@ from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, Incomple
 from ckpt_lesson.files.hashing import digest_bytes, part_digest
 from ckpt_lesson.files.safe_read import MAX_RECORD_BYTES, parse_json_text
 from ckpt_lesson.files.storage import Storage
+from ckpt_lesson.runs.commit import log
 from ckpt_lesson.runs.layout import MANIFEST_NAME, read_manifest, step_dir_name, step_of
 from ckpt_lesson.runs.retention import RetentionPolicy
 from ckpt_lesson.runs.store_lease import LEASE_NAME, LeaseRenewer
@@ -63,13 +63,12 @@ __all__ = [
     "attempt_of",
     "clean_uncommitted",
     "commit_attempt",
+    "commit_checks",
     "committed_steps",
     "delete_store_save",
     "read_commit",
     "upload_save",
 ]
-
-log = logging.getLogger("ckpt_lesson.runs.manager")
 
 COMMIT_NAME = "COMMIT"
 COMMIT_SCHEMA = "ckpt_lesson.commit/1"
@@ -279,6 +278,15 @@ def read_commit(storage: Storage, step: int) -> tuple[dict[str, Any], bytes]:
     return marker, raw
 
 
+def commit_checks(storage: Storage, step: int) -> bool:
+    """True when :func:`read_commit` accepts ``step``'s marker and manifest (no part is read)."""
+    try:
+        read_commit(storage, step)
+    except (CorruptCheckpointError, IncompleteCheckpointError):
+        return False
+    return True
+
+
 def delete_store_save(storage: Storage, step: int) -> None:
     """Delete one save: the marker first (no reader counts it after that), then every object."""
     storage.delete([_marker_key(step)])
@@ -339,14 +347,7 @@ def apply_store_retention(storage: Storage, policy: RetentionPolicy) -> list[int
     parts would download the whole run on every save); restores hash everything.
     """
     steps = committed_steps(storage)
-    verified = []
-    for step in steps:
-        try:
-            read_commit(storage, step)
-            verified.append(step)
-        except (CorruptCheckpointError, IncompleteCheckpointError):
-            pass
-    doomed = policy.to_delete(steps, set(verified))
+    doomed = policy.to_delete(steps, {step for step in steps if commit_checks(storage, step)})
     for step in doomed:
         delete_store_save(storage, step)
         log.info("retention: deleted %s from %s", step_dir_name(step), storage.url)

@@ -1,13 +1,11 @@
 """A save's ``LEASE`` on an object store: written first, renewed while it uploads, checked before ``COMMIT``.
 
-A cleaner removes an uncommitted ``step-XXXXXXXX/<save_id>/`` prefix once the
-``LEASE`` inside has expired: on an object store that is the only sign that its
-writer is gone. Every writer (the single-process one in
-:func:`~ckpt_lesson.runs.store_commit.upload_save` and rank 0 of a multi-rank
-save) holds one :class:`LeaseRenewer` from the first ``LEASE`` until just before
-``COMMIT``. It renews from a daemon thread at a third of the lease, so one long
-part upload (or rank 0's DCP threads waiting for the other ranks) never lets it
-run out while the writer is alive::
+Why a save has a lease is told in :mod:`~ckpt_lesson.runs.store_commit`. Every writer
+(:func:`~ckpt_lesson.runs.store_commit.upload_save`, and rank 0 of a multi-rank save)
+holds one :class:`LeaseRenewer` from the first ``LEASE`` until just before ``COMMIT``.
+It renews from a daemon thread at a third of the lease, so one long part upload (or
+rank 0's DCP threads waiting for the other ranks) never lets it run out while the
+writer is alive::
 
     t=0         LEASE expires_at = 0 + L        (written before any part)
     t=L/3       LEASE expires_at = L/3 + L      (renewed while the parts upload)
@@ -27,7 +25,6 @@ fails (the store briefly unreachable) is logged and tried again at the next tick
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import threading
@@ -35,10 +32,9 @@ import time
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.storage import Storage
+from ckpt_lesson.runs.commit import log
 
 __all__ = ["LEASE_NAME", "LeaseRenewer"]
-
-log = logging.getLogger("ckpt_lesson.runs.manager")
 
 LEASE_NAME = "LEASE"
 #: Renew when this fraction of the lease has passed: two renewals may fail before it runs out.

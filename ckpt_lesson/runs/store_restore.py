@@ -7,18 +7,13 @@ that have not been checked. A restore from a store therefore goes
 2. every part streamed down in ranged chunks, hashed on the way, kept in
    memory (:func:`open_verified`, what ``restore_latest`` uses); a part whose
    size or digest differs is damage;
-3. only then does the ordinary restore load the parts, through the same archive
-   check and weights-only load as a local file, without hashing them again
-   (:func:`ckpt_lesson.runs.restore.load_save`).
+3. only then does :func:`ckpt_lesson.runs.restore.load_save` load the parts,
+   through the same archive check and weights-only load as a local file, without
+   hashing them again (a sharded save is the exception: :func:`open_verified`).
 
-A sharded save is the exception: its loaders read a folder, so its parts are
-written into a fresh local folder (:func:`fetch_verified`) and the local
-restore checks them there once more.
-
-A part that vanished (deleted by a retention pass during the restore, or
-never uploaded) is ``IncompleteCheckpointError``; the caller falls back to the
-previous committed save. Not reaching the store is ``LoadEnvironmentError``
-(raised by the storage backend) and is never taken for damage.
+A part that vanished (deleted by a retention pass, or never uploaded) is
+``IncompleteCheckpointError``, damage like a wrong digest (what the restore does
+with damage: :mod:`ckpt_lesson.runs.restore`).
 
 A multi-rank save (DCP's files, committed by the same marker) is read by
 :mod:`ckpt_lesson.distributed.verify`; only :func:`read_committed_manifest`
@@ -223,7 +218,8 @@ def open_verified(storage: Storage, step: int, cache: Path) -> SaveSource:
     as a :class:`~ckpt_lesson.runs.restore.VerifiedSave`: nothing is written
     locally and nothing is hashed twice. A sharded save's loaders read a folder,
     so it is fetched into ``cache/step-XXXXXXXX`` (:func:`fetch_verified`) and
-    that folder is returned; the caller removes it after the restore.
+    that folder is returned (the local restore checks it once more); the caller
+    removes it after the restore.
 
     Args:
         storage: The run's store.

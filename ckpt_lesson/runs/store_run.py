@@ -2,28 +2,20 @@
 
 ``CheckpointManager("s3://bucket/runs/exp1")`` is the same manager as for a
 folder; only where the durable copy lives and how it is committed differ, and
-those differences are this class, which the manager holds as ``self.store``:
-
-* **save**: the ordinary local save (parts hashed while written, manifest,
-  verify, atomic publish) into a local *cache* folder, then
-  :func:`~ckpt_lesson.runs.store_commit.upload_save` streams it to the store
-  and commits it with a conditional marker under a lease; then the local copy
-  is dropped and retention runs on the store. The local folder is scratch
-  space: the machine and its disk may vanish at any moment, the bucket is what counts.
-* **restore**: the committed saves newest first; each one is streamed into
-  memory and verified by :func:`~ckpt_lesson.runs.store_restore.open_verified`,
-  and the ordinary restore loads it from there (the same archive checks and
-  weights-only load as a local file, no second hash, no local copy). Only a
-  sharded save is downloaded into the cache folder first (its loaders read a folder).
+those differences are this class, which the manager holds as ``self.store``.
+A save is the ordinary local save into a local *cache* folder (scratch space:
+the machine may vanish, the bucket is what counts), then uploaded and committed
+(:mod:`~ckpt_lesson.runs.store_commit`), then retention runs on the store. A
+restore verifies each committed save into memory
+(:mod:`~ckpt_lesson.runs.store_restore`) and the ordinary restore loads it.
 
 The default cache folder is ``$TMPDIR/ckpt-lesson-cache-XXXXXXXX``
 (:class:`StagingFolder`). A process killed mid-upload (the very case a bucket
 is for) leaves its whole staged save there, and nothing else would remove it.
 So the folder's owner holds an exclusive ``flock`` on ``.owner.lock`` inside it
-for the folder's whole life; the kernel drops it when the owner dies, even by
-``SIGKILL`` (a pid could be reused; a lock cannot lie). Every new cache folder
-first reclaims the ``ckpt-lesson-cache-*`` folders beside it whose lock is free;
-a folder in use is never touched.
+for the folder's whole life (a lock, not a pid: see :mod:`~ckpt_lesson.runs.commit`).
+Every new cache folder first reclaims the ``ckpt-lesson-cache-*`` folders beside
+it whose lock is free; a folder in use is never touched.
 
 * The folder is made under a hidden name, locked, then renamed into place, so
   no reclaimer ever sees a ``ckpt-lesson-cache-*`` folder without its lock held.
@@ -60,8 +52,8 @@ from ckpt_lesson.runs.store_commit import (
     CommitConflictError,
     apply_store_retention,
     clean_uncommitted,
+    commit_checks,
     committed_steps,
-    read_commit,
     upload_save,
 )
 from ckpt_lesson.runs.store_restore import open_verified, verify_store_save
@@ -144,13 +136,7 @@ class StoreRun:
 
     def latest_step(self) -> int | None:
         """The newest step whose marker and manifest check out (parts are not downloaded)."""
-        for step in reversed(self.all_steps()):
-            try:
-                read_commit(self.storage, step)
-                return step
-            except (CorruptCheckpointError, IncompleteCheckpointError):
-                continue
-        return None
+        return next((step for step in reversed(self.all_steps()) if commit_checks(self.storage, step)), None)
 
     # ------------------------------------------------------------------ save
 

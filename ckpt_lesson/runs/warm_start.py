@@ -46,6 +46,8 @@ __all__ = ["WARM_START_NAME", "WarmStartRecord", "read_warm_start", "warm_start_
 #: File written into the new run directory.
 WARM_START_NAME = "warm_start.json"
 _SHARD_PREFIX = "model.shard-"
+#: What a source gives: ``(weights, save_id, step, {file: (algo, digest)}, verified_by)``.
+_Found = tuple[dict[str, Any], str | None, int | None, dict[str, tuple[str, str]], str]
 
 
 @dataclass(frozen=True)
@@ -181,9 +183,7 @@ def _model_block(obj: Any, where: str) -> dict[str, Any]:
     )
 
 
-def _weights_from_file(
-    path: Path, map_location: Any
-) -> tuple[dict[str, Any], str | None, int | None, dict[str, tuple[str, str]], str]:
+def _weights_from_file(path: Path, map_location: Any) -> _Found:
     obj, digest = load_verified_file(path, map_location=map_location)
     require_footer(obj, digest, path)  # the same rule as read_checkpoint: one rule for both
     step = None
@@ -193,9 +193,7 @@ def _weights_from_file(
     return _model_block(obj, str(path)), None, step, {path.name: (digest.algo, digest.digest)}, verified_by
 
 
-def _weights_from_save_dir(
-    step_dir: Path, map_location: Any
-) -> tuple[dict[str, Any], str | None, int | None, dict[str, tuple[str, str]], str]:
+def _weights_from_save_dir(step_dir: Path, map_location: Any) -> _Found:
     if not (step_dir / MANIFEST_NAME).is_file():
         raise IncompleteCheckpointError(
             f"{step_dir}: no {MANIFEST_NAME}; the save never finished. Warm start from a published save."
