@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ckpt_lesson.files import loading
 from ckpt_lesson.files.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from ckpt_lesson.files.loading import load_verified_file
 from ckpt_lesson.files.mapped_restore import (
@@ -164,17 +165,30 @@ def test_compressed_and_small_records_get_no_buffers():
     assert [n for _, n in record_spans(raw, len(raw.getvalue()))] == [MIN_RECORD_BYTES]
 
 
-def test_the_moments_land_in_buffers_faulted_in_during_the_hash_and_are_not_copied_again(tmp_path):
+class AheadOfTheHash(FreshMemory):
+    """The real FreshMemory, whose helper gets ahead of the hash pass (a slow disk's case)."""
+
+    def start(self, f, size):
+        super().start(f, size)
+        wait_until_faulted(self, 6)
+
+
+def test_the_moments_land_in_buffers_faulted_in_during_the_hash_and_are_not_copied_again(
+    tmp_path, monkeypatch
+):
     path = saved_adamw(tmp_path)
     _, expected = adamw_objects(0)
-    with FreshMemory() as fresh:
-        with open(path, "rb") as f:  # the helper gets ahead of the hash pass (a slow disk's case)
-            fresh.start(f, path.stat().st_size)
-        wait_until_faulted(fresh, 6)
-        payload, _ = load_verified_file(path, mmap=True, fresh=fresh)
+    monkeypatch.setattr(loading, "FreshMemory", AheadOfTheHash)
+    seen = {}
+
+    def private(payload, fresh):
         loaded = payload["optimizer"]["state"]
-        loaded_ptrs = {t.untyped_storage().data_ptr() for s in loaded.values() for t in s.values()}
-        copied = copy_out(payload["optimizer"], fresh=fresh)
+        seen["loaded_ptrs"] = {t.untyped_storage().data_ptr() for s in loaded.values() for t in s.values()}
+        seen["fresh"] = fresh
+        return copy_out(payload, fresh=fresh)
+
+    payload, _ = load_verified_file(path, mmap=True, private=private)
+    fresh, loaded_ptrs, copied = seen["fresh"], seen["loaded_ptrs"], payload["optimizer"]
     # The helper faulted a buffer for each of the 6 large records (4 moments, 2 weights) before the
     # hash pass reached it, and the pass wrote each record straight into its buffer.
     assert fresh.faulted == 6 and len(fresh._mine) == 6

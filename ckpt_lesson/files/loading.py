@@ -30,8 +30,9 @@ import pickletools
 import re
 import stat
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
@@ -42,12 +43,10 @@ from ckpt_lesson.errors import (
     UnsafeCheckpointError,
 )
 from ckpt_lesson.files.integrity import FileDigest, verify_footer
+from ckpt_lesson.files.mapped_restore import FreshMemory
 from ckpt_lesson.files.private_copy import PrivateCopy
 from ckpt_lesson.files.schema import SCHEMA_V1
 from ckpt_lesson.files.verify import VerifiedBytes
-
-if TYPE_CHECKING:  # mapped_restore imports this module; the annotation needs only the name
-    from ckpt_lesson.files.mapped_restore import FreshMemory
 
 __all__ = ["check_archive", "load_verified_file", "require_footer"]
 
@@ -61,7 +60,7 @@ def load_verified_file(
     expected_digest: str | None = None,
     algo: str | None = None,
     mmap: bool = False,
-    fresh: FreshMemory | None = None,
+    private: Callable[[Any, FreshMemory], Any] | None = None,
 ) -> tuple[Any, FileDigest]:
     """Hash a ``.pt`` file once, check it, then ``torch.load(weights_only=True)`` it.
 
@@ -85,15 +84,15 @@ def load_verified_file(
             (:class:`~ckpt_lesson.files.private_copy.PrivateCopy`, a sealed memfd on
             Linux); the load reads only that copy, so it loads exactly the verified
             bytes however the file changes meanwhile. The returned tensors then share
-            the copy's pages (a private, copy-on-write mapping): copy what you keep,
-            or it keeps the whole copy alive.
-            :func:`~ckpt_lesson.files.checkpoint.load_checkpoint` does exactly that.
-            Any failure of the mapped load (a damaged archive) falls back to the
-            plain read of the copy, which loads it or reports it as any load would.
-            Ignored for bytes in memory: their tensors are private copies already.
-        fresh: With ``mmap`` and a CPU load, the large records' buffers
-            (:class:`~ckpt_lesson.files.mapped_restore.FreshMemory`): faulted in on a
-            helper thread while the hash pass reads the disk, then filled by it.
+            the copy's pages (a private, copy-on-write mapping): copy what you keep
+            (``private``), or it keeps the whole copy alive. Any failure of the mapped
+            load (a damaged archive) falls back to the plain read of the copy, which
+            loads it or reports it as any load would. Ignored for bytes in memory:
+            their tensors are private copies already.
+        private: After a mapped load, ``private(obj, fresh)`` returns ``obj`` with what
+            must not stay mapped copied out, into the large records' buffers that
+            ``fresh`` (:class:`~ckpt_lesson.files.mapped_restore.FreshMemory`) faulted
+            in while the file was hashed (a CPU load only) and the hash pass filled.
 
     Returns:
         The loaded object and the file's digest (``has_footer`` is ``False``
@@ -122,7 +121,7 @@ def load_verified_file(
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot open ({exc.strerror}); check its permissions.") from exc
-    with os.fdopen(fd, "rb") as f:
+    with os.fdopen(fd, "rb") as f, FreshMemory() as fresh:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise CorruptCheckpointError(
@@ -136,9 +135,7 @@ def load_verified_file(
             )
         # Records go straight into CPU buffers only for a CPU load: tensors that map_location moves
         # elsewhere are read from the mapping while it is loaded, so every byte must be there.
-        on_cpu = map_location is None or str(map_location) == "cpu"
-        fresh = fresh if mmap and on_cpu else None
-        if fresh is not None:
+        if mmap and (map_location is None or str(map_location) == "cpu"):
             fresh.start(f, size)  # sizes only, from the directory: nothing here is trusted
         with PrivateCopy(size, fresh=fresh) as copy:
             try:
@@ -163,8 +160,8 @@ def load_verified_file(
                     "Restore an older checkpoint."
                 )
             copy.seal()
-            with copy.open() as private:
-                check_archive(private, size, name=path)
+            with copy.open() as held:
+                check_archive(held, size, name=path)
                 if mmap and copy.map_path is not None:
                     try:  # the sealed copy: nobody can change or truncate what the tensors map
                         obj = torch.load(
@@ -173,11 +170,11 @@ def load_verified_file(
                     except Exception:  # any failure is judged by the plain read below
                         # A hostile pickle, a damaged archive: the read below loads it the ordinary
                         # way, or classifies the failure exactly as for any load.
-                        private.seek(0)
+                        held.seek(0)
                     else:
                         copy.adopt(obj)  # large records: from the buffers the hash pass filled
-                        return obj, digest
-                obj = _weights_only_load(private, path, map_location)
+                        return (obj if private is None else private(obj, fresh)), digest
+                obj = _weights_only_load(held, path, map_location)
                 if copy.scattered:  # the copy has holes where records went to buffers: not a load
                     raise CorruptCheckpointError(
                         f"{path}: its verified copy could not be mapped; restore with mmap=False."
