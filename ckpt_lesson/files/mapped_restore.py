@@ -48,7 +48,6 @@ import torch
 from ckpt_lesson.files.private_copy import private_buffer
 
 __all__ = [
-    "EXTRA_STATE_SUFFIX",
     "FreshMemory",
     "copy_out",
     "keep_no_mapped_extra_state",

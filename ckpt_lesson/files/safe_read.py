@@ -39,6 +39,7 @@ from ckpt_lesson.errors import CorruptCheckpointError
 
 __all__ = [
     "MAX_RECORD_BYTES",
+    "SAFE_OPEN_FLAGS",
     "file_kind",
     "open_regular_file",
     "parse_json_text",
@@ -51,9 +52,9 @@ __all__ = [
 #: and still far from what it would take to hurt the machine.
 MAX_RECORD_BYTES = 64 << 20
 
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+#: What every open of a file beside a save adds (here and in side_files): follow no symlink,
+#: block on no FIFO, leak into no child process.
+SAFE_OPEN_FLAGS = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def open_regular_file(path: str | os.PathLike[str], *, what: str = "file") -> BinaryIO:
@@ -190,7 +191,7 @@ def _open_checked(path: str | os.PathLike[str], what: str) -> tuple[int, os.stat
             "something else and is not read. Restore an older save or remove it."
         )
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | SAFE_OPEN_FLAGS)
     except FileNotFoundError:
         raise
     except OSError as exc:

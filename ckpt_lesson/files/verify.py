@@ -47,10 +47,10 @@ from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 from ckpt_lesson.files.hashing import check_algo, digest_bytes, part_digest
-from ckpt_lesson.files.integrity import FileDigest, _inspect_footer, file_digest
+from ckpt_lesson.files.integrity import FileDigest, file_digest, read_footer
+from ckpt_lesson.files.safe_read import SAFE_OPEN_FLAGS
 
 __all__ = [
-    "VERIFY_MODES",
     "VerifiedBytes",
     "check_written_part",
     "drop_cached_pages",
@@ -58,9 +58,6 @@ __all__ = [
     "verify_part",
     "verify_record",
 ]
-
-#: What ``verify_on_save`` accepts besides ``True`` (= ``"device"``) and ``False`` (no check).
-VERIFY_MODES = ("writer", "device")
 
 
 def verify_record(path: Path, part: dict[str, Any]) -> str | None:
@@ -152,7 +149,7 @@ def verify_mode(value: Any) -> str | None:
         return "device"
     if value is False or value is None:
         return None
-    if isinstance(value, str) and value in VERIFY_MODES:
+    if value in ("writer", "device"):
         return value
     raise CheckpointError(
         f"verify_on_save must be True, False, 'writer' or 'device', got {value!r}: "
@@ -172,7 +169,7 @@ def drop_cached_pages(path: Path) -> None:
     advise = getattr(os, "posix_fadvise", None)
     if advise is None:
         return
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    fd = os.open(path, os.O_RDONLY | SAFE_OPEN_FLAGS)
     try:
         advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
@@ -274,11 +271,6 @@ class VerifiedBytes:
                 f"{self.name}: {algo} {mine[:12]}... does not match the recorded {digest[:12]}...; "
                 "restore an older checkpoint."
             )
-        f = self.open()
         # The tail only, no hashing; integrity's one judge of what a damaged footer is.
-        status, found = _inspect_footer(f, self.size)
-        if status == "damaged":
-            raise CorruptCheckpointError(
-                f"{self.name}: its integrity footer is damaged or cut off; restore an older checkpoint."
-            )
+        found = read_footer(self.open(), self.size, name=self.name)
         return FileDigest(self.size, mine, found[1] if found else None, algo)
