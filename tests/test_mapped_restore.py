@@ -110,9 +110,11 @@ def test_restore_latest_offers_mmap_false(tmp_path, tiny_run):
 
 def test_only_the_extra_state_entries_are_copied():
     weight, extra = torch.ones(2), torch.zeros(2)
-    out = keep_no_mapped_extra_state({"model": {"w": weight, "m._extra_state": extra}, "state": {}})
-    assert out["model"]["w"] is weight
-    assert out["model"]["m._extra_state"] is not extra and torch.equal(out["model"]["m._extra_state"], extra)
+    out = keep_no_mapped_extra_state({"w": weight, "m._extra_state": extra})
+    assert out["w"] is weight
+    assert out["m._extra_state"] is not extra and torch.equal(out["m._extra_state"], extra)
+    plain = {"w": weight}
+    assert keep_no_mapped_extra_state(plain) is plain  # nothing to copy: the very dict
 
 
 WIDTH = 1024  # one weight or moment: 4 MiB, above MIN_RECORD_BYTES

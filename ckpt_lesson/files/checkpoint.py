@@ -237,9 +237,7 @@ def _private_except_modules(payload: Any, fresh: FreshMemory) -> Any:
 def _copy_all_but(tree: dict[str, Any], modules: set[str], fresh: FreshMemory) -> dict[str, Any]:
     # A module's extra state is handed to set_extra_state, which may keep it: copied out too.
     keep = keep_no_mapped_extra_state
-    return {
-        k: keep({"model": v})["model"] if k in modules else copy_out(v, fresh=fresh) for k, v in tree.items()
-    }
+    return {k: keep(v) if k in modules else copy_out(v, fresh=fresh) for k, v in tree.items()}
 
 
 def load_checkpoint(

@@ -5,7 +5,8 @@ warm-started, enters through :func:`load_verified_file`, and that is on
 purpose: one door is one place to get right. It does two things in order.
 
 1. **Verify** in a single read, which also fills the private copy the load
-   reads (:mod:`ckpt_lesson.files.private_copy`): the size on disk against the recorded size,
+   reads (:mod:`ckpt_lesson.files.private_copy`), so it loads exactly the
+   verified bytes however the file changes meanwhile: the size on disk against the recorded size,
    the integrity footer (see :mod:`ckpt_lesson.files.integrity`) when the file has
    one, and the whole file's digest against the one an index or manifest
    recorded (in the record's algorithm: sha256 for old records).
@@ -78,12 +79,8 @@ def load_verified_file(
         expected_size: A recorded byte count.
         expected_digest: A recorded whole-file digest in ``algo``.
         algo: Algorithm of ``expected_digest`` (default: the footer's).
-        mmap: Map the verified private copy instead of reading it into new
-            memory. Every byte is read from the file once, by the pass that hashes
-            it, which also copies it into private memory
-            (:class:`~ckpt_lesson.files.private_copy.PrivateCopy`, a sealed memfd on
-            Linux); the load reads only that copy, so it loads exactly the verified
-            bytes however the file changes meanwhile. The returned tensors then share
+        mmap: Map the verified private copy (module docstring, step 1; a memfd on Linux)
+            instead of reading it into new memory. The returned tensors then share
             the copy's pages (a private, copy-on-write mapping): copy what you keep
             (``private``), or it keeps the whole copy alive. Any failure of the mapped
             load (a damaged archive) falls back to the plain read of the copy, which
@@ -139,8 +136,6 @@ def load_verified_file(
             fresh.start(f, size)  # sizes only, from the directory: nothing here is trusted
         with PrivateCopy(size, fresh=fresh) as copy:
             try:
-                # One read: every byte hashed here is also copied into private memory, and the
-                # load below reads only that copy, so it loads exactly the bytes verified.
                 digest = verify_footer(copy.reader(f), name=path, algo=algo)
             except OSError as exc:  # EIO and friends: this copy cannot be read back, which is damage
                 raise CorruptCheckpointError(

@@ -219,26 +219,20 @@ def copy_out(tree: Any, *, fresh: FreshMemory | None = None) -> Any:
     return tree
 
 
-def keep_no_mapped_extra_state(payload: dict[str, Any]) -> dict[str, Any]:
-    """``payload`` with every ``*._extra_state`` entry of its ``model`` bucket copied out of the mapping.
+def keep_no_mapped_extra_state(state_dict: Any) -> Any:
+    """A module's loaded ``state_dict`` with every ``*._extra_state`` entry copied out of the mapping.
 
     Args:
-        payload: A loaded checkpoint payload (``{"model": state_dict, ...}``).
+        state_dict: The module's part of a payload; anything but a dict is returned as it is.
 
     Returns:
-        The same payload; only the ``model`` bucket is replaced (a shallow copy).
+        A shallow copy with those entries copied, or ``state_dict`` itself when it holds none.
 
     Example:
-        >>> keep_no_mapped_extra_state({"model": {"w": torch.ones(1)}})["model"]["w"].item()
+        >>> keep_no_mapped_extra_state({"w": torch.ones(1)})["w"].item()
         1.0
     """
-    model = payload.get("model")
-    if not isinstance(model, dict) or not any(
-        isinstance(k, str) and k.endswith(EXTRA_STATE_SUFFIX) for k in model
-    ):
-        return payload
-    fixed = {
-        k: copy_out(v) if isinstance(k, str) and k.endswith(EXTRA_STATE_SUFFIX) else v
-        for k, v in model.items()
-    }
-    return {**payload, "model": fixed}
+    if not isinstance(state_dict, dict):
+        return state_dict
+    extra = {k for k in state_dict if isinstance(k, str) and k.endswith(EXTRA_STATE_SUFFIX)}
+    return {k: copy_out(v) if k in extra else v for k, v in state_dict.items()} if extra else state_dict
