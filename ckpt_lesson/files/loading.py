@@ -43,7 +43,8 @@ from ckpt_lesson.errors import (
     LoadEnvironmentError,
     UnsafeCheckpointError,
 )
-from ckpt_lesson.files.integrity import FileDigest, verify_footer
+from ckpt_lesson.files.hashing import check_algo, digest_bytes
+from ckpt_lesson.files.integrity import FileDigest, read_footer, verify_footer
 from ckpt_lesson.files.mapped_restore import FreshMemory
 from ckpt_lesson.files.private_copy import PrivateCopy
 from ckpt_lesson.files.schema import SCHEMA_V1
@@ -72,8 +73,8 @@ def load_verified_file(
     Args:
         path: The file, or a part already verified in memory
             (:class:`~ckpt_lesson.files.verify.VerifiedBytes`): its size,
-            digest and footer are compared without hashing it again, and every
-            check below from the archive check on runs as for a file.
+            digest and footer are compared without hashing it again (in another
+            algorithm only), and every check from the archive check on runs as for a file.
         map_location: Passed to ``torch.load``.
         expected_sha256: A recorded whole-file sha256 (older records).
         expected_size: A recorded byte count.
@@ -103,9 +104,16 @@ def load_verified_file(
     if expected_sha256 is not None:
         expected_digest, algo = expected_sha256, "sha256"
     if isinstance(path, VerifiedBytes):
-        digest = path.check(size=expected_size, digest=expected_digest, algo=algo)
+        _check_size(path.name, path.size, expected_size)
+        algo = check_algo(algo or path.algo)
+        # Another algorithm than the one the stream was hashed with (an old sha256 record):
+        # one hash in that algorithm is the only honest comparison.
+        whole = path.digest if algo == path.algo else digest_bytes(path.data, algo)
+        _check_digest(path.name, algo, whole, expected_digest)
         with path.open() as f:
+            found = read_footer(f, path.size, name=path.name)  # its shape only: see VerifiedBytes
             check_archive(f, path.size, name=path.name)
+            digest = FileDigest(path.size, whole, found[1] if found else None, algo)
             return _weights_only_load(f, path.name, map_location), digest
     path = Path(path)
     if not path.is_file():
@@ -125,11 +133,7 @@ def load_verified_file(
                 f"{path}: is not a regular file (a device or pipe); refusing to read it."
             )
         size = st.st_size
-        if expected_size is not None and size != expected_size:
-            raise CorruptCheckpointError(
-                f"{path}: {size} bytes on disk but {expected_size} recorded; the file was truncated "
-                "or replaced after it was saved. Restore an older checkpoint."
-            )
+        _check_size(path, size, expected_size)
         # Records go straight into CPU buffers only for a CPU load: tensors that map_location moves
         # elsewhere are read from the mapping while it is loaded, so every byte must be there.
         if mmap and (map_location is None or str(map_location) == "cpu"):
@@ -147,13 +151,7 @@ def load_verified_file(
                     f"{path}: changed size while it was being verified ({size} -> {digest.size} bytes); "
                     "another process is writing it. Retry when it is done, or restore an older checkpoint."
                 )
-            # Compare case-insensitively: hex digests copied from other tools are sometimes upper case.
-            if expected_digest is not None and digest.digest != expected_digest.lower():
-                raise CorruptCheckpointError(
-                    f"{path}: {digest.algo} {digest.digest[:12]}... does not match the recorded "
-                    f"{expected_digest[:12]}...; the file changed after it was saved. "
-                    "Restore an older checkpoint."
-                )
+            _check_digest(path, digest.algo, digest.digest, expected_digest)
             copy.seal()
             with copy.open() as held:
                 check_archive(held, size, name=path)
@@ -175,6 +173,23 @@ def load_verified_file(
                         f"{path}: its verified copy could not be mapped; restore with mmap=False."
                     )
                 return obj, digest
+
+
+def _check_size(name: Any, size: int, expected: int | None) -> None:
+    if expected is not None and size != expected:
+        raise CorruptCheckpointError(
+            f"{name}: {size} bytes but {expected} recorded; it was truncated or replaced after it "
+            "was saved. Restore an older checkpoint."
+        )
+
+
+def _check_digest(name: Any, algo: str, found: str, expected: str | None) -> None:
+    # Compare case-insensitively: hex digests copied from other tools are sometimes upper case.
+    if expected is not None and found != expected.lower():
+        raise CorruptCheckpointError(
+            f"{name}: {algo} {found[:12]}... does not match the recorded {expected[:12]}...; "
+            "the file changed after it was saved. Restore an older checkpoint."
+        )
 
 
 def check_archive(f: BinaryIO, size: int, *, name: str | os.PathLike[str] = "<file>") -> None:

@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
-from ckpt_lesson.files.hashing import check_algo, digest_bytes, part_digest
-from ckpt_lesson.files.integrity import FileDigest, file_digest, read_footer
+from ckpt_lesson.files.hashing import part_digest
+from ckpt_lesson.files.integrity import file_digest
 from ckpt_lesson.files.safe_read import SAFE_OPEN_FLAGS
 
 __all__ = [
@@ -202,7 +202,10 @@ class VerifiedBytes:
     """One part's bytes and the digest they were verified against while they streamed in.
 
     Build one only *after* the bytes matched their record (size and digest):
-    the loaders trust ``digest`` and do not hash ``data`` again.
+    the loaders trust ``digest`` and do not hash ``data`` again. Nor do they check
+    the footer against the content: that was done when the save was written, and
+    identical bytes carry an intact, matching footer; they read only its presence
+    and shape (a few dozen bytes at the end).
 
     Attributes:
         data: The part's bytes (``bytes``, so ``io.BytesIO`` shares them instead of copying).
@@ -211,6 +214,7 @@ class VerifiedBytes:
         digest: The whole part's hex digest, as its manifest records it.
 
     Example:
+        >>> from ckpt_lesson.files.hashing import digest_bytes
         >>> part = VerifiedBytes(b"abc", "mem://abc", "sha256", digest_bytes(b"abc", "sha256"))
         >>> part.size
         3
@@ -232,45 +236,3 @@ class VerifiedBytes:
     def open(self) -> io.BytesIO:
         """A fresh read-only-by-convention file object over the bytes (no copy of ``bytes``)."""
         return io.BytesIO(self.data)
-
-    def check(self, *, size: int | None, digest: str | None, algo: str | None) -> FileDigest:
-        """Compare with what a caller expects, and read the footer from the tail; no full hash.
-
-        The digest was computed over every byte, footer included, while the part
-        streamed in, and it equals the manifest's, which the commit marker pins.
-        The footer was checked against the content when the save was written, so
-        identical bytes carry an intact, matching footer; only its presence and
-        shape are read here (a few dozen bytes at the end).
-
-        Args:
-            size: A recorded byte count, or ``None``.
-            digest: A recorded whole-part digest in ``algo``, or ``None``.
-            algo: Its algorithm (default: the one the bytes were verified with).
-
-        Returns:
-            What :func:`~ckpt_lesson.files.integrity.verify_footer` returns for a file.
-
-        Raises:
-            CorruptCheckpointError: The size or digest differ, or the footer is damaged.
-
-        Example:
-            >>> VerifiedBytes(b"abc", "mem://abc", "sha256", digest_bytes(b"abc", "sha256")).check(
-            ...     size=3, digest=None, algo=None).has_footer
-            False
-        """
-        if size is not None and size != self.size:
-            raise CorruptCheckpointError(
-                f"{self.name}: {self.size} bytes but {size} recorded; restore an older checkpoint."
-            )
-        algo = check_algo(algo or self.algo)
-        # Another algorithm than the one the stream was hashed with (an old sha256 record):
-        # one hash in that algorithm is the only honest comparison.
-        mine = self.digest if algo == self.algo else digest_bytes(self.data, algo)
-        if digest is not None and mine != digest.lower():
-            raise CorruptCheckpointError(
-                f"{self.name}: {algo} {mine[:12]}... does not match the recorded {digest[:12]}...; "
-                "restore an older checkpoint."
-            )
-        # The tail only, no hashing; integrity's one judge of what a damaged footer is.
-        found = read_footer(self.open(), self.size, name=self.name)
-        return FileDigest(self.size, mine, found[1] if found else None, algo)
