@@ -15,18 +15,16 @@ truncated *file* can no longer kill a mapped restore with SIGBUS either.)
 Elsewhere the copy is a ``bytearray`` read by the ordinary load.
 
 What a byte costs: a read from the page cache is one copy, and so is the
-copy into private memory, whose fresh pages also cost a fault each (about 0.45 s
-per GB of 4 KiB pages here). So the large tensor records do not go into the memfd
+copy into private memory, whose fresh pages also cost a fault each (see
+:func:`private_buffer`). So the large tensor records do not go into the memfd
 at all: the file is read straight into buffers of their own (the ones
 :class:`~ckpt_lesson.files.mapped_restore.FreshMemory` faulted in on a helper thread,
 when it got there first), 1 MiB at a time, and each piece is hashed right there
 while it is still in the cache (:meth:`PrivateCopy.read_view`): one copy per
-byte, and the bytes hashed are the very bytes kept. The buffers are
-:func:`private_buffer` memory, in 2 MiB pages where the kernel grants them (one
-fault per 2 MiB instead of 512). After the load (of the memfd, where those
-records are holes) each tensor of such a record is pointed at its buffer
-(:meth:`PrivateCopy.adopt`). Those buffers are what the restore keeps anyway
-(the optimizer's moments), so they are copied once, not twice.
+byte, and the bytes hashed are the very bytes kept. After the load (of the memfd,
+where those records are holes) each tensor of such a record is pointed at its
+buffer (:meth:`PrivateCopy.adopt`). Those buffers are what the restore keeps
+anyway (the optimizer's moments), so they are copied once, not twice.
 """
 
 from __future__ import annotations
