@@ -119,9 +119,7 @@ class FreshMemory:
         self.faulted = 0
 
     def start(self, f: BinaryIO, size: int) -> None:
-        """Start faulting in buffers for the records of the open archive ``f`` (``size`` bytes)."""
-        if self._thread is not None:
-            return
+        """Start faulting in buffers for the records of the open archive ``f`` (``size`` bytes); once."""
         self.spans = record_spans(f, size)
         if self.spans:
             self._thread = threading.Thread(
@@ -178,9 +176,7 @@ class FreshMemory:
     def close(self, *, wait: bool = False) -> None:
         """Stop the helper; it frees the unused buffers in the background (``wait``: before returning)."""
         self._stop.set()
-        if self._thread is None:
-            return
-        if wait:
+        if wait and self._thread is not None:
             self._thread.join()
 
     def __enter__(self) -> FreshMemory:
