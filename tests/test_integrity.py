@@ -267,7 +267,7 @@ def test_expected_sha256_is_checked_and_may_be_upper_case(saved):
     load_verified_file(path, expected_digest=digest.digest.upper(), algo=digest.algo)
     with pytest.raises(CorruptCheckpointError, match="does not match"):
         load_verified_file(path, expected_sha256="0" * 64)
-    with pytest.raises(CorruptCheckpointError, match=r"bytes but \d+ recorded; it was truncated or replaced"):
+    with pytest.raises(CorruptCheckpointError, match="bytes on disk"):
         load_verified_file(path, expected_size=digest.size + 1)
 
 

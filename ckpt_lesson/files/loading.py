@@ -104,7 +104,7 @@ def load_verified_file(
     if expected_sha256 is not None:
         expected_digest, algo = expected_sha256, "sha256"
     if isinstance(path, VerifiedBytes):
-        _check_size(path.name, path.size, expected_size)
+        _check_size(path.name, path.size, expected_size, "in memory")
         algo = check_algo(algo or path.algo)
         # Another algorithm than the one the stream was hashed with (an old sha256 record):
         # one hash in that algorithm is the only honest comparison.
@@ -175,11 +175,11 @@ def load_verified_file(
                 return obj, digest
 
 
-def _check_size(name: Any, size: int, expected: int | None) -> None:
+def _check_size(name: Any, size: int, expected: int | None, where: str = "on disk") -> None:
     if expected is not None and size != expected:
         raise CorruptCheckpointError(
-            f"{name}: {size} bytes but {expected} recorded; it was truncated or replaced after it "
-            "was saved. Restore an older checkpoint."
+            f"{name}: {size} bytes {where} but {expected} recorded; the file was truncated "
+            "or replaced after it was saved. Restore an older checkpoint."
         )
 
 
