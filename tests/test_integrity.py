@@ -34,7 +34,7 @@ from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, UnsafeCh
 from ckpt_lesson.files.atomic import atomic_save
 from ckpt_lesson.files.checkpoint import load_checkpoint, load_verified_file
 from ckpt_lesson.files.hashing import ALGORITHMS, DEFAULT_ALGO, digest_bytes
-from ckpt_lesson.files.integrity import FOOTER_MAGIC, FooterWriter, _inspect_footer, file_digest
+from ckpt_lesson.files.integrity import FOOTER_MAGIC, FooterWriter, file_digest, read_footer
 
 FOOTER_LEN = len(FOOTER_MAGIC) + len(DEFAULT_ALGO) + 1 + ALGORITHMS[DEFAULT_ALGO]
 
@@ -255,7 +255,7 @@ def test_a_plain_torch_save_file_has_no_footer_and_is_not_called_damaged(tmp_pat
     path = tmp_path / "plain.pt"
     torch.save({"w": torch.ones(4)}, path)
     with open(path, "rb") as f:
-        assert _inspect_footer(f, path.stat().st_size) == ("absent", None)
+        assert read_footer(f, path.stat().st_size, name=path) is None
     digest = file_digest(path)
     assert not digest.has_footer and digest.content_digest is None
     assert digest.digest == digest_bytes(path.read_bytes(), DEFAULT_ALGO)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ckpt_lesson.files import loading
 from ckpt_lesson.files.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from ckpt_lesson.files.loading import load_verified_file
 from ckpt_lesson.files.mapped_restore import (
@@ -109,9 +110,11 @@ def test_restore_latest_offers_mmap_false(tmp_path, tiny_run):
 
 def test_only_the_extra_state_entries_are_copied():
     weight, extra = torch.ones(2), torch.zeros(2)
-    out = keep_no_mapped_extra_state({"model": {"w": weight, "m._extra_state": extra}, "state": {}})
-    assert out["model"]["w"] is weight
-    assert out["model"]["m._extra_state"] is not extra and torch.equal(out["model"]["m._extra_state"], extra)
+    out = keep_no_mapped_extra_state({"w": weight, "m._extra_state": extra})
+    assert out["w"] is weight
+    assert out["m._extra_state"] is not extra and torch.equal(out["m._extra_state"], extra)
+    plain = {"w": weight}
+    assert keep_no_mapped_extra_state(plain) is plain  # nothing to copy: the very dict
 
 
 WIDTH = 1024  # one weight or moment: 4 MiB, above MIN_RECORD_BYTES
@@ -164,17 +167,30 @@ def test_compressed_and_small_records_get_no_buffers():
     assert [n for _, n in record_spans(raw, len(raw.getvalue()))] == [MIN_RECORD_BYTES]
 
 
-def test_the_moments_land_in_buffers_faulted_in_during_the_hash_and_are_not_copied_again(tmp_path):
+class AheadOfTheHash(FreshMemory):
+    """The real FreshMemory, whose helper gets ahead of the hash pass (a slow disk's case)."""
+
+    def start(self, f, size):
+        super().start(f, size)
+        wait_until_faulted(self, 6)
+
+
+def test_the_moments_land_in_buffers_faulted_in_during_the_hash_and_are_not_copied_again(
+    tmp_path, monkeypatch
+):
     path = saved_adamw(tmp_path)
     _, expected = adamw_objects(0)
-    with FreshMemory() as fresh:
-        with open(path, "rb") as f:  # the helper gets ahead of the hash pass (a slow disk's case)
-            fresh.start(f, path.stat().st_size)
-        wait_until_faulted(fresh, 6)
-        payload, _ = load_verified_file(path, mmap=True, fresh=fresh)
+    monkeypatch.setattr(loading, "FreshMemory", AheadOfTheHash)
+    seen = {}
+
+    def private(payload, fresh):
         loaded = payload["optimizer"]["state"]
-        loaded_ptrs = {t.untyped_storage().data_ptr() for s in loaded.values() for t in s.values()}
-        copied = copy_out(payload["optimizer"], fresh=fresh)
+        seen["loaded_ptrs"] = {t.untyped_storage().data_ptr() for s in loaded.values() for t in s.values()}
+        seen["fresh"] = fresh
+        return copy_out(payload, fresh=fresh)
+
+    payload, _ = load_verified_file(path, mmap=True, private=private)
+    fresh, loaded_ptrs, copied = seen["fresh"], seen["loaded_ptrs"], payload["optimizer"]
     # The helper faulted a buffer for each of the 6 large records (4 moments, 2 weights) before the
     # hash pass reached it, and the pass wrote each record straight into its buffer.
     assert fresh.faulted == 6 and len(fresh._mine) == 6

@@ -47,7 +47,6 @@ from ckpt_lesson.files.mapped_restore import (
     FreshMemory,
     copy_out,
     keep_no_mapped_extra_state,
-    load_with_private_copies,
 )
 from ckpt_lesson.files.payload import build_payload, build_state_payload
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, SCHEMA_V1, migrate_payload
@@ -202,14 +201,14 @@ def _read_file(
     path: Any, map_location: Any, sha256: Any, digest: Any, algo: Any, mmap: bool
 ) -> tuple[Any, FileDigest]:
     """Verify and load one file (the one reader of both call forms); a footer is required from ckpt.v2 on."""
-    payload, got = load_with_private_copies(
+    payload, got = load_verified_file(
         path,
-        _private_except_modules,
-        mmap=mmap,
         map_location=map_location,
         expected_sha256=sha256,
         expected_digest=digest,
         algo=algo,
+        mmap=mmap,
+        private=_private_except_modules,
     )
     require_footer(payload, got, str(path))
     return payload, got
@@ -237,9 +236,7 @@ def _private_except_modules(payload: Any, fresh: FreshMemory) -> Any:
 
 def _copy_all_but(tree: dict[str, Any], modules: set[str], fresh: FreshMemory) -> dict[str, Any]:
     keep = keep_no_mapped_extra_state
-    return {
-        k: keep({"model": v})["model"] if k in modules else copy_out(v, fresh=fresh) for k, v in tree.items()
-    }
+    return {k: keep(v) if k in modules else copy_out(v, fresh=fresh) for k, v in tree.items()}
 
 
 def load_checkpoint(

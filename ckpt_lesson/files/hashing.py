@@ -10,7 +10,6 @@ here (:func:`hash_bytes`, :func:`hash_file`, :func:`check_hash_record`).
 
 Also here: :func:`zip_crc32_off`, which switches off the CRC32s that
 ``torch.save`` computes for its zip archive while one of our saves runs.
-``torch.load`` never checks them and our own digest covers the same bytes.
 """
 
 from __future__ import annotations

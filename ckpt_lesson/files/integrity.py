@@ -43,6 +43,7 @@ __all__ = [
     "FooterWriter",
     "file_digest",
     "file_sha256",
+    "read_footer",
     "verify_footer",
 ]
 
@@ -89,11 +90,6 @@ class FileDigest:
     def sha256(self) -> str | None:
         """The whole-file digest if it is a sha256 (older callers), else ``None``."""
         return self.digest if self.algo == "sha256" else None
-
-    @property
-    def content_sha256(self) -> str | None:
-        """The footer's digest if it is a sha256 (older callers), else ``None``."""
-        return self.content_digest if self.algo == "sha256" else None
 
     @property
     def has_footer(self) -> bool:
@@ -176,8 +172,8 @@ class FooterWriter:
             self._size += len(chunk)
 
 
-def _inspect_footer(f: BinaryIO, size: int) -> tuple[str, tuple[str, str] | None]:
-    """Classify the end of a file: ``("ok", (algo, digest))``, ``("absent", None)`` or ``("damaged", None)``.
+def read_footer(f: BinaryIO, size: int, *, name: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """``(algo, digest)`` recorded in the footer at the end of a file, or ``None`` if it has none.
 
     A footer has three recognisable parts: the end record's signature, its
     comment length (one of our footer lengths) and the magic prefix with a
@@ -185,6 +181,14 @@ def _inspect_footer(f: BinaryIO, size: int) -> tuple[str, tuple[str, str] | None
     them, so two out of three mean "this file had a footer and it was
     damaged", not "this file never had one". A plain ``torch.save`` file has
     comment length 0 and matches none of them.
+
+    Raises:
+        CorruptCheckpointError: The footer is damaged or cut off (``f`` is left at offset 0).
+
+    Example:
+        >>> with open("ckpt/last.pt", "rb") as f:  # doctest: +SKIP
+        ...     read_footer(f, os.fstat(f.fileno()).st_size, name="ckpt/last.pt")
+        ('xxh3_128', '9f0c...')
     """
     longest = max(_LENGTHS)
     window = min(size, _EOCD_LEN + longest + 64)
@@ -203,17 +207,20 @@ def _inspect_footer(f: BinaryIO, size: int) -> tuple[str, tuple[str, str] | None
             named is not None,
         )
         if all(marks) and named is not None:
-            return "ok", (named, comment[-ALGORITHMS[named] :].decode("ascii", errors="replace"))
+            return named, comment[-ALGORITHMS[named] :].decode("ascii", errors="replace")
         damaged = damaged or sum(marks) == 2
-    if damaged:
-        return "damaged", None
     # An end record that announces one of our comments, but not where a complete
     # footer would put it: the footer was cut off (truncation) or bytes were appended.
     at = tail.rfind(_EOCD_SIG)
-    if at >= 0 and at + _EOCD_LEN <= len(tail):
-        if struct.unpack("<H", tail[at + _EOCD_LEN - 2 : at + _EOCD_LEN])[0] in _LENGTHS:
-            return "damaged", None
-    return "absent", None
+    if not damaged and at >= 0 and at + _EOCD_LEN <= len(tail):
+        damaged = struct.unpack("<H", tail[at + _EOCD_LEN - 2 : at + _EOCD_LEN])[0] in _LENGTHS
+    if damaged:
+        f.seek(0)
+        raise CorruptCheckpointError(
+            f"{name}: its integrity footer is damaged or cut off, so the file was truncated or "
+            "changed after it was written. Restore an older checkpoint."
+        )
+    return None
 
 
 def verify_footer(
@@ -238,13 +245,7 @@ def verify_footer(
             or the footer itself is damaged or cut off.
     """
     size = os.fstat(f.fileno()).st_size
-    status, found = _inspect_footer(f, size)
-    if status == "damaged":
-        f.seek(0)
-        raise CorruptCheckpointError(
-            f"{name}: its integrity footer is damaged or cut off, so the file was truncated or "
-            "changed after it was written. Restore an older checkpoint."
-        )
+    found = read_footer(f, size, name=name)
     footer_algo = found[0] if found else None
     algo = check_algo(algo or footer_algo or DEFAULT_ALGO)
     content_len = size - _footer_len(footer_algo) if footer_algo else size

@@ -5,7 +5,8 @@ warm-started, enters through :func:`load_verified_file`, and that is on
 purpose: one door is one place to get right. It does two things in order.
 
 1. **Verify** in a single read, which also fills the private copy the load
-   reads (:mod:`ckpt_lesson.files.private_copy`): the size on disk against the recorded size,
+   reads (:mod:`ckpt_lesson.files.private_copy`), so it loads exactly the
+   verified bytes however the file changes meanwhile: the size on disk against the recorded size,
    the integrity footer (see :mod:`ckpt_lesson.files.integrity`) when the file has
    one, and the whole file's digest against the one an index or manifest
    recorded (in the record's algorithm: sha256 for old records).
@@ -30,8 +31,9 @@ import pickletools
 import re
 import stat
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
@@ -41,13 +43,12 @@ from ckpt_lesson.errors import (
     LoadEnvironmentError,
     UnsafeCheckpointError,
 )
-from ckpt_lesson.files.integrity import FileDigest, verify_footer
+from ckpt_lesson.files.hashing import check_algo, digest_bytes
+from ckpt_lesson.files.integrity import FileDigest, read_footer, verify_footer
+from ckpt_lesson.files.mapped_restore import FreshMemory
 from ckpt_lesson.files.private_copy import PrivateCopy
 from ckpt_lesson.files.schema import SCHEMA_V1
 from ckpt_lesson.files.verify import VerifiedBytes
-
-if TYPE_CHECKING:  # mapped_restore imports this module; the annotation needs only the name
-    from ckpt_lesson.files.mapped_restore import FreshMemory
 
 __all__ = ["check_archive", "load_verified_file", "require_footer"]
 
@@ -61,7 +62,7 @@ def load_verified_file(
     expected_digest: str | None = None,
     algo: str | None = None,
     mmap: bool = False,
-    fresh: FreshMemory | None = None,
+    private: Callable[[Any, FreshMemory], Any] | None = None,
 ) -> tuple[Any, FileDigest]:
     """Hash a ``.pt`` file once, check it, then ``torch.load(weights_only=True)`` it.
 
@@ -72,28 +73,24 @@ def load_verified_file(
     Args:
         path: The file, or a part already verified in memory
             (:class:`~ckpt_lesson.files.verify.VerifiedBytes`): its size,
-            digest and footer are compared without hashing it again, and every
-            check below from the archive check on runs as for a file.
+            digest and footer are compared without hashing it again (in another
+            algorithm only), and every check from the archive check on runs as for a file.
         map_location: Passed to ``torch.load``.
         expected_sha256: A recorded whole-file sha256 (older records).
         expected_size: A recorded byte count.
         expected_digest: A recorded whole-file digest in ``algo``.
         algo: Algorithm of ``expected_digest`` (default: the footer's).
-        mmap: Map the verified private copy instead of reading it into new
-            memory. Every byte is read from the file once, by the pass that hashes
-            it, which also copies it into private memory
-            (:class:`~ckpt_lesson.files.private_copy.PrivateCopy`, a sealed memfd on
-            Linux); the load reads only that copy, so it loads exactly the verified
-            bytes however the file changes meanwhile. The returned tensors then share
-            the copy's pages (a private, copy-on-write mapping): copy what you keep,
-            or it keeps the whole copy alive.
-            :func:`~ckpt_lesson.files.checkpoint.load_checkpoint` does exactly that.
-            Any failure of the mapped load (a damaged archive) falls back to the
-            plain read of the copy, which loads it or reports it as any load would.
-            Ignored for bytes in memory: their tensors are private copies already.
-        fresh: With ``mmap`` and a CPU load, the large records' buffers
-            (:class:`~ckpt_lesson.files.mapped_restore.FreshMemory`): faulted in on a
-            helper thread while the hash pass reads the disk, then filled by it.
+        mmap: Map the verified private copy (module docstring, step 1; a memfd on Linux)
+            instead of reading it into new memory. The returned tensors then share
+            the copy's pages (a private, copy-on-write mapping): copy what you keep
+            (``private``), or it keeps the whole copy alive. Any failure of the mapped
+            load (a damaged archive) falls back to the plain read of the copy, which
+            loads it or reports it as any load would. Ignored for bytes in memory:
+            their tensors are private copies already.
+        private: After a mapped load, ``private(obj, fresh)`` returns ``obj`` with what
+            must not stay mapped copied out, into the large records' buffers that
+            ``fresh`` (:class:`~ckpt_lesson.files.mapped_restore.FreshMemory`) faulted
+            in while the file was hashed (a CPU load only) and the hash pass filled.
 
     Returns:
         The loaded object and the file's digest (``has_footer`` is ``False``
@@ -107,9 +104,16 @@ def load_verified_file(
     if expected_sha256 is not None:
         expected_digest, algo = expected_sha256, "sha256"
     if isinstance(path, VerifiedBytes):
-        digest = path.check(size=expected_size, digest=expected_digest, algo=algo)
+        _check_size(path.name, path.size, expected_size, "in memory")
+        algo = check_algo(algo or path.algo)
+        # Another algorithm than the one the stream was hashed with (an old sha256 record):
+        # one hash in that algorithm is the only honest comparison.
+        whole = path.digest if algo == path.algo else digest_bytes(path.data, algo)
+        _check_digest(path.name, algo, whole, expected_digest)
         with path.open() as f:
+            found = read_footer(f, path.size, name=path.name)  # its shape only: see VerifiedBytes
             check_archive(f, path.size, name=path.name)
+            digest = FileDigest(path.size, whole, found[1] if found else None, algo)
             return _weights_only_load(f, path.name, map_location), digest
     path = Path(path)
     if not path.is_file():
@@ -122,28 +126,20 @@ def load_verified_file(
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot open ({exc.strerror}); check its permissions.") from exc
-    with os.fdopen(fd, "rb") as f:
+    with os.fdopen(fd, "rb") as f, FreshMemory() as fresh:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise CorruptCheckpointError(
                 f"{path}: is not a regular file (a device or pipe); refusing to read it."
             )
         size = st.st_size
-        if expected_size is not None and size != expected_size:
-            raise CorruptCheckpointError(
-                f"{path}: {size} bytes on disk but {expected_size} recorded; the file was truncated "
-                "or replaced after it was saved. Restore an older checkpoint."
-            )
+        _check_size(path, size, expected_size)
         # Records go straight into CPU buffers only for a CPU load: tensors that map_location moves
         # elsewhere are read from the mapping while it is loaded, so every byte must be there.
-        on_cpu = map_location is None or str(map_location) == "cpu"
-        fresh = fresh if mmap and on_cpu else None
-        if fresh is not None:
+        if mmap and (map_location is None or str(map_location) == "cpu"):
             fresh.start(f, size)  # sizes only, from the directory: nothing here is trusted
         with PrivateCopy(size, fresh=fresh) as copy:
             try:
-                # One read: every byte hashed here is also copied into private memory, and the
-                # load below reads only that copy, so it loads exactly the bytes verified.
                 digest = verify_footer(copy.reader(f), name=path, algo=algo)
             except OSError as exc:  # EIO and friends: this copy cannot be read back, which is damage
                 raise CorruptCheckpointError(
@@ -155,16 +151,10 @@ def load_verified_file(
                     f"{path}: changed size while it was being verified ({size} -> {digest.size} bytes); "
                     "another process is writing it. Retry when it is done, or restore an older checkpoint."
                 )
-            # Compare case-insensitively: hex digests copied from other tools are sometimes upper case.
-            if expected_digest is not None and digest.digest != expected_digest.lower():
-                raise CorruptCheckpointError(
-                    f"{path}: {digest.algo} {digest.digest[:12]}... does not match the recorded "
-                    f"{expected_digest[:12]}...; the file changed after it was saved. "
-                    "Restore an older checkpoint."
-                )
+            _check_digest(path, digest.algo, digest.digest, expected_digest)
             copy.seal()
-            with copy.open() as private:
-                check_archive(private, size, name=path)
+            with copy.open() as held:
+                check_archive(held, size, name=path)
                 if mmap and copy.map_path is not None:
                     try:  # the sealed copy: nobody can change or truncate what the tensors map
                         obj = torch.load(
@@ -173,16 +163,33 @@ def load_verified_file(
                     except Exception:  # any failure is judged by the plain read below
                         # A hostile pickle, a damaged archive: the read below loads it the ordinary
                         # way, or classifies the failure exactly as for any load.
-                        private.seek(0)
+                        held.seek(0)
                     else:
                         copy.adopt(obj)  # large records: from the buffers the hash pass filled
-                        return obj, digest
-                obj = _weights_only_load(private, path, map_location)
+                        return (obj if private is None else private(obj, fresh)), digest
+                obj = _weights_only_load(held, path, map_location)
                 if copy.scattered:  # the copy has holes where records went to buffers: not a load
                     raise CorruptCheckpointError(
                         f"{path}: its verified copy could not be mapped; restore with mmap=False."
                     )
                 return obj, digest
+
+
+def _check_size(name: Any, size: int, expected: int | None, where: str = "on disk") -> None:
+    if expected is not None and size != expected:
+        raise CorruptCheckpointError(
+            f"{name}: {size} bytes {where} but {expected} recorded; the file was truncated "
+            "or replaced after it was saved. Restore an older checkpoint."
+        )
+
+
+def _check_digest(name: Any, algo: str, found: str, expected: str | None) -> None:
+    # Compare case-insensitively: hex digests copied from other tools are sometimes upper case.
+    if expected is not None and found != expected.lower():
+        raise CorruptCheckpointError(
+            f"{name}: {algo} {found[:12]}... does not match the recorded {expected[:12]}...; "
+            "the file changed after it was saved. Restore an older checkpoint."
+        )
 
 
 def check_archive(f: BinaryIO, size: int, *, name: str | os.PathLike[str] = "<file>") -> None:

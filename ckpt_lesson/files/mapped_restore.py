@@ -1,29 +1,22 @@
 """What a mapped restore may keep mapped, what it must copy out first, and the memory it copies into.
 
 ``load_checkpoint(mmap=True)`` (the default) maps the verified private copy of
-the file and lets ``model.load_state_dict`` copy the weights straight from it.
-A tensor left on that mapping keeps the whole copy (the file's size) in memory,
-and a tensor written in place (an optimizer's moment) would be copied page by
-page beside it. (Until round four the mapping was of the file itself, and a
-truncation by another process killed the restore with SIGBUS.)
+the file, sealed so that nobody can change or truncate it
+(:mod:`~ckpt_lesson.files.private_copy`), and lets ``model.load_state_dict``
+copy the weights straight from it. A tensor left on that mapping keeps the whole
+copy (the file's size) in memory, and a tensor written in place (an optimizer's
+moment) would be copied page by page beside it. So nothing mapped may outlive
+the restore:
 
-So nothing mapped may outlive the restore:
-
-* every bucket but ``model`` is copied out at once (the optimizer would
-  otherwise keep its moments mapped: ``Optimizer.load_state_dict`` keeps a
-  tensor that already has the parameter's dtype and device). A large record is
-  already in a buffer of its own, which the hash pass filled in memory that
-  :class:`FreshMemory` faulted in ahead of it (then nothing is copied); the small
-  rest is cloned;
+* every bucket but ``model`` is copied out at once (:func:`copy_out`; the
+  optimizer would otherwise keep its moments mapped: ``Optimizer.load_state_dict``
+  keeps a tensor that already has the parameter's dtype and device). A large
+  record is already in a buffer of its own, filled by the hash pass (then nothing
+  is copied); the small rest is cloned;
 * in ``model``, parameters and buffers are *copied* by ``load_state_dict``
   (``param.copy_(saved)``), but **extra state** (``*._extra_state``) is handed
   to the module's ``set_extra_state`` as it is, and a module may keep it. It is
-  copied out here too.
-
-The copy is sealed (:mod:`~ckpt_lesson.files.private_copy`): nobody can change
-or truncate what the tensors map, so the SIGBUS window while ``load_state_dict``
-copies the weights is closed, with ``mmap=True`` and ``mmap=False`` alike
-(``tests/test_mapped_restore.py``).
+  copied out too (:func:`keep_no_mapped_extra_state`).
 
 Why :class:`FreshMemory`: the first write to each fresh 4 KiB page costs the
 kernel a page fault: for 256 MB of AdamW moments that is about 0.1 s here, as
@@ -48,22 +41,16 @@ import struct
 import threading
 import zipfile
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any, BinaryIO
 
 import torch
 
-from ckpt_lesson.files.integrity import FileDigest
-from ckpt_lesson.files.loading import load_verified_file
 from ckpt_lesson.files.private_copy import private_buffer
-from ckpt_lesson.files.verify import VerifiedBytes
 
 __all__ = [
-    "EXTRA_STATE_SUFFIX",
     "FreshMemory",
     "copy_out",
     "keep_no_mapped_extra_state",
-    "load_with_private_copies",
     "record_spans",
 ]
 
@@ -112,10 +99,12 @@ def record_spans(f: BinaryIO, size: int) -> list[tuple[int, int]]:
 class FreshMemory:
     """Buffers faulted in by a helper thread, one per large record; use it as a context manager.
 
+    :func:`~ckpt_lesson.files.loading.load_verified_file` makes one per load and hands it to
+    its ``private`` rule after a mapped load.
+
     Example:
-        >>> with FreshMemory() as fresh:  # doctest: +SKIP
-        ...     payload, digest = load_verified_file(path, mmap=True, fresh=fresh)
-        ...     moments = copy_out(payload["optimizer"], fresh=fresh)
+        >>> payload, digest = load_verified_file(  # doctest: +SKIP
+        ...     path, mmap=True, private=lambda p, fresh: copy_out(p, fresh=fresh))
     """
 
     def __init__(self) -> None:
@@ -130,9 +119,7 @@ class FreshMemory:
         self.faulted = 0
 
     def start(self, f: BinaryIO, size: int) -> None:
-        """Start faulting in buffers for the records of the open archive ``f`` (``size`` bytes)."""
-        if self._thread is not None:
-            return
+        """Start faulting in buffers for the records of the open archive ``f`` (``size`` bytes); once."""
         self.spans = record_spans(f, size)
         if self.spans:
             self._thread = threading.Thread(
@@ -189,9 +176,7 @@ class FreshMemory:
     def close(self, *, wait: bool = False) -> None:
         """Stop the helper; it frees the unused buffers in the background (``wait``: before returning)."""
         self._stop.set()
-        if self._thread is None:
-            return
-        if wait:
+        if wait and self._thread is not None:
             self._thread.join()
 
     def __enter__(self) -> FreshMemory:
@@ -208,8 +193,7 @@ EXTRA_STATE_SUFFIX = "_extra_state"
 def copy_out(tree: Any, *, fresh: FreshMemory | None = None) -> Any:
     """``tree`` with every CPU tensor cloned into memory of its own (device tensors are copies already).
 
-    Every mapped restore calls this on what it keeps: a tensor still backed by the
-    copy's mapping would keep the whole copy alive (and, written in place, double). Tensors
+    Every mapped restore calls this on what it keeps (see the module's docstring). Tensors
     that ``map_location`` already moved to a device are copies; cloning them again
     would only double, for a moment, the device memory they take. A dict keeps its
     type when it is an ``OrderedDict`` (state dicts are). With ``fresh``, a tensor
@@ -231,59 +215,20 @@ def copy_out(tree: Any, *, fresh: FreshMemory | None = None) -> Any:
     return tree
 
 
-def keep_no_mapped_extra_state(payload: dict[str, Any]) -> dict[str, Any]:
-    """``payload`` with every ``*._extra_state`` entry of its ``model`` bucket copied out of the mapping.
+def keep_no_mapped_extra_state(state_dict: Any) -> Any:
+    """A module's loaded ``state_dict`` with every ``*._extra_state`` entry copied out of the mapping.
 
     Args:
-        payload: A loaded checkpoint payload (``{"model": state_dict, ...}``).
+        state_dict: The module's part of a payload; anything but a dict is returned as it is.
 
     Returns:
-        The same payload; only the ``model`` bucket is replaced (a shallow copy).
+        A shallow copy with those entries copied, or ``state_dict`` itself when it holds none.
 
     Example:
-        >>> keep_no_mapped_extra_state({"model": {"w": torch.ones(1)}})["model"]["w"].item()
+        >>> keep_no_mapped_extra_state({"w": torch.ones(1)})["w"].item()
         1.0
     """
-    model = payload.get("model")
-    if not isinstance(model, dict) or not any(
-        isinstance(k, str) and k.endswith(EXTRA_STATE_SUFFIX) for k in model
-    ):
-        return payload
-    fixed = {
-        k: copy_out(v) if isinstance(k, str) and k.endswith(EXTRA_STATE_SUFFIX) else v
-        for k, v in model.items()
-    }
-    return {**payload, "model": fixed}
-
-
-def load_with_private_copies(
-    path: Any, private: Callable[[Any, FreshMemory], Any], *, mmap: bool, **load_kwargs: Any
-) -> tuple[Any, FileDigest]:
-    """:func:`~ckpt_lesson.files.loading.load_verified_file`, keeping mapped only what ``private`` leaves.
-
-    On a mapped load of a file, ``private(payload, fresh)`` returns the payload with
-    what must not stay mapped copied out, into ``fresh``'s memory (faulted in while
-    the file was hashed). A read load, or bytes already in memory, are private
-    already and come back as loaded.
-
-    Args:
-        path: As for ``load_verified_file``.
-        private: The copying rule of the payload's format.
-        mmap: Map the verified file.
-        load_kwargs: The other keywords of ``load_verified_file``.
-
-    Returns:
-        The payload and the file's digest.
-
-    Raises:
-        CheckpointError: As ``load_verified_file``.
-
-    Example:
-        >>> payload, digest = load_with_private_copies(  # doctest: +SKIP
-        ...     "c.pt", lambda p, fresh: copy_out(p, fresh=fresh), mmap=True)
-    """
-    with FreshMemory() as fresh:
-        payload, digest = load_verified_file(path, mmap=mmap, fresh=fresh, **load_kwargs)
-        if mmap and not isinstance(path, VerifiedBytes):
-            payload = private(payload, fresh)
-    return payload, digest
+    if not isinstance(state_dict, dict):
+        return state_dict
+    extra = {k for k in state_dict if isinstance(k, str) and k.endswith(EXTRA_STATE_SUFFIX)}
+    return {k: copy_out(v) if k in extra else v for k, v in state_dict.items()} if extra else state_dict

@@ -15,18 +15,16 @@ truncated *file* can no longer kill a mapped restore with SIGBUS either.)
 Elsewhere the copy is a ``bytearray`` read by the ordinary load.
 
 What a byte costs: a read from the page cache is one copy, and so is the
-copy into private memory, whose fresh pages also cost a fault each (about 0.45 s
-per GB of 4 KiB pages here). So the large tensor records do not go into the memfd
+copy into private memory, whose fresh pages also cost a fault each (see
+:func:`private_buffer`). So the large tensor records do not go into the memfd
 at all: the file is read straight into buffers of their own (the ones
 :class:`~ckpt_lesson.files.mapped_restore.FreshMemory` faulted in on a helper thread,
 when it got there first), 1 MiB at a time, and each piece is hashed right there
 while it is still in the cache (:meth:`PrivateCopy.read_view`): one copy per
-byte, and the bytes hashed are the very bytes kept. The buffers are
-:func:`private_buffer` memory, in 2 MiB pages where the kernel grants them (one
-fault per 2 MiB instead of 512). After the load (of the memfd, where those
-records are holes) each tensor of such a record is pointed at its buffer
-(:meth:`PrivateCopy.adopt`). Those buffers are what the restore keeps anyway
-(the optimizer's moments), so they are copied once, not twice.
+byte, and the bytes hashed are the very bytes kept. After the load (of the memfd,
+where those records are holes) each tensor of such a record is pointed at its
+buffer (:meth:`PrivateCopy.adopt`). Those buffers are what the restore keeps
+anyway (the optimizer's moments), so they are copied once, not twice.
 """
 
 from __future__ import annotations
@@ -97,9 +95,10 @@ _SEALS = sum(
 class PrivateCopy:
     """A file's bytes, copied into private memory by the reads that hash them.
 
-    Read the file through :meth:`reader` (every byte read lands in the copy at its
-    offset; a byte read twice keeps its last reading, which is the one hashed last),
-    then :meth:`seal` and load from :meth:`open` or :attr:`map_path`.
+    Read the file through :meth:`reader`, the copy itself as a file-like view of ``f``
+    (every byte read lands in the copy at its offset; a byte read twice keeps its last
+    reading, which is the one hashed last), then :meth:`seal` and load from
+    :meth:`open` or :attr:`map_path`.
 
     Example:
         >>> with open("ckpt/last.pt", "rb") as f, PrivateCopy(size) as copy:  # doctest: +SKIP
@@ -131,15 +130,34 @@ class PrivateCopy:
         self._taken: dict[int, Any] = {}  # span start -> (buffer, its numpy view) or None (memfd)
         self._filled: dict[int, int] = {}
         self._bounce: memoryview | None = None  # read_view's piece for bytes bound for the memfd
+        self._f: BinaryIO | None = None  # the file being read, set by reader()
 
     @property
     def map_path(self) -> Path | None:
         """A path ``torch.load(mmap=True)`` can map (the sealed memfd), or ``None`` without one."""
         return None if self.fd is None else Path(f"/proc/self/fd/{self.fd}")
 
-    def reader(self, f: BinaryIO) -> _CopyingReader:
-        """``f`` wrapped so that every byte read from it is also written into the copy."""
-        return _CopyingReader(f, self)
+    def reader(self, f: BinaryIO) -> PrivateCopy:
+        """The copy as what :func:`~ckpt_lesson.files.integrity.verify_footer` hashes ``f`` through."""
+        self._f = f
+        return self
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def read(self, n: int = -1) -> bytes:
+        """Up to ``n`` bytes of the file (all with ``-1``), also written into the copy."""
+        at = self._f.tell()
+        data = self._f.read(n)
+        if data:
+            self.write_at(data, at)
+        return data
 
     def write_at(self, data: Any, offset: int) -> None:
         """Write ``data`` into the memfd (or bytearray) at ``offset``; buffers are filled by read_view only.
@@ -158,14 +176,15 @@ class PrivateCopy:
             done = os.pwrite(self.fd, view, offset)
             view, offset = view[done:], offset + done
 
-    def read_view(self, f: BinaryIO, n: int) -> memoryview:
-        """Read up to ``n`` bytes from ``f``'s position into the copy; the bytes, where they now lie.
+    def read_view(self, n: int) -> memoryview:
+        """Read up to ``n`` bytes from the file's position into the copy; the bytes, where they now lie.
 
         Bytes of a large record are read straight into its buffer, and the returned
         view is of that buffer: hashing it hashes exactly what the load will use, and
         no byte is copied twice. Other bytes are read into a small piece of our own,
         then written into the copy. An empty view means the end of the file.
         """
+        f = self._f
         offset = f.tell()
         i = bisect.bisect_right(self._starts, offset) - 1
         start, n_span = self._spans[i] if i >= 0 else (0, 0)
@@ -258,34 +277,6 @@ class PrivateCopy:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-class _CopyingReader:
-    """The file-like view :func:`~ckpt_lesson.files.integrity.verify_footer` hashes through."""
-
-    def __init__(self, f: BinaryIO, copy: PrivateCopy) -> None:
-        self._f = f
-        self._copy = copy
-
-    def fileno(self) -> int:
-        return self._f.fileno()
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        return self._f.seek(offset, whence)
-
-    def tell(self) -> int:
-        return self._f.tell()
-
-    def read_view(self, n: int) -> memoryview:
-        """Up to ``n`` bytes read into the copy, viewed where they lie (:meth:`PrivateCopy.read_view`)."""
-        return self._copy.read_view(self._f, n)
-
-    def read(self, n: int = -1) -> bytes:
-        at = self._f.tell()
-        data = self._f.read(n)
-        if data:
-            self._copy.write_at(data, at)
-        return data
 
 
 def _tensors(tree: Any) -> Any:

@@ -39,6 +39,7 @@ from ckpt_lesson.errors import CorruptCheckpointError
 
 __all__ = [
     "MAX_RECORD_BYTES",
+    "SAFE_OPEN_FLAGS",
     "file_kind",
     "open_regular_file",
     "parse_json_text",
@@ -51,20 +52,19 @@ __all__ = [
 #: and still far from what it would take to hurt the machine.
 MAX_RECORD_BYTES = 64 << 20
 
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+#: What every open of a file beside a save adds (here and in side_files): follow no symlink,
+#: block on no FIFO, leak into no child process.
+SAFE_OPEN_FLAGS = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def open_regular_file(path: str | os.PathLike[str], *, what: str = "file") -> BinaryIO:
     """Open a file for reading the way every record is opened: a regular file itself, or nothing.
 
-    For files too large to read whole (a Lightning ``.ckpt``): the caller reads
-    from the returned file, and takes any bounded piece of it with
-    :func:`read_exact_at`. The same checks as :func:`read_regular_file`:
-    ``lstat`` first (a symlink is refused, never followed), then
-    ``O_NOFOLLOW | O_NONBLOCK`` (a symlink or FIFO swapped in after the check
-    neither redirects nor blocks the open), then ``fstat`` on the descriptor.
+    ``lstat`` first (a symlink is refused, never followed), then ``O_NOFOLLOW |
+    O_NONBLOCK`` (a symlink or FIFO swapped in after the check neither redirects
+    nor blocks the open), then ``fstat`` on the descriptor. :func:`read_regular_file`
+    reads a small file whole this way; from a file too large for that (a Lightning
+    ``.ckpt``) take any bounded piece with :func:`read_exact_at`.
 
     Args:
         path: The file.
@@ -81,7 +81,28 @@ def open_regular_file(path: str | os.PathLike[str], *, what: str = "file") -> Bi
         >>> with open_regular_file("checkpoints/last.ckpt", what="checkpoint") as f:  # doctest: +SKIP
         ...     head = read_exact_at(f, 0, 4, where="last.ckpt", what="zip signature")
     """
-    fd, _ = _open_checked(path, what)
+    st = os.lstat(path)  # the name itself, never what a symlink points to
+    if not stat.S_ISREG(st.st_mode):
+        raise CorruptCheckpointError(
+            f"{path}: the {what} is {file_kind(st.st_mode)}, not a regular file; it was replaced by "
+            "something else and is not read. Restore an older save or remove it."
+        )
+    try:
+        fd = os.open(path, os.O_RDONLY | SAFE_OPEN_FLAGS)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # swapped for a symlink after the check
+            raise CorruptCheckpointError(f"{path}: the {what} became a symlink; not following it.") from exc
+        raise CorruptCheckpointError(f"{path}: cannot open the {what} ({exc.strerror or exc}).") from exc
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        os.close(fd)
+        raise CorruptCheckpointError(f"{path}: cannot stat the {what} ({exc.strerror or exc}).") from exc
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(f"{path}: the {what} is {file_kind(st.st_mode)}, not a regular file.")
     return os.fdopen(fd, "rb")
 
 
@@ -153,59 +174,27 @@ def read_regular_file(
         >>> read_regular_file("run/progress.json", limit=1 << 20)  # doctest: +SKIP
         b'{"step": 12, ...}'
     """
-    fd, st = _open_checked(path, what)
-    try:
-        if st.st_size > limit:
+    with open_regular_file(path, what=what) as f:
+        try:
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                raise CorruptCheckpointError(
+                    f"{path}: the {what} is {size} bytes, over the {limit}-byte cap for such a record; "
+                    "it is damaged or was replaced. Restore an older save."
+                )
+            chunks, total = [], 0
+            while chunk := f.read(min(1 << 20, limit + 1 - total)):
+                chunks.append(chunk)
+                total += len(chunk)
+                if total > limit:  # it grew while we read it
+                    raise CorruptCheckpointError(
+                        f"{path}: the {what} grew past the {limit}-byte cap while read."
+                    )
+            return b"".join(chunks)
+        except OSError as exc:
             raise CorruptCheckpointError(
-                f"{path}: the {what} is {st.st_size} bytes, over the {limit}-byte cap for such a record; "
-                "it is damaged or was replaced. Restore an older save."
-            )
-        chunks, total = [], 0
-        while True:
-            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > limit:  # it grew while we read it
-                raise CorruptCheckpointError(f"{path}: the {what} grew past the {limit}-byte cap while read.")
-        return b"".join(chunks)
-    except OSError as exc:
-        raise CorruptCheckpointError(
-            f"{path}: I/O error reading the {what} ({exc.strerror or exc}); this copy is damaged."
-        ) from exc
-    finally:
-        os.close(fd)
-
-
-def _open_checked(path: str | os.PathLike[str], what: str) -> tuple[int, os.stat_result]:
-    """The one way a record is opened: lstat, open without following or blocking, fstat.
-
-    Raises FileNotFoundError when nothing is there (callers decide what absence means).
-    """
-    st = os.lstat(path)  # the name itself, never what a symlink points to
-    if not stat.S_ISREG(st.st_mode):
-        raise CorruptCheckpointError(
-            f"{path}: the {what} is {file_kind(st.st_mode)}, not a regular file; it was replaced by "
-            "something else and is not read. Restore an older save or remove it."
-        )
-    try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # swapped for a symlink after the check
-            raise CorruptCheckpointError(f"{path}: the {what} became a symlink; not following it.") from exc
-        raise CorruptCheckpointError(f"{path}: cannot open the {what} ({exc.strerror or exc}).") from exc
-    try:
-        st = os.fstat(fd)
-    except OSError as exc:
-        os.close(fd)
-        raise CorruptCheckpointError(f"{path}: cannot stat the {what} ({exc.strerror or exc}).") from exc
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise CorruptCheckpointError(f"{path}: the {what} is {file_kind(st.st_mode)}, not a regular file.")
-    return fd, st
+                f"{path}: I/O error reading the {what} ({exc.strerror or exc}); this copy is damaged."
+            ) from exc
 
 
 def parse_json_text(data: bytes, *, where: str) -> Any:

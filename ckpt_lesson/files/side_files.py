@@ -34,7 +34,7 @@ import uuid
 from pathlib import Path
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.safe_read import _CLOEXEC, _NOFOLLOW, _NONBLOCK, file_kind
+from ckpt_lesson.files.safe_read import SAFE_OPEN_FLAGS, file_kind
 
 __all__ = ["append_beside", "open_beside", "replace_beside"]
 
@@ -73,7 +73,7 @@ def open_beside(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> 
     """
     path = Path(path)
     try:
-        fd = os.open(path, flags | _NOFOLLOW | _NONBLOCK | _CLOEXEC, mode)
+        fd = os.open(path, flags | SAFE_OPEN_FLAGS, mode)
     except OSError as exc:
         # ELOOP: the last component is a symlink. ENXIO: a FIFO with no reader opened for writing.
         if exc.errno == errno.ELOOP:
@@ -85,7 +85,7 @@ def open_beside(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> 
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise _refused(path, f"is {file_kind(st.st_mode)}")
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_NONBLOCK)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     except BaseException:
         os.close(fd)
         raise

@@ -31,13 +31,12 @@ A part held in memory is checked here too. A restore from an object store
 streams every part down and hashes it on the way (:mod:`ckpt_lesson.runs.store_restore`);
 writing the bytes to a local file only for the loader to read and hash them again
 would cost a disk write and a second pass for nothing. So the loaders also accept
-a :class:`VerifiedBytes`: the bytes and the record they were checked against. The
-checks that do not hash (size, footer present and intact, a stored zip archive,
-the weights-only load) still run on them, exactly as on a file.
+a :class:`VerifiedBytes`: the bytes and the record they were checked against.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import stat
@@ -46,11 +45,11 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
-from ckpt_lesson.files.hashing import check_algo, digest_bytes, part_digest
-from ckpt_lesson.files.integrity import FileDigest, _inspect_footer, file_digest
+from ckpt_lesson.files.hashing import part_digest
+from ckpt_lesson.files.integrity import file_digest
+from ckpt_lesson.files.safe_read import SAFE_OPEN_FLAGS
 
 __all__ = [
-    "VERIFY_MODES",
     "VerifiedBytes",
     "check_written_part",
     "drop_cached_pages",
@@ -58,9 +57,6 @@ __all__ = [
     "verify_part",
     "verify_record",
 ]
-
-#: What ``verify_on_save`` accepts besides ``True`` (= ``"device"``) and ``False`` (no check).
-VERIFY_MODES = ("writer", "device")
 
 
 def verify_record(path: Path, part: dict[str, Any]) -> str | None:
@@ -152,7 +148,7 @@ def verify_mode(value: Any) -> str | None:
         return "device"
     if value is False or value is None:
         return None
-    if isinstance(value, str) and value in VERIFY_MODES:
+    if value in ("writer", "device"):
         return value
     raise CheckpointError(
         f"verify_on_save must be True, False, 'writer' or 'device', got {value!r}: "
@@ -172,7 +168,7 @@ def drop_cached_pages(path: Path) -> None:
     advise = getattr(os, "posix_fadvise", None)
     if advise is None:
         return
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    fd = os.open(path, os.O_RDONLY | SAFE_OPEN_FLAGS)
     try:
         advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
@@ -190,13 +186,10 @@ def check_written_part(path: Path, part: dict[str, Any], mode: str) -> str | Non
     Example:
         >>> check_written_part(staging / "checkpoint.pt", part, "writer")  # doctest: +SKIP
     """
-    wrong = _size_problem(path, part["bytes"])
-    if wrong is not None or mode == "writer":
-        return wrong
-    try:
+    if mode == "writer":
+        return _size_problem(path, part["bytes"])
+    with contextlib.suppress(OSError):  # a file that cannot be opened: verify_record says why
         drop_cached_pages(path)
-    except OSError as exc:
-        return f"{path.name}: unreadable ({exc.strerror or exc})"
     return verify_record(path, part)
 
 
@@ -205,7 +198,10 @@ class VerifiedBytes:
     """One part's bytes and the digest they were verified against while they streamed in.
 
     Build one only *after* the bytes matched their record (size and digest):
-    the loaders trust ``digest`` and do not hash ``data`` again.
+    the loaders trust ``digest`` and do not hash ``data`` again. Nor do they check
+    the footer against the content: that was done when the save was written, and
+    identical bytes carry an intact, matching footer; they read only its presence
+    and shape (a few dozen bytes at the end).
 
     Attributes:
         data: The part's bytes (``bytes``, so ``io.BytesIO`` shares them instead of copying).
@@ -214,6 +210,7 @@ class VerifiedBytes:
         digest: The whole part's hex digest, as its manifest records it.
 
     Example:
+        >>> from ckpt_lesson.files.hashing import digest_bytes
         >>> part = VerifiedBytes(b"abc", "mem://abc", "sha256", digest_bytes(b"abc", "sha256"))
         >>> part.size
         3
@@ -235,50 +232,3 @@ class VerifiedBytes:
     def open(self) -> io.BytesIO:
         """A fresh read-only-by-convention file object over the bytes (no copy of ``bytes``)."""
         return io.BytesIO(self.data)
-
-    def check(self, *, size: int | None, digest: str | None, algo: str | None) -> FileDigest:
-        """Compare with what a caller expects, and read the footer from the tail; no full hash.
-
-        The digest was computed over every byte, footer included, while the part
-        streamed in, and it equals the manifest's, which the commit marker pins.
-        The footer was checked against the content when the save was written, so
-        identical bytes carry an intact, matching footer; only its presence and
-        shape are read here (a few dozen bytes at the end).
-
-        Args:
-            size: A recorded byte count, or ``None``.
-            digest: A recorded whole-part digest in ``algo``, or ``None``.
-            algo: Its algorithm (default: the one the bytes were verified with).
-
-        Returns:
-            What :func:`~ckpt_lesson.files.integrity.verify_footer` returns for a file.
-
-        Raises:
-            CorruptCheckpointError: The size or digest differ, or the footer is damaged.
-
-        Example:
-            >>> VerifiedBytes(b"abc", "mem://abc", "sha256", digest_bytes(b"abc", "sha256")).check(
-            ...     size=3, digest=None, algo=None).has_footer
-            False
-        """
-        if size is not None and size != self.size:
-            raise CorruptCheckpointError(
-                f"{self.name}: {self.size} bytes but {size} recorded; restore an older checkpoint."
-            )
-        algo = check_algo(algo or self.algo)
-        # Another algorithm than the one the stream was hashed with (an old sha256 record):
-        # one hash in that algorithm is the only honest comparison.
-        mine = self.digest if algo == self.algo else digest_bytes(self.data, algo)
-        if digest is not None and mine != digest.lower():
-            raise CorruptCheckpointError(
-                f"{self.name}: {algo} {mine[:12]}... does not match the recorded {digest[:12]}...; "
-                "restore an older checkpoint."
-            )
-        f = self.open()
-        # The tail only, no hashing; integrity's one judge of what a damaged footer is.
-        status, found = _inspect_footer(f, self.size)
-        if status == "damaged":
-            raise CorruptCheckpointError(
-                f"{self.name}: its integrity footer is damaged or cut off; restore an older checkpoint."
-            )
-        return FileDigest(self.size, mine, found[1] if found else None, algo)
