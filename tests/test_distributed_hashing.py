@@ -44,6 +44,12 @@ def test_hash_file_refuses_a_symlink(tmp_path: Path) -> None:
         hash_file(tmp_path / "link")
 
 
+def test_hash_file_refuses_a_fifo_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        hash_file(tmp_path / "pipe")
+
+
 @pytest.mark.parametrize(
     "record",
     [

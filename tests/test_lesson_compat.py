@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 from pathlib import Path
 
@@ -149,6 +150,12 @@ def test_file_sha256_is_the_plain_sha256_of_the_files_bytes(tmp_path: Path) -> N
     other = tmp_path / "notes.txt"
     other.write_bytes(b"not a checkpoint")
     assert ckpt.file_sha256(other) == hashlib.sha256(b"not a checkpoint").hexdigest()
+
+
+def test_file_sha256_refuses_a_fifo_instead_of_waiting_for_a_writer(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(ckpt.CheckpointError, match="not a regular file"):
+        ckpt.file_sha256(tmp_path / "pipe")
 
 
 def test_single_file_round_trip_restores_counters_and_every_tensor(tmp_path: Path) -> None:

@@ -17,15 +17,14 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
-import stat
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from pathlib import Path
 from typing import Any, BinaryIO
 
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
+from ckpt_lesson.files.safe_read import open_regular_file
 
 __all__ = [
     "ALGORITHMS",
@@ -146,10 +145,9 @@ def hash_file(path: str | os.PathLike[str], algo: str = DEFAULT_ALGO) -> tuple[i
     Example:
         >>> size, record = hash_file("step-00000004/__0_0.distcp")  # doctest: +SKIP
     """
-    path = Path(path)
-    if not stat.S_ISREG(os.lstat(path).st_mode):
-        raise CorruptCheckpointError(f"{path.name}: not a regular file (a symlink, folder or device).")
-    with open(path, "rb") as f:
+    # lstat, then a no-follow, non-blocking open and fstat: a symlink or FIFO swapped in between
+    # is refused too, never followed or waited on.
+    with open_regular_file(path) as f:
         size, digest = hash_chunks(iter(lambda: f.read(_CHUNK), b""), algo)
     return size, {"algo": algo, "digest": digest}
 

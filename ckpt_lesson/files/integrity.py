@@ -310,7 +310,8 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
         '9f86d081884c7d65...'
     """
     try:
-        f = open(Path(path), "rb")  # noqa: SIM115 - closed below, after the regular-file check
+        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer, forever.
+        f = os.fdopen(os.open(Path(path), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)), "rb")
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read it to hash ({exc.strerror or exc}).") from exc
     with f:
