@@ -37,8 +37,7 @@ from ckpt_lesson.errors import (
 from ckpt_lesson.files.hashing import check_hash_record, hash_file
 from ckpt_lesson.files.record_seal import SEAL_KEY, verify_record_seal
 from ckpt_lesson.files.safe_read import parse_json_text, read_regular_file
-from ckpt_lesson.files.schema import MANIFEST_NAME
-from ckpt_lesson.files.step_names import check_recorded_step
+from ckpt_lesson.files.schema import MANIFEST_NAME, check_recorded_step
 from ckpt_lesson.runs.commit import COMMIT_MARKER
 from ckpt_lesson.runs.dcp_marker import PUBLISH_MODES, check_commit_marker
 from ckpt_lesson.runs.layout import (

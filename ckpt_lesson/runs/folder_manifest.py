@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 from ckpt_lesson.files.atomic import atomic_write_json, fsync_dir, is_temp_file
 from ckpt_lesson.files.hashing import DEFAULT_ALGO, hash_chunks, hash_file, part_digest, record_fields
 from ckpt_lesson.files.safe_read import parse_json_text, read_regular_file
-from ckpt_lesson.files.step_names import check_recorded_step
+from ckpt_lesson.files.schema import CHECKPOINT_DIR_RE, check_recorded_step
 
 __all__ = [
     "FOLDER_MANIFEST_NAME",
@@ -48,14 +47,13 @@ log = logging.getLogger(__name__)
 #: Written last into each folder it vouches for.
 FOLDER_MANIFEST_NAME = "ckpt_lesson_manifest.json"
 FOLDER_MANIFEST_SCHEMA = "ckpt.folder-manifest.v1"
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 _MAX_MANIFEST_BYTES = 16 << 20
 _CHUNK = 1 << 20
 
 
 def checkpoint_folder_step(name: str) -> int | None:
     """The step of a Hugging Face folder name (``checkpoint-500`` -> 500), else ``None``."""
-    found = _CHECKPOINT_RE.match(name)
+    found = CHECKPOINT_DIR_RE.match(name)
     return int(found.group(1)) if found else None
 
 

@@ -41,7 +41,7 @@ from ckpt_lesson.errors import (
 from ckpt_lesson.files.hashing import part_digest
 from ckpt_lesson.files.record_seal import verify_record_seal
 from ckpt_lesson.files.safe_read import read_json_file
-from ckpt_lesson.files.schema import MANIFEST_NAME, MANIFEST_SCHEMA
+from ckpt_lesson.files.schema import MANIFEST_NAME, MANIFEST_SCHEMA, STEP_DIR_RE
 from ckpt_lesson.files.verify import verify_record
 from ckpt_lesson.short_repr import short_repr
 
@@ -64,9 +64,6 @@ LAYOUTS = ("single", "sharded")
 DCP_MANIFEST_SCHEMA = "ckpt.manifest.dcp.v1"
 #: Prefix of a save in progress: ``.staging-step-00000280-<pid>-<hex8>``.
 STAGING_PREFIX = ".staging-step-"
-# [0-9], not \d: \d also matches other scripts' digits ("step-٣٣٣٣٣٣٣٣"), which int() accepts but
-# step_dir_name() never writes, so scan would list a save that restore can never find.
-_STEP_RE = re.compile(r"^step-([0-9]{8,})$")
 STAGING_RE = re.compile(r"^\.staging-step-([0-9]{8,})-")
 #: Every top-level key a manifest had before manifests carried their own checksum.
 LEGACY_MANIFEST_KEYS = frozenset(
@@ -95,7 +92,7 @@ def published_steps(run_dir: Path) -> list[int]:
 
 def step_of(name: str) -> int | None:
     """The step of a published save folder's name, or ``None`` for any other name."""
-    found = _STEP_RE.match(name)
+    found = STEP_DIR_RE.match(name)
     return int(found.group(1)) if found else None
 
 
