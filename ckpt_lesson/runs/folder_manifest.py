@@ -32,6 +32,7 @@ from ckpt_lesson.files.atomic import atomic_write_json, fsync_dir, is_temp_file
 from ckpt_lesson.files.hashing import DEFAULT_ALGO, hash_chunks, hash_file, part_digest, record_fields
 from ckpt_lesson.files.safe_read import parse_json_text, read_regular_file
 from ckpt_lesson.files.schema import CHECKPOINT_DIR_RE, check_recorded_step
+from ckpt_lesson.files.storage_base import is_plain_key
 
 __all__ = [
     "FOLDER_MANIFEST_NAME",
@@ -69,14 +70,6 @@ def _files_in(folder: Path) -> list[Path]:
     return found
 
 
-def _sync_and_hash(path: Path, algo: str) -> tuple[int, str]:
-    with open(path, "rb") as f:
-        size, digest = hash_chunks(iter(lambda: f.read(_CHUNK), b""), algo)
-        # fsync through a read-only descriptor flushes the file's dirty pages all the same on Linux.
-        os.fsync(f.fileno())
-    return size, digest
-
-
 def write_folder_manifest(
     folder: str | os.PathLike[str], *, step: int | None = None, algo: str = DEFAULT_ALGO
 ) -> dict[str, Any]:
@@ -105,7 +98,10 @@ def write_folder_manifest(
         raise CheckpointError(f"{folder.name}: holds no files; nothing to record as a save.")
     entries = []
     for rel in files:
-        size, digest = _sync_and_hash(folder / rel, algo)
+        with open(folder / rel, "rb") as f:
+            size, digest = hash_chunks(iter(lambda: f.read(_CHUNK), b""), algo)
+            # fsync through a read-only descriptor flushes the file's dirty pages all the same on Linux.
+            os.fsync(f.fileno())
         entries.append({"file": rel.as_posix(), "bytes": size, **record_fields(algo, digest)})
     for sub in sorted({(folder / rel).parent for rel in files}, key=lambda p: -len(p.parts)):
         fsync_dir(sub)
@@ -142,16 +138,8 @@ def _read(folder: Path) -> tuple[dict[str, Any] | None, str]:
     for entry in files:
         name = entry.get("file") if isinstance(entry, dict) else None
         # Data can be hostile: a listed name may only point inside the folder.
-        if (
-            not isinstance(name, str)
-            or not name
-            or name.startswith("/")
-            or "\\" in name
-            or "\x00" in name
-            or ".." in name.split("/")
-            or not isinstance(entry.get("bytes"), int)
-            or not _has_digest(entry)
-        ):
+        plain = isinstance(name, str) and is_plain_key(name) and "\x00" not in name
+        if not plain or not isinstance(entry.get("bytes"), int) or not _has_digest(entry):
             return None, f"{FOLDER_MANIFEST_NAME}: malformed entry {str(entry)[:80]}"
     return manifest, ""
 
