@@ -77,8 +77,6 @@ CHECKPOINT_SCHEMA = CURRENT_SCHEMA
 #: Oldest first; an index in this tuple is the schema's age.
 KNOWN_SCHEMAS = (SCHEMA_V1, SCHEMA_V2)
 
-Migration = Callable[[dict[str, Any]], dict[str, Any]]
-
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype, torch.device)
 _MAX_DEPTH = 64
 
@@ -120,7 +118,7 @@ def migrate_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 #: schema -> function that lifts a payload of that schema by one version.
-MIGRATIONS: dict[str, Migration] = {SCHEMA_V1: migrate_v1_to_v2}
+MIGRATIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {SCHEMA_V1: migrate_v1_to_v2}
 
 
 def migrate_payload(payload: Any, *, source: str = "<payload>") -> dict[str, Any]:

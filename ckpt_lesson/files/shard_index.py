@@ -71,7 +71,7 @@ TENSOR_REF = "__shard_tensor__"
 #: ``round_robin``: key i goes to shard i % N. ``param_group``: weights and
 #: biases/buffers in separate groups of shards, balanced by bytes.
 LAYOUTS = ("round_robin", "param_group")
-# The names sharded._shard_name gives; one present but not listed means the folder is not what was saved.
+# The names sharded._write_sharded gives; one present but not listed means the folder is not what was saved.
 _SHARD_RE = re.compile(r"^model\.shard-\d{3,}\.pt$")
 
 

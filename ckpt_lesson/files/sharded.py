@@ -49,13 +49,7 @@ from ckpt_lesson.files.integrity import FileDigest
 from ckpt_lesson.files.payload import build_payload
 from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.shard_index import INDEX_NAME, META_NAME, SHARDED_SCHEMA, read_sharded_payload
-from ckpt_lesson.files.shard_plan import (
-    _check_plan_args,
-    _nbytes,
-    plan_optimizer_shards,
-    plan_shards,
-    pull_tensors,
-)
+from ckpt_lesson.files.shard_plan import _nbytes, plan_optimizer_shards, plan_shards, pull_tensors
 from ckpt_lesson.files.train_state import TrainState
 from ckpt_lesson.short_repr import short_repr
 
@@ -72,11 +66,6 @@ __all__ = [
 #: schema for the whole sharded checkpoint, recorded in ``index.json``; each shard
 #: body holds the model tensors and optimizer states the index lists for it.
 SHARD_SCHEMA = SHARDED_SCHEMA
-
-
-def _shard_name(i: int) -> str:
-    # shard_index._SHARD_RE recognises exactly these names; change both together.
-    return f"model.shard-{i:03d}.pt"
 
 
 @dataclass(frozen=True)
@@ -177,7 +166,6 @@ def save_sharded_checkpoint(
     Example:
         >>> save_sharded_checkpoint(model, opt, sched, state, "ckpt/step-12", num_shards=4)  # doctest: +SKIP
     """
-    _check_plan_args(num_shards, layout)  # before anything is built or written
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise CheckpointError(f"workers must be an int >= 1 (or None for one per core), got {workers!r}.")
     out_dir = _unfinished_dir(out_dir)
@@ -185,7 +173,7 @@ def save_sharded_checkpoint(
         model, optimizer, scheduler, state, extras=extras, data=data, rng=rng, where=f"{out_dir}: "
     )
     model_sd = payload.pop("model")  # what is left is meta.pt: every other bucket
-    plan = plan_shards(model_sd, num_shards, layout)
+    plan = plan_shards(model_sd, num_shards, layout)  # checks num_shards and layout, before any write
     opt_sd = payload["optimizer"]
     opt_plan = plan_optimizer_shards(opt_sd, plan)
     moved = {pid for pids in opt_plan for pid in pids}
@@ -219,7 +207,6 @@ def write_state_payload(
     """
     if num_shards is None:
         return atomic_save(payload, path, algo=algo, zip_crc32=zip_crc32)
-    _check_plan_args(num_shards, layout)
     out_dir = _unfinished_dir(path)
     tensors: dict[str, torch.Tensor] = {}
     meta = pull_tensors(payload, tensors)
@@ -252,7 +239,7 @@ def _write_sharded(
 ) -> ShardedSaveResult:
     """Write ``meta.pt`` and a file per ``(model tensors, optimizer states)``, then the index (the commit)."""
     make_dirs(out_dir)  # durably: the directory must survive a power loss, not only its files
-    names = [_shard_name(i) for i in range(len(shards))]
+    names = [f"model.shard-{i:03d}.pt" for i in range(len(shards))]  # what shard_index._SHARD_RE matches
     for stale in out_dir.glob("model.shard-*.pt"):
         if stale.name not in names:  # no index here, so nothing in this directory was ever committed
             stale.unlink()

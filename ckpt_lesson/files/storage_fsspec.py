@@ -147,28 +147,6 @@ class FsspecStorage(Storage):
             self._io("pipe_file", path, data, **extra)
             return len(data), digest_bytes(data, algo)
 
-    def replace_if_match(
-        self, key: str, local: Path, etag: str, *, algo: str = DEFAULT_ALGO
-    ) -> tuple[int, str]:
-        """Overwrite ``key`` with ``local`` only while its ETag is still ``etag`` (``If-Match``).
-
-        Raises:
-            FileExistsError: The object changed (or vanished) since ``etag`` was read.
-            LoadEnvironmentError: The store cannot be reached.
-        """
-        if not self.exists(key):
-            raise FileExistsError(f"{self.where(key)}: vanished")
-        return self.put_file(key, local, algo=algo, condition={"IfMatch": etag})
-
-    def create_file_if_absent(
-        self, key: str, local: Path, *, algo: str = DEFAULT_ALGO
-    ) -> tuple[int, str] | None:
-        """Upload ``local`` to ``key`` only if nothing is there (``If-None-Match: *``); ``None`` if it was."""
-        try:
-            return self.put_file(key, local, algo=algo, condition={"IfNoneMatch": "*"})
-        except FileExistsError:
-            return None
-
     def exists(self, key: str) -> bool:
         """True when ``key`` is an object in the store now."""
         try:

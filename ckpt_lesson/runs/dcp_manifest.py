@@ -285,8 +285,7 @@ def check_dcp_part(folder: Path, part: dict[str, Any], *, hash_it: bool = True) 
     return None
 
 
-# How the single-process code reads a multi-rank save (scan, publish, a restore from a store)
-# without importing this module: runs/layout.py looks the schema up.
+# So that single-process code can read a multi-rank save without importing this module.
 MANIFEST_KINDS[MANIFEST_SCHEMA] = ManifestKind(
     read=lambda folder: read_dcp_manifest(folder)[0],
     check=lambda manifest, where: check_dcp_manifest(manifest, where=where),

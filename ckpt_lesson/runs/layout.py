@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 LAYOUTS = ("single", "sharded")
-#: The multi-rank manifest's schema (its reader, runs/dcp_manifest.py, registers itself below).
+#: The multi-rank manifest's schema (its reader, runs/dcp_manifest.py, registers in MANIFEST_KINDS).
 DCP_MANIFEST_SCHEMA = "ckpt.manifest.dcp.v1"
 #: Prefix of a save in progress: ``.staging-step-00000280-<pid>-<hex8>``.
 STAGING_PREFIX = ".staging-step-"
@@ -109,8 +109,7 @@ class ManifestKind(NamedTuple):
     marker: str  # written after the manifest; without it the save never finished
 
 
-#: Manifest kinds by schema, filled in by the module that owns each (on import), so that
-#: :func:`inspect_save` and the store's restore can read saves whose manifest is not theirs.
+#: Manifest kinds by schema, each filled in by the module that owns it, on import.
 MANIFEST_KINDS: dict[str, ManifestKind] = {}
 
 
@@ -168,7 +167,7 @@ def read_manifest(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
         step_dir: A published save folder (or a staging folder).
 
     Returns:
-        The manifest dict; ``parts`` is a list of ``{"file", "bytes", "sha256"}``.
+        The manifest dict; ``parts`` is a list of ``{"file", "bytes", "algo", "digest"}``.
 
     Raises:
         IncompleteCheckpointError: There is no manifest: the save never finished.

@@ -1,9 +1,8 @@
 """Scan a run: which saves are good, which are damaged, which never finished.
 
 A run is a folder (see :mod:`~ckpt_lesson.runs.layout` for what a save in it
-looks like) or a prefix in an object store; :func:`scan_checkpoints` reads
-either and returns the same rows. Nothing loads a tensor: a scan costs one
-read of every byte, no unpickling.
+looks like, and what a check costs) or a prefix in an object store;
+:func:`scan_checkpoints` reads either and returns the same rows.
 
 The same scan understands two folders written by the trainer integrations:
 Hugging Face ``checkpoint-N`` folders (judged by their folder manifest) and
