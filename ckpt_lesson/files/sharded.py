@@ -12,7 +12,7 @@ A sharded checkpoint is a directory::
 
     model.shard-000.pt ... model.shard-NNN.pt   slices of model.state_dict()
     meta.pt                                     every other bucket of the payload
-    index.json                                  which key lives where, plus sizes and sha256s
+    index.json                                  which key lives where, plus sizes and digests
 
 **The index is written last, and its presence is the commit.** Shards and
 ``meta.pt`` are written first, each atomically; only then does ``index.json``
@@ -20,15 +20,10 @@ appear (atomically too). A crash at any earlier moment leaves a directory
 without an index, which the loader reports as a save that never finished. A
 crash can never leave an index that points at files that are not all there.
 
-**Hashes are computed while writing.** :func:`~ckpt_lesson.files.atomic.atomic_save`
-hashes the bytes as ``torch.save`` streams them to disk, so the sha256 that
-goes into the index costs no second read (which would nearly double the save
-time) and describes exactly the bytes that were written. The loader checks
-every file's size and sha256 against the index *before* anything is applied:
-a refused checkpoint leaves the model exactly as it was.
-
-This module plans, saves and loads; reading and validating the index (and
-keeping every file name inside the directory) is :mod:`ckpt_lesson.files.shard_index`.
+**Hashes are computed while writing** (by :func:`~ckpt_lesson.files.atomic.atomic_save`),
+so the index costs no second read (which would nearly double the save time).
+Reading and checking it, every file *before* anything is applied, is
+:mod:`ckpt_lesson.files.shard_index`.
 """
 
 from __future__ import annotations
@@ -99,21 +94,6 @@ def _own_storage(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > _nbytes(value):
         return value.clone()
     return value
-
-
-def _write_all(
-    jobs: list[tuple[Any, Path]], *, workers: int, algo: str, zip_crc32: bool = False
-) -> list[FileDigest]:
-    """``atomic_save`` every ``(body, path)``, ``workers`` at a time; digests in job order."""
-    if workers == 1:
-        return [atomic_save(body, path, algo=algo, zip_crc32=zip_crc32) for body, path in jobs]
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-shard") as pool:
-        futures = [
-            pool.submit(atomic_save, body, path, algo=algo, zip_crc32=zip_crc32) for body, path in jobs
-        ]
-        # result() re-raises a writer's error here, in the caller's thread; leaving
-        # the with-block first waits for the other writers, so none outlives the call.
-        return [f.result() for f in futures]
 
 
 def save_sharded_checkpoint(
@@ -251,7 +231,17 @@ def _write_sharded(
     # Writers spend their time in calls that release the GIL (the file write, the xxh3 update,
     # fsync), so threads overlap for real. One per core keeps the disk and the hashing busy.
     workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
-    meta_digest, *digests = _write_all(jobs, workers=workers, algo=algo, zip_crc32=zip_crc32)
+    if workers == 1:
+        written = [atomic_save(body, path, algo=algo, zip_crc32=zip_crc32) for body, path in jobs]
+    else:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-shard") as pool:
+            futures = [
+                pool.submit(atomic_save, body, path, algo=algo, zip_crc32=zip_crc32) for body, path in jobs
+            ]
+            # result() re-raises a writer's error here, in the caller's thread; leaving
+            # the with-block first waits for the other writers, so none outlives the call.
+            written = [f.result() for f in futures]
+    meta_digest, *digests = written
     files = [
         {"name": name, "keys": list(tensors), "optimizer_state": list(opt_state), **d.record()}
         for name, (tensors, opt_state), d in zip(names, shards, digests, strict=True)

@@ -55,28 +55,6 @@ SINGLE_PUT_BYTES = 100 << 20
 INSTALL_HINT = "pip install ckpt_lesson[s3]"
 
 
-def open_filesystem(url: str, options: Mapping[str, Any]) -> tuple[Any, str]:
-    """``(filesystem, root path)`` for ``url``, or a one-line error naming the extra to install."""
-    protocol = url.split("://", 1)[0].lower()
-    try:
-        import fsspec
-
-        fs = fsspec.filesystem(protocol, **dict(options))
-    except ImportError as exc:
-        raise CheckpointError(
-            f"{url}: the {protocol}:// client is not installed ({exc}); `{INSTALL_HINT}` "
-            "(s3fs; gcsfs or adlfs for gs:// and az://)."
-        ) from None
-    except ValueError as exc:  # fsspec: "Protocol not known"
-        raise CheckpointError(
-            f"{url}: fsspec does not know {protocol}:// ({exc}); use s3://, gs:// or az://."
-        ) from None
-    root = fs._strip_protocol(url).rstrip("/")
-    if not root:
-        raise CheckpointError(f"{url}: no bucket in the URL; write it as {protocol}://BUCKET/PREFIX.")
-    return fs, root
-
-
 class FsspecStorage(Storage):
     """A prefix in an object store, reached through fsspec.
 
@@ -104,7 +82,23 @@ class FsspecStorage(Storage):
         #: Our own deadline for every request (seconds): botocore's and s3fs's timeouts and
         #: retries stack to many minutes against a silent store; this cuts any one wait short.
         self.timeout = DEFAULT_TIMEOUT if timeout is None else check_timeout(timeout)
-        self.fs, self.root = open_filesystem(url, storage_options or {})
+        protocol = url.split("://", 1)[0].lower()
+        try:
+            import fsspec
+
+            self.fs = fsspec.filesystem(protocol, **dict(storage_options or {}))
+        except ImportError as exc:
+            raise CheckpointError(
+                f"{url}: the {protocol}:// client is not installed ({exc}); `{INSTALL_HINT}` "
+                "(s3fs; gcsfs or adlfs for gs:// and az://)."
+            ) from None
+        except ValueError as exc:  # fsspec: "Protocol not known"
+            raise CheckpointError(
+                f"{url}: fsspec does not know {protocol}:// ({exc}); use s3://, gs:// or az://."
+            ) from None
+        self.root = self.fs._strip_protocol(url).rstrip("/")
+        if not self.root:
+            raise CheckpointError(f"{url}: no bucket in the URL; write it as {protocol}://BUCKET/PREFIX.")
         self.bucket = self.root.split("/", 1)[0]
         #: Multipart block for large parts (S3's minimum is 5 MiB); tests lower it.
         self.upload_block_bytes = UPLOAD_BLOCK_BYTES

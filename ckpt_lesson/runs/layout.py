@@ -114,10 +114,7 @@ MANIFEST_KINDS: dict[str, ManifestKind] = {}
 
 
 def check_parts_list(parts: Any, where: str, check_part: Callable[[Any, str], None]) -> set[str]:
-    """Check a manifest's ``parts``: a non-empty list, each entry valid, no file twice.
-
-    Shared by both manifest kinds (single-process and multi-rank); ``check_part``
-    checks one entry of the kind at hand. Returns the set of listed file names.
+    """The file names in a manifest's ``parts``: a non-empty list, each valid by ``check_part``, none twice.
 
     Raises:
         CorruptCheckpointError: Not a non-empty list, a bad entry, or a file listed twice.
