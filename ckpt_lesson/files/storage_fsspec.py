@@ -13,10 +13,7 @@ What this code assumes of the store, and checks where it can:
   writers can both write fences nothing.
 
 Renames are *not* assumed: on S3 a rename is a copy and a delete, never atomic.
-
-Every failure that is about reaching the store becomes a
-:class:`LoadEnvironmentError` naming the bucket (see
-:func:`~ckpt_lesson.files.storage_transfer.reaching`).
+Every request runs under :func:`~ckpt_lesson.files.storage_transfer.reaching`.
 """
 
 from __future__ import annotations

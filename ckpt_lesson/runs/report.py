@@ -17,11 +17,10 @@
   (``git rev-parse HEAD`` of the package's checkout, or ``null``).
 
 For a run in a bucket the local folder is scratch that dies with the machine,
-so the log lives in the bucket too: it is fetched when a recorder starts and put
-back whole each time a record is added (``RecoveryRecorder(folder, store=URL)``),
-and :func:`read_recovery_log` of the URL reads it from there. The per-step
-heartbeat stays local: on a new machine it is gone, and the record says "steps
-redone: unknown" rather than guessing.
+so the log lives in the bucket too (``RecoveryRecorder(folder, store=URL)``),
+where :func:`read_recovery_log` of the URL reads it. The per-step heartbeat
+stays local: on a new machine it is gone, and the record says "steps redone:
+unknown" rather than guessing.
 
 ``python -m ckpt_lesson report RUN_DIR_OR_URL [--json]`` prints the log's
 totals (:func:`summarize_recoveries`).
