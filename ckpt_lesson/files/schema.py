@@ -19,9 +19,8 @@ Whatever the layout, every value in a payload must be one the weights-only
 loader accepts (:func:`validate_payload`): ``torch.save`` pickles anything, and
 a save that cannot be loaded back is worse than no save.
 
-A save's step is written twice, in its folder's name and in its record; the
-names (``step-XXXXXXXX``, ``checkpoint-N``) and the check that the two agree
-(:func:`check_recorded_step`) live here too, beside the manifest's name.
+The manifest's name lives here too, and the step a folder's name carries,
+which its record must repeat (:func:`check_recorded_step`).
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ __all__ = [
     "validate_payload",
 ]
 
-#: The commit record of a managed save folder (see ``runs/scan.py``): written last,
+#: The commit record of a managed save folder (see ``runs/layout.py``): written last,
 #: it lists every part's size and hash. Named here because single files refuse
 #: to be migrated in place when such a record pins their bytes.
 MANIFEST_NAME = "manifest.json"

@@ -120,8 +120,7 @@ def _read(folder: Path) -> tuple[dict[str, Any] | None, str]:
     if path.is_symlink() or not path.is_file():
         return None, f"no {FOLDER_MANIFEST_NAME} (the save never finished, or no callback recorded it)"
     try:
-        # The one bounded reader (safe_read.py): over the cap, EIO, deep nesting, a swapped-in FIFO
-        # are all damage.
+        # The one bounded reader (safe_read.py): over the cap, EIO, deep nesting, a swapped-in FIFO: damage.
         raw = read_regular_file(path, limit=_MAX_MANIFEST_BYTES, what="folder manifest")
         manifest = parse_json_text(raw, where=f"{folder.name}/{FOLDER_MANIFEST_NAME}")
     except (OSError, CheckpointError) as exc:
