@@ -106,8 +106,7 @@ from .runs.layout import ScanResult, read_manifest  # noqa: E402
 from .runs.manager import CheckpointManager, StoreCheckpointManager  # noqa: E402
 from .runs.manager_config import ManagerConfig  # noqa: E402
 from .runs.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler  # noqa: E402
-from .runs.recovery_summary import summarize_recoveries  # noqa: E402
-from .runs.report import RecoveryRecorder, read_recovery_log  # noqa: E402
+from .runs.report import RecoveryRecorder, read_recovery_log, summarize_recoveries  # noqa: E402
 from .runs.retention import KeepBest, KeepLastK, keep_last_k  # noqa: E402
 from .runs.scan import scan_checkpoints  # noqa: E402
 from .runs.steplog import log_step  # noqa: E402

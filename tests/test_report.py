@@ -13,7 +13,6 @@ from ckpt_lesson import cli
 from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 from ckpt_lesson.files.storage import open_storage
 from ckpt_lesson.runs.manager import CheckpointManager
-from ckpt_lesson.runs.recovery_summary import summarize_recoveries
 from ckpt_lesson.runs.report import (
     RECOVERY_LOG,
     RecoveryRecorder,
@@ -24,6 +23,7 @@ from ckpt_lesson.runs.report import (
     read_progress,
     read_recovery_log,
     record_progress,
+    summarize_recoveries,
 )
 
 

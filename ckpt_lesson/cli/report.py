@@ -8,8 +8,7 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
-from ckpt_lesson.runs.recovery_summary import summarize_recoveries
-from ckpt_lesson.runs.report import RECOVERY_LOG, read_recovery_log
+from ckpt_lesson.runs.report import RECOVERY_LOG, read_recovery_log, summarize_recoveries
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

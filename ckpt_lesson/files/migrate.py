@@ -19,9 +19,7 @@ A kill at any moment leaves either the old file or the new one at ``path``,
 and the original bytes are always somewhere; running the migration again
 finishes an interrupted one.
 
-This module also keeps :func:`write_legacy_v1_checkpoint`, a faithful copy of
-the lesson's original *naive* save, so that tests and notebook 09 have real
-v1 files to migrate.
+It also keeps :func:`write_legacy_v1_checkpoint`, the lesson's original *naive* save.
 
 Command line::
 
@@ -201,9 +199,8 @@ def migrate_file(
             f"{path}: checkpoint lacks {missing}, so even a migrated file could not resume "
             "training. Nothing was changed."
         )
-    # Step 2: keep the original bytes, and make sure they are the bytes we just read. A backup
-    # that already holds exactly these bytes is from a run killed after this step: reusing it
-    # overwrites nothing, and rerunning is how an interrupted migration is finished.
+    # Step 2: keep the original bytes, and make sure they are the bytes we just read (an identical
+    # backup is an interrupted run's: reused, see the docstring).
     if not _is_backup_of(backup, digest):
         if backup.exists() or backup.is_symlink():
             raise _backup_exists(path, backup)

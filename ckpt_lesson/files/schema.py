@@ -18,21 +18,27 @@ reader silently dropping fields it does not understand is how state gets lost).
 Whatever the layout, every value in a payload must be one the weights-only
 loader accepts (:func:`validate_payload`): ``torch.save`` pickles anything, and
 a save that cannot be loaded back is worse than no save.
+
+The manifest's name lives here too, and the step a folder's name carries,
+which its record must repeat (:func:`check_recorded_step`).
 """
 
 from __future__ import annotations
 
 import collections
 import platform
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ckpt_lesson.errors import CheckpointError, SchemaError
+from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError, SchemaError
 
 __all__ = [
+    "CHECKPOINT_DIR_RE",
     "CHECKPOINT_SCHEMA",
     "MANIFEST_NAME",
     "MANIFEST_SCHEMA",
@@ -41,17 +47,25 @@ __all__ = [
     "MIGRATIONS",
     "SCHEMA_V1",
     "SCHEMA_V2",
+    "STEP_DIR_RE",
+    "check_recorded_step",
     "current_env",
+    "folder_name_step",
     "migrate_payload",
     "migrate_v1_to_v2",
     "validate_payload",
 ]
 
-#: The commit record of a managed save folder (see ``runs/scan.py``): written last,
+#: The commit record of a managed save folder (see ``runs/layout.py``): written last,
 #: it lists every part's size and hash. Named here because single files refuse
 #: to be migrated in place when such a record pins their bytes.
 MANIFEST_NAME = "manifest.json"
 MANIFEST_SCHEMA = "ckpt.manifest.v1"
+#: A published save's folder (``step-00000240``) and a Hugging Face one (``checkpoint-500``).
+#: [0-9], not \d: \d also matches other scripts' digits ("step-٣٣٣٣٣٣٣٣"), which int() accepts
+#: but step_dir_name() never writes, so scan would list a save that restore can never find.
+STEP_DIR_RE = re.compile(r"^step-([0-9]{8,})$")
+CHECKPOINT_DIR_RE = re.compile(r"^checkpoint-([0-9]+)$")
 
 SCHEMA_V1 = "ckpt.v1"
 SCHEMA_V2 = "ckpt.v2"
@@ -61,8 +75,6 @@ CURRENT_SCHEMA = SCHEMA_V2
 CHECKPOINT_SCHEMA = CURRENT_SCHEMA
 #: Oldest first; an index in this tuple is the schema's age.
 KNOWN_SCHEMAS = (SCHEMA_V1, SCHEMA_V2)
-
-Migration = Callable[[dict[str, Any]], dict[str, Any]]
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype, torch.device)
 _MAX_DEPTH = 64
@@ -105,7 +117,7 @@ def migrate_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 #: schema -> function that lifts a payload of that schema by one version.
-MIGRATIONS: dict[str, Migration] = {SCHEMA_V1: migrate_v1_to_v2}
+MIGRATIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {SCHEMA_V1: migrate_v1_to_v2}
 
 
 def migrate_payload(payload: Any, *, source: str = "<payload>") -> dict[str, Any]:
@@ -150,6 +162,53 @@ def migrate_payload(payload: Any, *, source: str = "<payload>") -> dict[str, Any
     raise SchemaError(
         f"{source}: migrations from {schema!r} did not reach {CURRENT_SCHEMA!r} within "
         f"{len(KNOWN_SCHEMAS)} steps; a registered migration does not advance the schema field."
+    )
+
+
+def folder_name_step(name: str) -> int | None:
+    """The step in a save folder's name, or ``None`` for a name that carries none.
+
+    Example:
+        >>> folder_name_step("step-00000240"), folder_name_step("checkpoint-500"), folder_name_step("x")
+        (240, 500, None)
+    """
+    for pattern in (STEP_DIR_RE, CHECKPOINT_DIR_RE):
+        found = pattern.match(name)
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def check_recorded_step(recorded: Any, folder: Path, *, record: str) -> None:
+    """Refuse a record whose step differs from the step in its folder's name.
+
+    Folders are copied, renamed and restored from backups by people and tools
+    that know nothing of our records. A step-2 save copied as ``step-00000006``
+    would otherwise be taken for the newest save: a restore would go back in
+    time while claiming to go forward, and the next real save of step 6 would
+    be refused because "step 6 is already saved". So every reader that trusts
+    a record checks its step here, and a mismatch is damage: the save is
+    skipped and the restore falls back. Folders whose name carries no step (a
+    staging folder, a user's own folder) are not checked.
+
+    Args:
+        recorded: The ``step`` field read from the record.
+        folder: The folder holding the record.
+        record: The record's file name, for the message.
+
+    Raises:
+        CorruptCheckpointError: The two steps differ.
+
+    Example:
+        >>> check_recorded_step(240, Path("run/step-00000240"), record="manifest.json")
+    """
+    named = folder_name_step(folder.name)
+    if named is None or (type(recorded) is int and recorded == named):
+        return
+    raise CorruptCheckpointError(
+        f"{folder.name}/{record}: records step {recorded!r}, but the folder is named for step {named}; "
+        "it was copied or renamed from another save. Skipping it (restores fall back to an older save); "
+        "rename it to match its step if you meant to keep it."
     )
 
 

@@ -15,10 +15,8 @@ the reader here answers three questions from the index and the directory alone:
   hash, and report on) a file that is not part of the checkpoint, so every
   name is resolved and must stay inside the checkpoint directory.
 
-:func:`verify_sharded_checkpoint` then hashes every file against the index,
-loading nothing: the same check ``scan`` and the manager rely on.
-:func:`read_sharded_payload` loads every file only after its check and merges
-them back into one payload, for both call forms.
+Then :func:`verify_sharded_checkpoint` hashes every file (``scan`` and the
+manager rely on it), and :func:`read_sharded_payload` loads each only after its check.
 """
 
 from __future__ import annotations
@@ -71,7 +69,7 @@ TENSOR_REF = "__shard_tensor__"
 #: ``round_robin``: key i goes to shard i % N. ``param_group``: weights and
 #: biases/buffers in separate groups of shards, balanced by bytes.
 LAYOUTS = ("round_robin", "param_group")
-# The names sharded._shard_name gives; one present but not listed means the folder is not what was saved.
+# The names sharded._write_sharded gives; one present but not listed means the folder is not what was saved.
 _SHARD_RE = re.compile(r"^model\.shard-\d{3,}\.pt$")
 
 

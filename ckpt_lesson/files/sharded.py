@@ -12,7 +12,7 @@ A sharded checkpoint is a directory::
 
     model.shard-000.pt ... model.shard-NNN.pt   slices of model.state_dict()
     meta.pt                                     every other bucket of the payload
-    index.json                                  which key lives where, plus sizes and sha256s
+    index.json                                  which key lives where, plus sizes and digests
 
 **The index is written last, and its presence is the commit.** Shards and
 ``meta.pt`` are written first, each atomically; only then does ``index.json``
@@ -20,15 +20,10 @@ appear (atomically too). A crash at any earlier moment leaves a directory
 without an index, which the loader reports as a save that never finished. A
 crash can never leave an index that points at files that are not all there.
 
-**Hashes are computed while writing.** :func:`~ckpt_lesson.files.atomic.atomic_save`
-hashes the bytes as ``torch.save`` streams them to disk, so the sha256 that
-goes into the index costs no second read (which would nearly double the save
-time) and describes exactly the bytes that were written. The loader checks
-every file's size and sha256 against the index *before* anything is applied:
-a refused checkpoint leaves the model exactly as it was.
-
-This module plans, saves and loads; reading and validating the index (and
-keeping every file name inside the directory) is :mod:`ckpt_lesson.files.shard_index`.
+**Hashes are computed while writing** (by :func:`~ckpt_lesson.files.atomic.atomic_save`),
+so the index costs no second read (which would nearly double the save time).
+Reading and checking it, every file *before* anything is applied, is
+:mod:`ckpt_lesson.files.shard_index`.
 """
 
 from __future__ import annotations
@@ -49,13 +44,7 @@ from ckpt_lesson.files.integrity import FileDigest
 from ckpt_lesson.files.payload import build_payload
 from ckpt_lesson.files.record_seal import seal_record
 from ckpt_lesson.files.shard_index import INDEX_NAME, META_NAME, SHARDED_SCHEMA, read_sharded_payload
-from ckpt_lesson.files.shard_plan import (
-    _check_plan_args,
-    _nbytes,
-    plan_optimizer_shards,
-    plan_shards,
-    pull_tensors,
-)
+from ckpt_lesson.files.shard_plan import _nbytes, plan_optimizer_shards, plan_shards, pull_tensors
 from ckpt_lesson.files.train_state import TrainState
 from ckpt_lesson.short_repr import short_repr
 
@@ -72,11 +61,6 @@ __all__ = [
 #: schema for the whole sharded checkpoint, recorded in ``index.json``; each shard
 #: body holds the model tensors and optimizer states the index lists for it.
 SHARD_SCHEMA = SHARDED_SCHEMA
-
-
-def _shard_name(i: int) -> str:
-    # shard_index._SHARD_RE recognises exactly these names; change both together.
-    return f"model.shard-{i:03d}.pt"
 
 
 @dataclass(frozen=True)
@@ -110,21 +94,6 @@ def _own_storage(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > _nbytes(value):
         return value.clone()
     return value
-
-
-def _write_all(
-    jobs: list[tuple[Any, Path]], *, workers: int, algo: str, zip_crc32: bool = False
-) -> list[FileDigest]:
-    """``atomic_save`` every ``(body, path)``, ``workers`` at a time; digests in job order."""
-    if workers == 1:
-        return [atomic_save(body, path, algo=algo, zip_crc32=zip_crc32) for body, path in jobs]
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-shard") as pool:
-        futures = [
-            pool.submit(atomic_save, body, path, algo=algo, zip_crc32=zip_crc32) for body, path in jobs
-        ]
-        # result() re-raises a writer's error here, in the caller's thread; leaving
-        # the with-block first waits for the other writers, so none outlives the call.
-        return [f.result() for f in futures]
 
 
 def save_sharded_checkpoint(
@@ -177,7 +146,6 @@ def save_sharded_checkpoint(
     Example:
         >>> save_sharded_checkpoint(model, opt, sched, state, "ckpt/step-12", num_shards=4)  # doctest: +SKIP
     """
-    _check_plan_args(num_shards, layout)  # before anything is built or written
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise CheckpointError(f"workers must be an int >= 1 (or None for one per core), got {workers!r}.")
     out_dir = _unfinished_dir(out_dir)
@@ -185,7 +153,7 @@ def save_sharded_checkpoint(
         model, optimizer, scheduler, state, extras=extras, data=data, rng=rng, where=f"{out_dir}: "
     )
     model_sd = payload.pop("model")  # what is left is meta.pt: every other bucket
-    plan = plan_shards(model_sd, num_shards, layout)
+    plan = plan_shards(model_sd, num_shards, layout)  # checks num_shards and layout, before any write
     opt_sd = payload["optimizer"]
     opt_plan = plan_optimizer_shards(opt_sd, plan)
     moved = {pid for pids in opt_plan for pid in pids}
@@ -219,7 +187,6 @@ def write_state_payload(
     """
     if num_shards is None:
         return atomic_save(payload, path, algo=algo, zip_crc32=zip_crc32)
-    _check_plan_args(num_shards, layout)
     out_dir = _unfinished_dir(path)
     tensors: dict[str, torch.Tensor] = {}
     meta = pull_tensors(payload, tensors)
@@ -252,7 +219,7 @@ def _write_sharded(
 ) -> ShardedSaveResult:
     """Write ``meta.pt`` and a file per ``(model tensors, optimizer states)``, then the index (the commit)."""
     make_dirs(out_dir)  # durably: the directory must survive a power loss, not only its files
-    names = [_shard_name(i) for i in range(len(shards))]
+    names = [f"model.shard-{i:03d}.pt" for i in range(len(shards))]  # what shard_index._SHARD_RE matches
     for stale in out_dir.glob("model.shard-*.pt"):
         if stale.name not in names:  # no index here, so nothing in this directory was ever committed
             stale.unlink()
@@ -264,7 +231,17 @@ def _write_sharded(
     # Writers spend their time in calls that release the GIL (the file write, the xxh3 update,
     # fsync), so threads overlap for real. One per core keeps the disk and the hashing busy.
     workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
-    meta_digest, *digests = _write_all(jobs, workers=workers, algo=algo, zip_crc32=zip_crc32)
+    if workers == 1:
+        written = [atomic_save(body, path, algo=algo, zip_crc32=zip_crc32) for body, path in jobs]
+    else:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-shard") as pool:
+            futures = [
+                pool.submit(atomic_save, body, path, algo=algo, zip_crc32=zip_crc32) for body, path in jobs
+            ]
+            # result() re-raises a writer's error here, in the caller's thread; leaving
+            # the with-block first waits for the other writers, so none outlives the call.
+            written = [f.result() for f in futures]
+    meta_digest, *digests = written
     files = [
         {"name": name, "keys": list(tensors), "optimizer_state": list(opt_state), **d.record()}
         for name, (tensors, opt_state), d in zip(names, shards, digests, strict=True)

@@ -1,24 +1,14 @@
-"""Where a run's bytes live: a small storage interface with two backends.
-
-A checkpoint protocol needs surprisingly few verbs from its storage:
-
-* ``put_file``: stream a local file up, hashing every chunk on the way;
-* ``create_if_absent``: write a small object only if nobody wrote it first
-  (the one atomic step a commit marker needs);
-* ``read_bytes`` / ``iter_chunks``: ranged and streaming reads;
-* ``list_keys`` and ``delete``.
+"""Where a run's bytes live: :func:`open_storage` picks a backend for a path or a URL.
 
 :class:`LocalStorage` is a POSIX folder (atomic rename, ``O_EXCL``).
 :class:`~ckpt_lesson.files.storage_fsspec.FsspecStorage` is any fsspec URL
 (``s3://`` through s3fs; ``gcs://`` and ``az://`` need no new code). The
 default for a plain path stays the local folder with the manager's own
-protocol; a URL is opened with :func:`open_storage`.
-
-Keys are ``/``-separated and relative to the storage's root. The interface and
-the key checks live in :mod:`ckpt_lesson.files.storage_base`, below both
-backends, so this module can import the object-store backend it hands out
-without either backend importing it back (re-exported here, where callers
-have always imported them).
+protocol. Both implement the few verbs of
+:class:`~ckpt_lesson.files.storage_base.Storage` over ``/``-separated keys
+relative to the root (``create_if_absent`` is the one atomic step a commit
+marker needs); the interface sits below both backends so that this module
+can import the one it hands out, and re-exports it where callers import it.
 """
 
 from __future__ import annotations

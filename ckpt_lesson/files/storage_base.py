@@ -1,12 +1,8 @@
 """The storage interface every backend implements, and the keys it accepts.
 
 A checkpoint protocol needs surprisingly few verbs from its storage (see
-:class:`Storage`). The backends, :class:`~ckpt_lesson.files.storage.LocalStorage`
-(a POSIX folder) and :class:`~ckpt_lesson.files.storage_fsspec.FsspecStorage`
-(an object store), both build on this module, and
-:func:`~ckpt_lesson.files.storage.open_storage` picks one of them: the
-dependency runs one way, from the chooser down to the backends and from both
-down to here.
+:class:`Storage`). Both backends build on this module; :mod:`ckpt_lesson.files.storage`
+picks one of them and says why the interface sits down here.
 """
 
 from __future__ import annotations

@@ -13,10 +13,7 @@ What this code assumes of the store, and checks where it can:
   writers can both write fences nothing.
 
 Renames are *not* assumed: on S3 a rename is a copy and a delete, never atomic.
-
-Every failure that is about reaching the store becomes a
-:class:`LoadEnvironmentError` naming the bucket (see
-:func:`~ckpt_lesson.files.storage_transfer.reaching`).
+Every request runs under :func:`~ckpt_lesson.files.storage_transfer.reaching`.
 """
 
 from __future__ import annotations
@@ -55,28 +52,6 @@ SINGLE_PUT_BYTES = 100 << 20
 INSTALL_HINT = "pip install ckpt_lesson[s3]"
 
 
-def open_filesystem(url: str, options: Mapping[str, Any]) -> tuple[Any, str]:
-    """``(filesystem, root path)`` for ``url``, or a one-line error naming the extra to install."""
-    protocol = url.split("://", 1)[0].lower()
-    try:
-        import fsspec
-
-        fs = fsspec.filesystem(protocol, **dict(options))
-    except ImportError as exc:
-        raise CheckpointError(
-            f"{url}: the {protocol}:// client is not installed ({exc}); `{INSTALL_HINT}` "
-            "(s3fs; gcsfs or adlfs for gs:// and az://)."
-        ) from None
-    except ValueError as exc:  # fsspec: "Protocol not known"
-        raise CheckpointError(
-            f"{url}: fsspec does not know {protocol}:// ({exc}); use s3://, gs:// or az://."
-        ) from None
-    root = fs._strip_protocol(url).rstrip("/")
-    if not root:
-        raise CheckpointError(f"{url}: no bucket in the URL; write it as {protocol}://BUCKET/PREFIX.")
-    return fs, root
-
-
 class FsspecStorage(Storage):
     """A prefix in an object store, reached through fsspec.
 
@@ -104,7 +79,23 @@ class FsspecStorage(Storage):
         #: Our own deadline for every request (seconds): botocore's and s3fs's timeouts and
         #: retries stack to many minutes against a silent store; this cuts any one wait short.
         self.timeout = DEFAULT_TIMEOUT if timeout is None else check_timeout(timeout)
-        self.fs, self.root = open_filesystem(url, storage_options or {})
+        protocol = url.split("://", 1)[0].lower()
+        try:
+            import fsspec
+
+            self.fs = fsspec.filesystem(protocol, **dict(storage_options or {}))
+        except ImportError as exc:
+            raise CheckpointError(
+                f"{url}: the {protocol}:// client is not installed ({exc}); `{INSTALL_HINT}` "
+                "(s3fs; gcsfs or adlfs for gs:// and az://)."
+            ) from None
+        except ValueError as exc:  # fsspec: "Protocol not known"
+            raise CheckpointError(
+                f"{url}: fsspec does not know {protocol}:// ({exc}); use s3://, gs:// or az://."
+            ) from None
+        self.root = self.fs._strip_protocol(url).rstrip("/")
+        if not self.root:
+            raise CheckpointError(f"{url}: no bucket in the URL; write it as {protocol}://BUCKET/PREFIX.")
         self.bucket = self.root.split("/", 1)[0]
         #: Multipart block for large parts (S3's minimum is 5 MiB); tests lower it.
         self.upload_block_bytes = UPLOAD_BLOCK_BYTES
@@ -146,28 +137,6 @@ class FsspecStorage(Storage):
             extra = {"mode": "create"} if condition == {"IfNoneMatch": "*"} else dict(condition or {})
             self._io("pipe_file", path, data, **extra)
             return len(data), digest_bytes(data, algo)
-
-    def replace_if_match(
-        self, key: str, local: Path, etag: str, *, algo: str = DEFAULT_ALGO
-    ) -> tuple[int, str]:
-        """Overwrite ``key`` with ``local`` only while its ETag is still ``etag`` (``If-Match``).
-
-        Raises:
-            FileExistsError: The object changed (or vanished) since ``etag`` was read.
-            LoadEnvironmentError: The store cannot be reached.
-        """
-        if not self.exists(key):
-            raise FileExistsError(f"{self.where(key)}: vanished")
-        return self.put_file(key, local, algo=algo, condition={"IfMatch": etag})
-
-    def create_file_if_absent(
-        self, key: str, local: Path, *, algo: str = DEFAULT_ALGO
-    ) -> tuple[int, str] | None:
-        """Upload ``local`` to ``key`` only if nothing is there (``If-None-Match: *``); ``None`` if it was."""
-        try:
-            return self.put_file(key, local, algo=algo, condition={"IfNoneMatch": "*"})
-        except FileExistsError:
-            return None
 
     def exists(self, key: str) -> bool:
         """True when ``key`` is an object in the store now."""

@@ -1,13 +1,8 @@
 """How the object-store backend talks to its store: deadlines, errors that are not damage, large transfers.
 
 :class:`~ckpt_lesson.files.storage_fsspec.FsspecStorage` runs every request
-under :func:`reaching`: a failure that is about reaching the store (wrong
-credentials, a missing bucket, a dropped connection, a store that stopped
-answering within our own deadline) becomes a :class:`LoadEnvironmentError`
-naming the bucket, because an older save would fail the same way, so it is
-never "damaged". A missing *object* stays a ``FileNotFoundError`` for the
-caller to judge, and S3's 412 (a conditional write refused) a
-``FileExistsError``.
+under :func:`reaching`: not reaching the store is never "damage", because an
+older save would fail the same way.
 
 The bytes of large parts go through s3fs here too, and the rules of the
 package stay the same on both paths:
@@ -52,7 +47,6 @@ __all__ = [
     "RANGE_BYTES",
     "UPLOAD_BLOCK_BYTES",
     "UPLOAD_CONCURRENCY",
-    "block_size_for",
     "check_timeout",
     "iter_ranges",
     "multipart_upload",
@@ -91,12 +85,6 @@ def check_timeout(timeout: object) -> float:
             f"timeout must be a number of seconds > 0 (how long one store request may wait), got {timeout!r}."
         )
     return float(timeout)
-
-
-def _precondition_failed(exc: BaseException) -> bool:
-    """True when s3fs's error came from S3's 412 PreconditionFailed (it arrives as a plain OSError)."""
-    response = getattr(exc.__cause__, "response", None) or {}
-    return response.get("Error", {}).get("Code") in ("PreconditionFailed", "412")
 
 
 def no_bucket(url: str, bucket: str) -> LoadEnvironmentError:
@@ -154,21 +142,14 @@ def reaching(storage: Any, what: str, *, writing: bool = False) -> Iterator[None
             "credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or storage_options)."
         ) from None
     except OSError as exc:
-        if _precondition_failed(exc):  # If-Match / If-None-Match refused: the object is not as expected
+        # S3's 412 PreconditionFailed (If-Match / If-None-Match refused) arrives from s3fs as a plain
+        # OSError: the object is not as expected, which is not about reaching the store.
+        response = getattr(exc.__cause__, "response", None) or {}
+        if response.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
             raise FileExistsError(f"{url}/: precondition failed while {what}") from None
         raise _unreachable(url, bucket, what, exc) from None
     except Exception as exc:  # botocore / aiohttp: the network or the service, not the save
         raise _unreachable(url, bucket, what, exc) from None
-
-
-def block_size_for(size: int, block: int = UPLOAD_BLOCK_BYTES) -> int:
-    """The multipart block for a file of ``size`` bytes: ``block``, or larger to stay within 10,000 parts.
-
-    Example:
-        >>> block_size_for(10 << 20, 5 << 20)
-        5242880
-    """
-    return max(block, math.ceil(size / _MAX_PARTS))
 
 
 def is_async(fs: Any) -> bool:
@@ -200,7 +181,7 @@ def multipart_upload(
         key: The object key inside it.
         local: The file to send; read once, in order.
         algo: Hash algorithm of the digest returned.
-        block: Part size (S3 needs at least 5 MiB for every part but the last).
+        block: Part size (S3 needs at least 5 MiB for every part but the last); grown to fit 10,000 parts.
         concurrency: Parts in flight at once.
         condition: Extra arguments of ``complete_multipart_upload``
             (``{"IfNoneMatch": "*"}`` or ``{"IfMatch": etag}``).
@@ -218,7 +199,7 @@ def multipart_upload(
         (1073741824, '5f1c...')
     """
     size = local.stat().st_size
-    block = block_size_for(size, block)
+    block = max(block, math.ceil(size / _MAX_PARTS))  # larger for huge files: S3 allows 10,000 parts
     created = _wait(_submit(fs, fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key)), timeout)
     upload_id = created["UploadId"]
     hasher, total, number = new_hasher(algo), 0, 0
@@ -287,10 +268,7 @@ def iter_ranges(
 ) -> Iterator[bytes]:
     """Yield ``path``'s bytes in order, fetched as concurrent ranged GETs; at most ``size + 1`` bytes.
 
-    The caller learns the object is longer than ``size`` when more than
-    ``size`` bytes arrive, and shorter when fewer do. A range that starts past
-    the real end of a shorter object is not an error here: the stream just
-    ends there (the caller compares the count).
+    A range past the real end of a shorter object just ends the stream (the caller compares the count).
 
     Args:
         fs: An asynchronous fsspec filesystem.
@@ -331,8 +309,10 @@ def iter_ranges(
             except (FileNotFoundError, *TIMEOUTS):
                 raise  # (a TimeoutError is an OSError too: not "the object ended early")
             except OSError:
-                if start > 0 and _shorter_than(fs, path, start, timeout):
-                    return  # S3 answers a range past the end with 416: the object ended early
+                if start > 0:  # S3 answers a range past the end with 416: did the object end early?
+                    fs.invalidate_cache(path)  # (FileNotFoundError when it vanished meanwhile)
+                    if int(fs.info(path, timeout=timeout)["size"]) <= start:
+                        return
                 raise
             top_up()
             if block:
@@ -351,10 +331,3 @@ def _wait(fut: concurrent.futures.Future[Any], timeout: float | None) -> Any:
     except TIMEOUTS:
         fut.cancel()
         raise
-
-
-def _shorter_than(fs: Any, path: str, start: int, timeout: float | None) -> bool:
-    fs.invalidate_cache(path)
-    return (
-        int(fs.info(path, timeout=timeout)["size"]) <= start
-    )  # FileNotFoundError when it vanished meanwhile

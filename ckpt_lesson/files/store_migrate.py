@@ -40,7 +40,8 @@ from ckpt_lesson.files.migrate import (
     refuse_recorded_part,
 )
 from ckpt_lesson.files.schema import MANIFEST_NAME
-from ckpt_lesson.files.storage import is_store_url, open_storage
+from ckpt_lesson.files.storage import is_store_url
+from ckpt_lesson.files.storage_fsspec import FsspecStorage
 
 __all__ = ["migrate_store_object"]
 
@@ -57,7 +58,7 @@ def _split(url: str) -> tuple[str, str]:
     return head, name
 
 
-def _download(storage: Any, key: str, size: int, dest: Path) -> str:
+def _download(storage: FsspecStorage, key: str, size: int, dest: Path) -> str:
     with open(dest, "xb") as out:
         got, digest = hash_chunks(storage.iter_chunks(key, size=size), DEFAULT_ALGO, into=out)
     if got != size:
@@ -68,7 +69,7 @@ def _download(storage: Any, key: str, size: int, dest: Path) -> str:
     return digest
 
 
-def _hash_object(storage: Any, key: str, size: int) -> str:
+def _hash_object(storage: FsspecStorage, key: str, size: int) -> str:
     got, digest = hash_chunks(storage.iter_chunks(key, size=size), DEFAULT_ALGO)
     return digest if got == size else ""
 
@@ -103,13 +104,13 @@ def migrate_store_object(
         raise CheckpointError(f"{url}: not a bucket URL; migrate_file handles local files.")
     check_backup_suffix(backup_suffix)
     folder_url, name = _split(url)
-    storage = open_storage(folder_url, storage_options)
+    storage = FsspecStorage(folder_url, storage_options)
     backup_key = name + backup_suffix
     try:
-        size, etag = storage.stat(name)  # type: ignore[attr-defined]
+        size, etag = storage.stat(name)
     except FileNotFoundError:
         raise CheckpointError(f"{url}: no such object; check the URL.") from None
-    refuse_recorded_part(url, (MANIFEST_NAME, _MARKER_NAME), storage.exists)  # type: ignore[attr-defined]
+    refuse_recorded_part(url, (MANIFEST_NAME, _MARKER_NAME), storage.exists)
     if size > MAX_MIGRATE_BYTES:
         raise CheckpointError(
             f"{url}: {size} bytes, over the {MAX_MIGRATE_BYTES}-byte cap for one checkpoint."
@@ -122,7 +123,9 @@ def migrate_store_object(
             return MigrationResult(url, None, result.from_schema, result.to_schema)
         _keep_backup(storage, backup_key, Path(str(local) + backup_suffix), size, original, url)
         try:
-            new_size, new_digest = storage.replace_if_match(name, local, etag)  # type: ignore[attr-defined]
+            if not storage.exists(name):  # If-Match on a vanished key would read as a missing bucket
+                raise FileExistsError(name)
+            new_size, new_digest = storage.put_file(name, local, condition={"IfMatch": etag})
         except FileExistsError:
             raise CheckpointError(
                 f"{url}: changed while it was being migrated (another writer?); it was not replaced. "
@@ -136,15 +139,17 @@ def migrate_store_object(
     return MigrationResult(url, storage.where(backup_key), result.from_schema, result.to_schema)
 
 
-def _keep_backup(storage: Any, key: str, local: Path, size: int, digest: str, url: str) -> None:
+def _keep_backup(storage: FsspecStorage, key: str, local: Path, size: int, digest: str, url: str) -> None:
     """Upload the original as ``key`` unless that exact backup exists; verify it by reading it back."""
-    if storage.create_file_if_absent(key, local, algo=DEFAULT_ALGO) is None:
+    try:
+        storage.put_file(key, local, algo=DEFAULT_ALGO, condition={"IfNoneMatch": "*"})
+    except FileExistsError:
         existing, _ = storage.stat(key)
         if existing != size or _hash_object(storage, key, size) != digest:
             raise CheckpointError(
                 f"{url}: backup {storage.where(key)} already exists with other bytes and is never "
                 "overwritten; move it away or pass a different --backup-suffix. Nothing was changed."
-            )
+            ) from None
         return  # an interrupted earlier run's backup of exactly these bytes: reuse it
     if _hash_object(storage, key, size) != digest:
         raise CheckpointError(

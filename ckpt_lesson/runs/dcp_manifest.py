@@ -37,8 +37,7 @@ from ckpt_lesson.errors import (
 from ckpt_lesson.files.hashing import check_hash_record, hash_file
 from ckpt_lesson.files.record_seal import SEAL_KEY, verify_record_seal
 from ckpt_lesson.files.safe_read import parse_json_text, read_regular_file
-from ckpt_lesson.files.schema import MANIFEST_NAME
-from ckpt_lesson.files.step_names import check_recorded_step
+from ckpt_lesson.files.schema import MANIFEST_NAME, check_recorded_step
 from ckpt_lesson.runs.commit import COMMIT_MARKER, PUBLISH_MODES, check_commit_marker
 from ckpt_lesson.runs.layout import (
     DCP_MANIFEST_SCHEMA,
@@ -58,7 +57,6 @@ __all__ = [
     "check_dcp_manifest",
     "check_dcp_part",
     "read_dcp_manifest",
-    "validate_manifest",
 ]
 
 MANIFEST_SCHEMA = DCP_MANIFEST_SCHEMA
@@ -127,8 +125,7 @@ def build_manifest(
     }
     if publish != "rename":
         manifest["publish"] = publish
-    validate_manifest(manifest, where=f"manifest of step {step}")
-    return manifest
+    return check_dcp_manifest(manifest, where=f"manifest of step {step}", sealed=False)
 
 
 def read_dcp_manifest(folder: str | os.PathLike[str]) -> tuple[dict[str, Any], bytes]:
@@ -167,14 +164,15 @@ def read_dcp_manifest(folder: str | os.PathLike[str]) -> tuple[dict[str, Any], b
     return manifest, raw
 
 
-def check_dcp_manifest(manifest: Any, *, where: str) -> dict[str, Any]:
+def check_dcp_manifest(manifest: Any, *, where: str, sealed: bool = True) -> dict[str, Any]:
     """Check a multi-rank manifest read back (from a folder or a store): its seal first, then every field.
 
     Every multi-rank manifest is written sealed (see ``files/record_seal.py``), and
     there are no older unsealed ones to accept: a record without its seal, or with a
     field changed after sealing, can only be damage (or an edit), so nothing in it
     may be trusted, however well-formed its fields look. A record of another schema
-    is left to :func:`validate_manifest`, which names the right manager.
+    is refused with a message that names the right manager. ``sealed=False``
+    checks the fields of a record being built, before its seal is added.
 
     Returns:
         ``manifest``, checked.
@@ -188,29 +186,20 @@ def check_dcp_manifest(manifest: Any, *, where: str) -> dict[str, Any]:
         Traceback (most recent call last):
         ...
         ckpt_lesson.errors.CorruptCheckpointError: m: a multi-rank manifest without its checksum ...
+        >>> check_dcp_manifest({"schema": "other"}, where="m")
+        Traceback (most recent call last):
+        ...
+        ckpt_lesson.errors.SchemaError: m: manifest schema 'other' is not ckpt.manifest.dcp.v1; ...
     """
-    if isinstance(manifest, dict) and SEAL_KEY in manifest:
+    if sealed and isinstance(manifest, dict) and SEAL_KEY in manifest:
         # A flipped bit anywhere in the record, the seal's own name included, fails here.
         verify_record_seal(manifest, where=where, legacy_keys=())
-    elif isinstance(manifest, dict) and manifest.get("schema") == MANIFEST_SCHEMA:
+    elif sealed and isinstance(manifest, dict) and manifest.get("schema") == MANIFEST_SCHEMA:
         raise CorruptCheckpointError(
             f"{where}: a multi-rank manifest without its checksum ({SEAL_KEY!r}); every one is written "
             "sealed, so this one was damaged or edited after it was written and nothing in it can be "
             "trusted. Restore an older save (restore_latest falls back on its own)."
         )
-    validate_manifest(manifest, where=where)  # part names are plain names, .metadata listed
-    return manifest
-
-
-def validate_manifest(manifest: Any, *, where: str) -> None:
-    """Check every field a restore relies on; see :func:`read_dcp_manifest` for what is raised.
-
-    Example:
-        >>> validate_manifest({"schema": "other"}, where="m")
-        Traceback (most recent call last):
-        ...
-        ckpt_lesson.errors.SchemaError: m: manifest schema 'other' is not ckpt.manifest.dcp.v1; ...
-    """
     if not isinstance(manifest, dict):
         raise CorruptCheckpointError(f"{where}: expected a JSON object; restore an older save.")
     schema = manifest.get("schema")
@@ -244,6 +233,7 @@ def validate_manifest(manifest: Any, *, where: str) -> None:
     seen = check_parts_list(manifest.get("parts"), where, _check_part)
     if METADATA_FILE not in seen:
         raise CorruptCheckpointError(f"{where}: no {METADATA_FILE} part; a DCP save always has one.")
+    return manifest
 
 
 def _check_part(part: Any, where: str) -> None:
@@ -294,8 +284,7 @@ def check_dcp_part(folder: Path, part: dict[str, Any], *, hash_it: bool = True) 
     return None
 
 
-# How the single-process code reads a multi-rank save (scan, publish, a restore from a store)
-# without importing this module: runs/layout.py looks the schema up.
+# So that single-process code can read a multi-rank save without importing this module.
 MANIFEST_KINDS[MANIFEST_SCHEMA] = ManifestKind(
     read=lambda folder: read_dcp_manifest(folder)[0],
     check=lambda manifest, where: check_dcp_manifest(manifest, where=where),

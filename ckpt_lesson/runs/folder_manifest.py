@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,8 @@ from ckpt_lesson.errors import CheckpointError, CorruptCheckpointError
 from ckpt_lesson.files.atomic import atomic_write_json, fsync_dir, is_temp_file
 from ckpt_lesson.files.hashing import DEFAULT_ALGO, hash_chunks, hash_file, part_digest, record_fields
 from ckpt_lesson.files.safe_read import parse_json_text, read_regular_file
-from ckpt_lesson.files.step_names import check_recorded_step
+from ckpt_lesson.files.schema import CHECKPOINT_DIR_RE, check_recorded_step
+from ckpt_lesson.files.storage_base import is_plain_key
 
 __all__ = [
     "FOLDER_MANIFEST_NAME",
@@ -48,14 +48,13 @@ log = logging.getLogger(__name__)
 #: Written last into each folder it vouches for.
 FOLDER_MANIFEST_NAME = "ckpt_lesson_manifest.json"
 FOLDER_MANIFEST_SCHEMA = "ckpt.folder-manifest.v1"
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 _MAX_MANIFEST_BYTES = 16 << 20
 _CHUNK = 1 << 20
 
 
 def checkpoint_folder_step(name: str) -> int | None:
     """The step of a Hugging Face folder name (``checkpoint-500`` -> 500), else ``None``."""
-    found = _CHECKPOINT_RE.match(name)
+    found = CHECKPOINT_DIR_RE.match(name)
     return int(found.group(1)) if found else None
 
 
@@ -69,14 +68,6 @@ def _files_in(folder: Path) -> list[Path]:
         if path.is_file() and rel.as_posix() != FOLDER_MANIFEST_NAME and not is_temp_file(path):
             found.append(rel)
     return found
-
-
-def _sync_and_hash(path: Path, algo: str) -> tuple[int, str]:
-    with open(path, "rb") as f:
-        size, digest = hash_chunks(iter(lambda: f.read(_CHUNK), b""), algo)
-        # fsync through a read-only descriptor flushes the file's dirty pages all the same on Linux.
-        os.fsync(f.fileno())
-    return size, digest
 
 
 def write_folder_manifest(
@@ -107,7 +98,10 @@ def write_folder_manifest(
         raise CheckpointError(f"{folder.name}: holds no files; nothing to record as a save.")
     entries = []
     for rel in files:
-        size, digest = _sync_and_hash(folder / rel, algo)
+        with open(folder / rel, "rb") as f:
+            size, digest = hash_chunks(iter(lambda: f.read(_CHUNK), b""), algo)
+            # fsync through a read-only descriptor flushes the file's dirty pages all the same on Linux.
+            os.fsync(f.fileno())
         entries.append({"file": rel.as_posix(), "bytes": size, **record_fields(algo, digest)})
     for sub in sorted({(folder / rel).parent for rel in files}, key=lambda p: -len(p.parts)):
         fsync_dir(sub)
@@ -126,8 +120,7 @@ def _read(folder: Path) -> tuple[dict[str, Any] | None, str]:
     if path.is_symlink() or not path.is_file():
         return None, f"no {FOLDER_MANIFEST_NAME} (the save never finished, or no callback recorded it)"
     try:
-        # The one bounded reader (safe_read.py): over the cap, EIO, deep nesting, a swapped-in FIFO
-        # are all damage.
+        # The one bounded reader (safe_read.py): over the cap, EIO, deep nesting, a swapped-in FIFO: damage.
         raw = read_regular_file(path, limit=_MAX_MANIFEST_BYTES, what="folder manifest")
         manifest = parse_json_text(raw, where=f"{folder.name}/{FOLDER_MANIFEST_NAME}")
     except (OSError, CheckpointError) as exc:
@@ -144,16 +137,8 @@ def _read(folder: Path) -> tuple[dict[str, Any] | None, str]:
     for entry in files:
         name = entry.get("file") if isinstance(entry, dict) else None
         # Data can be hostile: a listed name may only point inside the folder.
-        if (
-            not isinstance(name, str)
-            or not name
-            or name.startswith("/")
-            or "\\" in name
-            or "\x00" in name
-            or ".." in name.split("/")
-            or not isinstance(entry.get("bytes"), int)
-            or not _has_digest(entry)
-        ):
+        plain = isinstance(name, str) and is_plain_key(name) and "\x00" not in name
+        if not plain or not isinstance(entry.get("bytes"), int) or not _has_digest(entry):
             return None, f"{FOLDER_MANIFEST_NAME}: malformed entry {str(entry)[:80]}"
     return manifest, ""
 

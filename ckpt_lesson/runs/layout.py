@@ -41,7 +41,7 @@ from ckpt_lesson.errors import (
 from ckpt_lesson.files.hashing import part_digest
 from ckpt_lesson.files.record_seal import verify_record_seal
 from ckpt_lesson.files.safe_read import read_json_file
-from ckpt_lesson.files.schema import MANIFEST_NAME, MANIFEST_SCHEMA
+from ckpt_lesson.files.schema import MANIFEST_NAME, MANIFEST_SCHEMA, STEP_DIR_RE
 from ckpt_lesson.files.verify import verify_record
 from ckpt_lesson.short_repr import short_repr
 
@@ -60,13 +60,10 @@ __all__ = [
 ]
 
 LAYOUTS = ("single", "sharded")
-#: The multi-rank manifest's schema (its reader, runs/dcp_manifest.py, registers itself below).
+#: The multi-rank manifest's schema (its reader, runs/dcp_manifest.py, registers in MANIFEST_KINDS).
 DCP_MANIFEST_SCHEMA = "ckpt.manifest.dcp.v1"
 #: Prefix of a save in progress: ``.staging-step-00000280-<pid>-<hex8>``.
 STAGING_PREFIX = ".staging-step-"
-# [0-9], not \d: \d also matches other scripts' digits ("step-٣٣٣٣٣٣٣٣"), which int() accepts but
-# step_dir_name() never writes, so scan would list a save that restore can never find.
-_STEP_RE = re.compile(r"^step-([0-9]{8,})$")
 STAGING_RE = re.compile(r"^\.staging-step-([0-9]{8,})-")
 #: Every top-level key a manifest had before manifests carried their own checksum.
 LEGACY_MANIFEST_KEYS = frozenset(
@@ -95,7 +92,7 @@ def published_steps(run_dir: Path) -> list[int]:
 
 def step_of(name: str) -> int | None:
     """The step of a published save folder's name, or ``None`` for any other name."""
-    found = _STEP_RE.match(name)
+    found = STEP_DIR_RE.match(name)
     return int(found.group(1)) if found else None
 
 
@@ -112,16 +109,12 @@ class ManifestKind(NamedTuple):
     marker: str  # written after the manifest; without it the save never finished
 
 
-#: Manifest kinds by schema, filled in by the module that owns each (on import), so that
-#: :func:`inspect_save` and the store's restore can read saves whose manifest is not theirs.
+#: Manifest kinds by schema, each filled in by the module that owns it, on import.
 MANIFEST_KINDS: dict[str, ManifestKind] = {}
 
 
 def check_parts_list(parts: Any, where: str, check_part: Callable[[Any, str], None]) -> set[str]:
-    """Check a manifest's ``parts``: a non-empty list, each entry valid, no file twice.
-
-    Shared by both manifest kinds (single-process and multi-rank); ``check_part``
-    checks one entry of the kind at hand. Returns the set of listed file names.
+    """The file names in a manifest's ``parts``: a non-empty list, each valid by ``check_part``, none twice.
 
     Raises:
         CorruptCheckpointError: Not a non-empty list, a bad entry, or a file listed twice.
@@ -171,7 +164,7 @@ def read_manifest(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
         step_dir: A published save folder (or a staging folder).
 
     Returns:
-        The manifest dict; ``parts`` is a list of ``{"file", "bytes", "sha256"}``.
+        The manifest dict; ``parts`` is a list of ``{"file", "bytes", "algo", "digest"}``.
 
     Raises:
         IncompleteCheckpointError: There is no manifest: the save never finished.

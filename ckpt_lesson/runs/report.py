@@ -17,14 +17,13 @@
   (``git rev-parse HEAD`` of the package's checkout, or ``null``).
 
 For a run in a bucket the local folder is scratch that dies with the machine,
-so the log lives in the bucket too: it is fetched when a recorder starts and put
-back whole each time a record is added (``RecoveryRecorder(folder, store=URL)``),
-and :func:`read_recovery_log` of the URL reads it from there. The per-step
-heartbeat stays local: on a new machine it is gone, and the record says "steps
-redone: unknown" rather than guessing.
+so the log lives in the bucket too (``RecoveryRecorder(folder, store=URL)``),
+where :func:`read_recovery_log` of the URL reads it. The per-step heartbeat
+stays local: on a new machine it is gone, and the record says "steps redone:
+unknown" rather than guessing.
 
-``python -m ckpt_lesson report RUN_DIR_OR_URL [--json]`` summarises the log
-(:mod:`~ckpt_lesson.runs.recovery_summary`).
+``python -m ckpt_lesson report RUN_DIR_OR_URL [--json]`` prints the log's
+totals (:func:`summarize_recoveries`).
 """
 
 from __future__ import annotations
@@ -33,10 +32,12 @@ import json
 import logging
 import math
 import os
+import statistics
 import subprocess
 import time
 from collections.abc import Mapping
 from contextlib import suppress
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ __all__ = [
     "PROGRESS_NAME",
     "RECOVERY_LOG",
     "RecoveryRecorder",
+    "RecoverySummary",
     "append_recovery_record",
     "build_recovery_record",
     "code_version",
@@ -57,6 +59,7 @@ __all__ = [
     "read_progress",
     "read_recovery_log",
     "record_progress",
+    "summarize_recoveries",
 ]
 
 log = logging.getLogger(__name__)
@@ -333,3 +336,54 @@ class RecoveryRecorder:
         if self.storage is not None:
             self.storage.put_bytes(RECOVERY_LOG, (self.run_dir / RECOVERY_LOG).read_bytes())
         return self.record
+
+
+@dataclass(frozen=True)
+class RecoverySummary:
+    """Totals over a run's recovery log."""
+
+    restores: int
+    fallbacks: int
+    incomplete_saves: int
+    corrupt_saves: int
+    steps_redone_total: int | None
+    steps_redone_max: int | None
+    recovery_seconds_median: float | None
+    recovery_seconds_max: float | None
+    save_age_seconds_max: float | None
+
+    def format(self) -> str:
+        def num(x: float | None, unit: str = "") -> str:
+            return "unknown" if x is None else f"{x:.2f}{unit}" if isinstance(x, float) else f"{x}{unit}"
+
+        med = num(self.recovery_seconds_median, " s")
+        rows = [
+            ("restores", str(self.restores)),
+            ("fallbacks", f"{self.fallbacks} (a newer save was skipped)"),
+            ("incomplete saves", str(self.incomplete_saves)),
+            ("corrupt saves", str(self.corrupt_saves)),
+            ("steps redone", f"{num(self.steps_redone_total)} total, {num(self.steps_redone_max)} max"),
+            ("recovery time", f"median {med}, max {num(self.recovery_seconds_max, ' s')}"),
+            ("last good save age", f"max {num(self.save_age_seconds_max, ' s')}"),
+        ]
+        return "\n".join(f"{k:<20}{v}" for k, v in rows)
+
+
+def summarize_recoveries(records: list[dict[str, Any]]) -> RecoverySummary:
+    """Totals, medians and maxima over recovery records (unknown values are left out)."""
+
+    def known(key: str) -> list[Any]:
+        return [r[key] for r in records if r.get(key) is not None]
+
+    redone, secs, ages = known("steps_redone"), known("recovery_seconds"), known("last_good_save_age_seconds")
+    return RecoverySummary(
+        restores=len(records),
+        fallbacks=sum(1 for r in records if r.get("fallback")),
+        incomplete_saves=sum(int(r.get("incomplete_saves") or 0) for r in records),
+        corrupt_saves=sum(int(r.get("corrupt_saves") or 0) for r in records),
+        steps_redone_total=sum(redone) if redone else None,
+        steps_redone_max=max(redone) if redone else None,
+        recovery_seconds_median=float(statistics.median(secs)) if secs else None,
+        recovery_seconds_max=float(max(secs)) if secs else None,
+        save_age_seconds_max=float(max(ages)) if ages else None,
+    )

@@ -1,14 +1,9 @@
 """Scan a run: which saves are good, which are damaged, which never finished.
 
 A run is a folder (see :mod:`~ckpt_lesson.runs.layout` for what a save in it
-looks like) or a prefix in an object store; :func:`scan_checkpoints` reads
-either and returns the same rows. Nothing loads a tensor: a scan costs one
-read of every byte, no unpickling.
-
-The same scan understands two folders written by the trainer integrations:
-Hugging Face ``checkpoint-N`` folders (judged by their folder manifest) and
-Lightning ``.ckpt`` files (judged by their own footer, see
-:mod:`ckpt_lesson.runs.lightning_files`).
+looks like, and what a check costs) or a prefix in an object store;
+:func:`scan_checkpoints` reads either (the trainer integrations' saves in it
+too) and returns the same rows.
 
 ``python -m ckpt_lesson scan RUN_DIR_OR_URL [--json]`` prints the same table; it
 exits 0 when every save is ok, 1 when something is corrupt or incomplete, and
@@ -95,7 +90,6 @@ def scan_checkpoints(
             except SchemaError as exc:
                 results.append(ScanResult(entry, step_of(entry.name) or 0, "corrupt", str(exc)))
         elif (step := checkpoint_folder_step(entry.name)) is not None:
-            # A Hugging Face folder, judged by its folder manifest (runs/folder_manifest.py).
             reason = verify_folder(entry)
             missing = not (entry / FOLDER_MANIFEST_NAME).exists() or (reason or "").endswith(": missing")
             status = "ok" if reason is None else "incomplete" if missing else "corrupt"

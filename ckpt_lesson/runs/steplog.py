@@ -135,8 +135,7 @@ def rng_fingerprint() -> dict[str, str]:
 
 
 def _fail(message: str) -> None:
-    # Imported here, not at the top: this module must stay importable without the package's
-    # heavy imports, and an error is the rare path.
+    # Imported here, not at the top: see the module docstring (an error is the rare path).
     from ckpt_lesson.errors import CheckpointError
 
     raise CheckpointError(message)
