@@ -144,6 +144,25 @@ def test_resume_refuses_a_tensor_value_unlike_the_saved_one_by_name_and_writes_n
     assert all(torch.equal(t, torch.zeros_like(t)) for t in ([given] if torch.is_tensor(given) else given))
 
 
+@pytest.mark.parametrize("manager", [cl.CheckpointManager, cl.DistributedCheckpointManager])
+def test_a_refused_tensor_value_leaves_the_model_optimizer_and_rng_as_they_were(tmp_path, manager):
+    # The tensor check runs before the restore applies anything: a refusal restores nothing at all.
+    model, opt = parts(seed=0)
+    train(model, opt)
+    mgr = manager(tmp_path / "run", every_steps=1)
+    mgr.save_if_due(1, {"model": model, "optimizer": opt, "h": torch.ones(2)})
+    mgr.close()
+    fresh, fresh_opt = parts(seed=1)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    torch.manual_seed(123)
+    rng_before = torch.get_rng_state()
+    with pytest.raises(cl.CheckpointError, match=r"h is a \(3,\) torch.float32 tensor, the save of step 1"):
+        manager(tmp_path / "run", every_steps=1).resume(model=fresh, optimizer=fresh_opt, h=torch.zeros(3))
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+    assert fresh_opt.state_dict()["state"] == {}  # no moments restored onto the fresh optimizer
+    assert torch.equal(torch.get_rng_state(), rng_before)
+
+
 def test_resume_refuses_two_tensors_of_one_value_that_share_memory(tmp_path):
     model, _ = parts()
     mgr = cl.CheckpointManager(tmp_path / "run", every_steps=1)

@@ -26,7 +26,6 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -316,6 +315,7 @@ class DistributedCheckpointManager(LoopMethods):
         strict: bool = True,
         on_world_size_change: str = "refuse",
         reseed_base: int = 0,
+        check_values: Callable[[dict[str, Any], int], None] | None = None,
     ) -> Any:
         """Restore the newest save every rank agrees is intact; collective.
 
@@ -331,6 +331,8 @@ class DistributedCheckpointManager(LoopMethods):
             strict: State API: refuse parts present on one side only.
             on_world_size_change: ``"refuse"`` (default) or ``"reseed"`` (see :mod:`.restore`).
             reseed_base: Base seed for ``"reseed"``.
+            check_values: State API: ``check_values(values, step)`` sees a save's values on
+                every rank before anything is restored, and may raise to refuse it.
 
         Returns:
             This rank's :class:`~.restore.DistributedRestore`, or ``None`` for a run with no saves.
@@ -348,7 +350,14 @@ class DistributedCheckpointManager(LoopMethods):
             raise CheckpointError(f"on_world_size_change must be one of {WORLD_SIZE_POLICIES}.")
         self.wait()
         state, model, optimizer, scheduler = restore_args(args)
-        check = None if state is None else partial(check_rank_parts, state=state, strict=strict)
+        check = None
+        if state is not None:
+
+            def check(data: Any, *, source: str, step: int) -> None:
+                values = check_rank_parts(data, state, source=source, strict=strict)["values"]
+                if check_values is not None:
+                    check_values(values, step)
+
         restored = restore_newest(
             saves=self.saves, ctl=self._ctl, io_group=self._io_group,
             model=model, optimizer=optimizer, scheduler=scheduler, check=check,

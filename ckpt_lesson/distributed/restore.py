@@ -169,8 +169,9 @@ def restore_save(
         model, optimizer, scheduler: Restored in place; ``scheduler`` may be ``None``.
         on_world_size_change: ``"refuse"`` or ``"reseed"`` (see the module doc).
         reseed_base: Base seed for ``"reseed"``.
-        check: ``check(data, source=...)`` refuses this rank's saved data (a ``StateMismatchError``)
-            before anything is loaded into the live objects, e.g. the state API's part names.
+        check: ``check(data, source=..., step=...)`` refuses this rank's saved data (a
+            ``StateMismatchError``) before anything is loaded into the live objects, e.g. the
+            state API's part names.
 
     Returns:
         The restore's record on this rank.
@@ -221,7 +222,7 @@ def restore_save(
     if check is not None:  # first the blob alone: the template below already touches the live objects
         blob = load({blob_key: b""})[blob_key]
         source = str(saves.step_dir(step))
-        _agreed(ctl, lambda: check(decode_rank_state(blob, where=where)["data"], source=source))
+        _agreed(ctl, lambda: check(decode_rank_state(blob, where=where)["data"], source=source, step=step))
     template = load(dcp_state_dict(model, optimizer, scheduler, {blob_key: b""}))
     rank_state = _agreed(ctl, lambda: decode_rank_state(template[blob_key], where=where))
     apply_shared_state(model, optimizer, scheduler, template)

@@ -92,7 +92,7 @@ class LoopMethods:
 
         Raises:
             CheckpointError: No parts given, a name given twice, a tensor value whose shape,
-                dtype or nesting differs from the saved one (checked before any is written), or
+                dtype or nesting differs from the saved one (checked before anything is restored), or
                 anything :meth:`restore_latest` refuses (a part missing on either side, saves
                 that exist but none usable), named there.
 
@@ -107,19 +107,28 @@ class LoopMethods:
         given.update(parts)
         if not given:
             raise CheckpointError("resume: no parts to restore; pass them by name, e.g. resume(model=model).")
-        self.restored = self.restore_latest(given)  # type: ignore[attr-defined]
+        in_place: dict[str, list[tuple[torch.Tensor, Any]]] = {}
+
+        def check_values(values: dict[str, Any], step: int) -> None:
+            # Called before the restore applies anything, so a tensor value that does not fit
+            # refuses the save with the model, optimizer and RNG untouched: all of them, or none.
+            found = {
+                name: _tensor_pairs(name, given[name], values[name], step) for name in values if name in given
+            }
+            in_place.clear()  # a damaged newer save may have been checked before this one
+            in_place.update((name, pairs) for name, pairs in found.items() if pairs is not None)
+
+        self.restored = self.restore_latest(given, check_values=check_values)  # type: ignore[attr-defined]
         if self.restored is None:
             return 0, given
-        values, step = self.restored.values, self.restored.step
-        # Every tensor value is checked before the first is written: all of them, or none.
-        found = {
-            name: _tensor_pairs(name, given[name], values[name], step) for name in values if name in given
-        }
-        in_place = {name: pairs for name, pairs in found.items() if pairs is not None}
         with torch.no_grad():
             for target, saved in (pair for pairs in in_place.values() for pair in pairs):
                 target.copy_(saved)
-        return step, {**given, **values, **{name: given[name] for name in in_place}}
+        return self.restored.step, {
+            **given,
+            **self.restored.values,
+            **{name: given[name] for name in in_place},
+        }
 
     def save_if_due(
         self, step: int, state: Mapping[str, Any], *, rng: Any = None, last_step: int | None = None

@@ -8,7 +8,7 @@ a folder and a bucket differ only in the list of candidates.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,7 +74,12 @@ class RestoreMethods:
     # ------------------------------------------------------------------ restore
 
     def restore_latest(
-        self, *args: Any, strict: bool = True, map_location: Any = "cpu", mmap: bool = True
+        self,
+        *args: Any,
+        strict: bool = True,
+        map_location: Any = "cpu",
+        mmap: bool = True,
+        check_values: Callable[[dict[str, Any], int], None] | None = None,
     ) -> Any:
         """Restore the newest save that verifies; skip (and log) damaged ones, following the run.
 
@@ -89,6 +94,8 @@ class RestoreMethods:
         (``mmap=True`` maps the copy, ``mmap=False`` reads it); its changes after the hash do not count.
         From a store, each committed save is streamed into memory and verified there (``mmap`` has
         no effect on it); a sharded one goes through the cache folder and is removed after.
+        ``check_values(values, step)`` (state API) sees a save's values before anything is
+        restored and may raise to refuse it (``resume`` checks its tensor values there).
 
         Returns:
             The result above, or ``None`` when the run holds no save at all (a fresh start).
@@ -126,6 +133,7 @@ class RestoreMethods:
             strict=strict,
             map_location=map_location,
             mmap=mmap,
+            check_values=check_values,
             check_contract=lambda target, manifest: contracts.append(self._check_contract(target, manifest)),
         )
         try:

@@ -112,6 +112,7 @@ def load_save(
     map_location: Any = "cpu",
     check_contract: Callable[[SaveSource, dict[str, Any]], None],
     mmap: bool = True,
+    check_values: Callable[[dict[str, Any], int], None] | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """Verify one published save and restore it into the live objects.
 
@@ -128,6 +129,8 @@ def load_save(
         mmap: Copy the weights from a mapping of the verified file (see
             :func:`~ckpt_lesson.files.checkpoint.read_checkpoint`); ``False`` reads
             the file into memory, which no truncation by another process can disturb.
+        check_values: State API: called with the saved values and the step once the payload
+            is read and before anything is applied; it raises to refuse the save.
 
     Returns:
         ``(manifest, result)``: a :class:`~ckpt_lesson.files.apply.Restored` for the
@@ -200,7 +203,10 @@ def load_save(
     if positional:
         _check_step(target, TrainState.from_dict(payload["state"], source=str(source)).step, step)
         return manifest, apply_payload(payload, *into, source=str(source))
-    _check_step(target, parts_view(payload, source=str(target))["step"], step)  # before anything is applied
+    view = parts_view(payload, source=str(target))
+    _check_step(target, view["step"], step)  # before anything is applied
+    if check_values is not None:
+        check_values(view["values"], step)
     restored = apply_state_payload(payload, into, source=str(target), strict=strict)
     # A save in memory has no local path; its URL says where it came from (as last_restore["path"]).
     restored.path = target if isinstance(target, Path) else str(target)
