@@ -27,7 +27,6 @@ from ckpt_lesson.files.fit import (
     check_optimizers_have_their_modules,
     check_part_names,
 )
-from ckpt_lesson.files.modules import canonical_saved_keys, load_model_state, model_state
 from ckpt_lesson.files.payload import OBJECT, PARTS_SCHEMA, VALUE, check_names, module_parts
 from ckpt_lesson.files.rng import restore_rng_state, validate_rng_state
 from ckpt_lesson.files.schema import SCHEMA_V2
@@ -36,7 +35,10 @@ from ckpt_lesson.files.train_state import (
     FILE_STATE_API,
     REQUIRES_KEY,
     TrainState,
+    canonical_saved_keys,
     check_positional_objects,
+    load_model_state,
+    model_state,
 )
 from ckpt_lesson.short_repr import short_repr
 

@@ -46,10 +46,15 @@ from typing import Any
 import torch
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.modules import model_state, param_names
 from ckpt_lesson.files.rng import capture_rng_state, validate_rng_state
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, current_env, validate_payload
-from ckpt_lesson.files.train_state import FILE_STATE_API, TrainState, check_positional_objects
+from ckpt_lesson.files.train_state import (
+    FILE_STATE_API,
+    TrainState,
+    check_positional_objects,
+    model_state,
+    param_names,
+)
 
 __all__ = [
     "BINDING_KEY",
