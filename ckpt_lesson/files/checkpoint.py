@@ -53,11 +53,12 @@ from ckpt_lesson.files.payload import build_payload, build_state_payload
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, SCHEMA_V1, migrate_payload
 from ckpt_lesson.files.shard_index import read_sharded_payload
 from ckpt_lesson.files.sharded import ShardedSaveResult, write_state_payload
-from ckpt_lesson.files.train_state import BUCKETS, TrainState
+from ckpt_lesson.files.train_state import BUCKETS, REQUIRES_KEY, TrainState
 from ckpt_lesson.files.verify import VerifiedBytes
 
 __all__ = [
     "BUCKETS",
+    "REQUIRES_KEY",
     "TrainState",
     "apply_payload",
     "build_payload",
