@@ -13,7 +13,7 @@ are copies taken before anything changed, and put back if one refuses.
 from __future__ import annotations
 
 import copy
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ __all__ = [
     "Restored",
     "apply_payload",
     "apply_state_payload",
+    "load_objects_or_roll_back",
     "parts_view",
 ]
 
@@ -112,8 +113,13 @@ def apply_state_payload(
     source: str,
     strict: bool = True,
     allow_dtype_cast: bool = False,
+    check_parts: Callable[[dict[str, str]], None] | None = None,
 ) -> Restored:
-    """Check that ``payload`` fits the live ``state``, then restore every part and the RNG (see module doc).
+    """Check that ``payload`` fits the live ``state``, then restore every part and the RNG.
+
+    Modules and optimizers are checked completely before anything changes;
+    other objects (schedulers, scalers, loaders) can only be checked by loading
+    them, so they are loaded first and put back if a later one fails.
 
     Args:
         payload: A parts payload, or a ``ckpt.v2`` one (see :func:`parts_view`).
@@ -121,6 +127,9 @@ def apply_state_payload(
         source: Names the checkpoint in messages.
         strict: Refuse parts present on one side only (default). ``False`` ignores them.
         allow_dtype_cast: Accept module tensors saved in another dtype.
+        check_parts: Replaces :func:`~ckpt_lesson.files.fit.check_part_names` (called with the
+            saved kinds, after the parts' own checks): the positional form names a scheduler
+            passed on one side only in its own words.
 
     Returns:
         A :class:`Restored` (``path`` and ``save_id`` left for the caller to fill).
@@ -166,7 +175,10 @@ def apply_state_payload(
             optimizer_sds[name] = check_optimizer_payload(saved, part, names, source=where)
         elif not isinstance(saved, dict):
             raise StateMismatchError(f"{where}: saved state is a {type(saved).__name__}, not a state dict.")
-    check_part_names(kinds, state, source=source, strict=strict)
+    if check_parts is None:
+        check_part_names(kinds, state, source=source, strict=strict)
+    else:
+        check_parts(kinds)
     check_optimizers_have_their_modules(
         state, objects, optimizer_sds, module_sds, saved_modules, source=source, v2=v2
     )
@@ -231,17 +243,21 @@ def apply_payload(
     if missing:
         raise StateMismatchError(f"{source}: payload lacks {missing}; a resume needs every bucket.")
     _check_requirements(payload.get("extras"), handles, source=source)
-    if (payload["scheduler"] is None) != (scheduler is None):  # saved one and none passed, or the reverse
-        saved, have = ("one", "no scheduler") if scheduler is None else ("none", "a scheduler")
-        raise StateMismatchError(
-            f"{source}: the checkpoint saved {saved} but {have} was passed; pass the same kind."
-        )
+
+    def same_scheduler(kinds: dict[str, str]) -> None:
+        if ("scheduler" in kinds) != (scheduler is not None):  # saved one and none passed, or the reverse
+            saved, have = ("one", "no scheduler") if scheduler is None else ("none", "a scheduler")
+            raise StateMismatchError(
+                f"{source}: the checkpoint saved {saved} but {have} was passed; pass the same kind."
+            )
+
     parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
     restored = apply_state_payload(
         payload,
         {k: v for k, v in parts.items() if v is not None},
         source=source,
         allow_dtype_cast=allow_dtype_cast,
+        check_parts=same_scheduler,
     )
     return TrainState.from_dict(restored.values["train_state"], source=source)
 
