@@ -46,7 +46,6 @@ __all__ = [
     "Restored",
     "apply_payload",
     "apply_state_payload",
-    "load_objects_or_roll_back",
     "parts_view",
 ]
 
@@ -115,11 +114,7 @@ def apply_state_payload(
     allow_dtype_cast: bool = False,
     check_parts: Callable[[dict[str, str]], None] | None = None,
 ) -> Restored:
-    """Check that ``payload`` fits the live ``state``, then restore every part and the RNG.
-
-    Modules and optimizers are checked completely before anything changes;
-    other objects (schedulers, scalers, loaders) can only be checked by loading
-    them, so they are loaded first and put back if a later one fails.
+    """Check that ``payload`` fits the live ``state``, then restore every part and the RNG (see module doc).
 
     Args:
         payload: A parts payload, or a ``ckpt.v2`` one (see :func:`parts_view`).
