@@ -75,11 +75,9 @@ class Restored:
 
 
 def parts_view(payload: dict[str, Any], *, source: str) -> dict[str, Any]:
-    """A ``ckpt.v2`` payload (positional save) seen as a parts payload; a parts payload unchanged.
+    """A ``ckpt.v2`` payload seen as parts (the layout :mod:`ckpt_lesson.files.payload` describes).
 
-    The v2 buckets become parts ``model``, ``optimizer``, ``scheduler`` (when
-    saved) and the values ``train_state`` (the saved :class:`TrainState` as a
-    dict) and ``extras`` (when saved).
+    ``scheduler`` and ``extras`` are parts only when saved; a parts payload comes back unchanged.
 
     Raises:
         StateMismatchError: Neither layout.
