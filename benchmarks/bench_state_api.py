@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import ckpt_lesson as cl
-from ckpt_lesson.files.modules import load_model_state, model_state
+from ckpt_lesson.files.train_state import load_model_state, model_state
 
 
 def build(mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:

@@ -27,7 +27,6 @@ from ckpt_lesson.files.fit import (
     check_optimizers_have_their_modules,
     check_part_names,
 )
-from ckpt_lesson.files.modules import canonical_saved_keys, load_model_state, model_state
 from ckpt_lesson.files.payload import OBJECT, PARTS_SCHEMA, VALUE, check_names, module_parts
 from ckpt_lesson.files.rng import restore_rng_state, validate_rng_state
 from ckpt_lesson.files.schema import SCHEMA_V2
@@ -36,7 +35,10 @@ from ckpt_lesson.files.train_state import (
     FILE_STATE_API,
     REQUIRES_KEY,
     TrainState,
+    canonical_saved_keys,
     check_positional_objects,
+    load_model_state,
+    model_state,
 )
 from ckpt_lesson.short_repr import short_repr
 
@@ -44,7 +46,6 @@ __all__ = [
     "Restored",
     "apply_payload",
     "apply_state_payload",
-    "load_objects_or_roll_back",
     "parts_view",
 ]
 
@@ -74,11 +75,9 @@ class Restored:
 
 
 def parts_view(payload: dict[str, Any], *, source: str) -> dict[str, Any]:
-    """A ``ckpt.v2`` payload (positional save) seen as a parts payload; a parts payload unchanged.
+    """A ``ckpt.v2`` payload seen as parts (the layout :mod:`ckpt_lesson.files.payload` describes).
 
-    The v2 buckets become parts ``model``, ``optimizer``, ``scheduler`` (when
-    saved) and the values ``train_state`` (the saved :class:`TrainState` as a
-    dict) and ``extras`` (when saved).
+    ``scheduler`` and ``extras`` are parts only when saved; a parts payload comes back unchanged.
 
     Raises:
         StateMismatchError: Neither layout.
@@ -113,11 +112,7 @@ def apply_state_payload(
     allow_dtype_cast: bool = False,
     check_parts: Callable[[dict[str, str]], None] | None = None,
 ) -> Restored:
-    """Check that ``payload`` fits the live ``state``, then restore every part and the RNG.
-
-    Modules and optimizers are checked completely before anything changes;
-    other objects (schedulers, scalers, loaders) can only be checked by loading
-    them, so they are loaded first and put back if a later one fails.
+    """Check that ``payload`` fits the live ``state``, then restore every part and the RNG (see module doc).
 
     Args:
         payload: A parts payload, or a ``ckpt.v2`` one (see :func:`parts_view`).

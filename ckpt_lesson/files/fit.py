@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from ckpt_lesson.errors import StateMismatchError
-from ckpt_lesson.files.modules import WRAPPER_PREFIXES, model_state, param_names, unwrap
 from ckpt_lesson.files.payload import (
     BINDING_KEY,
     OBJECT,
@@ -32,6 +31,7 @@ from ckpt_lesson.files.payload import (
     is_object,
     param_shaped_keys,
 )
+from ckpt_lesson.files.train_state import WRAPPER_PREFIXES, model_state, param_names, unwrap
 
 __all__ = [
     "check_model_state",
@@ -89,7 +89,7 @@ def check_optimizer_payload(opt_sd: Any, optimizer: Any, model: Any, *, source: 
         opt_sd: The saved optimizer state dict (with our binding records).
         optimizer: The live optimizer.
         model: The model, or the ``{part: module}`` parts: names the live parameters
-            (see :func:`~ckpt_lesson.files.modules.param_names`).
+            (see :func:`~ckpt_lesson.files.train_state.param_names`).
         source: Names the checkpoint in messages.
 
     Returns:

@@ -29,12 +29,10 @@ must be one the weights-only loader accepts; a NumPy array, a ``Path``, a
 custom object from ``get_extra_state()`` or a tensor on the ``meta`` device
 (no data at all) is refused, naming its key and type, before a byte is written.
 
-Each saved optimizer records, inside every parameter group, its class, the
-canonical name of each parameter and the state keys whose tensors had their
-parameter's shape, so that a restore can check them (:mod:`ckpt_lesson.files.fit`).
-Which state is per-parameter is read from the optimizer's own ``state_dict`` at
-save time, never assumed (LBFGS keeps whole-model flat tensors under its first
-parameter's entry): a save is never refused by the check its own state passed.
+Each saved optimizer's groups also record what a restore checks (:mod:`ckpt_lesson.files.fit` says
+why), including which state keys are per-parameter: read from the optimizer's own ``state_dict`` at
+save time, never assumed (LBFGS keeps whole-model flat tensors under its first parameter's entry),
+so a save is never refused by the check its own state passed.
 """
 
 from __future__ import annotations
@@ -46,10 +44,15 @@ from typing import Any
 import torch
 
 from ckpt_lesson.errors import CheckpointError
-from ckpt_lesson.files.modules import model_state, param_names
 from ckpt_lesson.files.rng import capture_rng_state, validate_rng_state
 from ckpt_lesson.files.schema import CURRENT_SCHEMA, current_env, validate_payload
-from ckpt_lesson.files.train_state import FILE_STATE_API, TrainState, check_positional_objects
+from ckpt_lesson.files.train_state import (
+    FILE_STATE_API,
+    TrainState,
+    check_positional_objects,
+    model_state,
+    param_names,
+)
 
 __all__ = [
     "BINDING_KEY",
@@ -209,10 +212,8 @@ def build_payload(
 ) -> dict[str, Any]:
     """The positional form's payload: :func:`build_state_payload`'s parts in the lesson's ``ckpt.v2`` layout.
 
-    Parts ``model``, ``optimizer``, ``scheduler`` (``None`` for a run without
-    one; loading then requires ``None`` too, so the two can never be silently
-    mixed) and values ``train_state``, ``extras`` go through the one builder,
-    then sit under the buckets the lesson's files have always had.
+    ``scheduler`` is ``None`` for a run without one; loading then requires ``None`` too, so the two
+    can never be silently mixed.
 
     ``rng`` is a state from :func:`~ckpt_lesson.files.rng.capture_rng_state` taken
     earlier; ``None`` captures the generators now. An asynchronous save passes

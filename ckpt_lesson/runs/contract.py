@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from ckpt_lesson.errors import CheckpointError, ContractMismatchError
-from ckpt_lesson.files.modules import model_state
 from ckpt_lesson.files.schema import current_env
+from ckpt_lesson.files.train_state import model_state
 from ckpt_lesson.short_repr import short_repr
 
 __all__ = [

@@ -58,9 +58,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ckpt_lesson.errors import CheckpointError
 from ckpt_lesson.files.checkpoint import TrainState
-from ckpt_lesson.files.modules import model_state
 from ckpt_lesson.files.payload import optimizer_state_with_bindings, validate_payload
 from ckpt_lesson.files.rng import capture_rng_state, validate_rng_state
+from ckpt_lesson.files.train_state import model_state
 from ckpt_lesson.short_repr import short_repr
 
 __all__ = ["DeferredCopies", "StepGate", "TrainingSnapshot", "snapshot_payload"]
