@@ -183,7 +183,8 @@ def read_regular_file(
                     "it is damaged or was replaced. Restore an older save."
                 )
             chunks, total = [], 0
-            while chunk := f.read(min(1 << 20, limit + 1 - total)):
+            # os.read on the descriptor, unbuffered: an I/O error surfaces here, at the OS boundary.
+            while chunk := os.read(f.fileno(), min(1 << 20, limit + 1 - total)):
                 chunks.append(chunk)
                 total += len(chunk)
                 if total > limit:  # it grew while we read it
