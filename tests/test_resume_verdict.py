@@ -29,9 +29,9 @@ CASES = {
     # The word-language-model trap: never loads, and its step counter is the batch index.
     "per-epoch-steps": (AFTER_SAVE, ("--mistake", "no-load", "--epoch-steps", "5")),
     "save-only-at-end": (AFTER_SAVE, ("--save-every", "12")),
-    "never-loads": (AFTER_SAVE, ("--mistake", "no-load")),
     # 0.1 s steps: the kill after the save of step 8 must come before the last 4 steps are done
     # (at 5 ms a step, a loaded machine let the script finish first: no kill, INCONCLUSIVE).
+    "never-loads": (AFTER_SAVE, ("--mistake", "no-load", "--sleep", "0.1")),
     "prefetch": (AFTER_SAVE, ("--mistake", "prefetch", "--ids", "--sleep", "0.1")),
     "hidden-state": (AFTER_SAVE, ("--mistake", "hidden-state", "--ids", "--sleep", "0.1")),
 }
